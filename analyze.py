@@ -1,0 +1,259 @@
+"""Figures and a short report from training runs, and a demonstration of the rounding bias itself.
+
+    python analyze.py                        every run folder under runs/
+    python analyze.py runs/a runs/b --out f  just these runs, figures and report.md into f/
+    python analyze.py --mechanism            the bias on controlled inputs and on a checkpoint
+
+The story the figures follow (see docs/MECHANISM.md): with the fix off, delta = rowsum(dO * O)
+carries a same-signed error, which grows the spectral norm of W_Q and W_K in one layer, which
+raises the attention logits, which makes rows with several tied maxima (the tie rate) common,
+which makes the error larger, until the loss explodes. Each figure shows one link of that cycle.
+
+analyze.py only reads run folders (nanolp/runs.py); it never imports train.py.
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.lines import Line2D
+from tqdm import tqdm
+
+from nanolp.plots import auto_log_scale, family, legend, plot_grid, run_styles, save
+from nanolp.runs import find_runs, load_run
+
+# -----------------------------------------------------------------------------
+# Loss: does the run collapse, and when (in steps and in wall-clock minutes)?
+
+
+def plot_loss(runs, styles, path):
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, x, scale, xlabel in ((axes[0], "step", 1, "step"),
+                                 (axes[1], "elapsed_s", 60, "wall-clock time (minutes)")):
+        plotted = []
+        for run in runs:
+            style = dict(styles[run.path], label=None)
+            for column, width, alpha in (("train_loss", 0.8, 0.45), ("val_loss", 2.0, 1.0)):
+                series = run.series(column, x)
+                if series is not None:
+                    ax.plot(series[0] / scale, series[1], linewidth=width, alpha=alpha, **style)
+                    plotted.append(series[1])
+            mark_collapse(ax, run, x, scale, style["color"])
+        auto_log_scale(ax, plotted)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("cross-entropy loss (nats/token)")
+        ax.grid(alpha=0.3)
+    axes[0].set_title("loss against step")
+    axes[1].set_title("loss against wall-clock time")
+    fig.tight_layout()
+    legend(fig, runs, styles, extra=[
+        Line2D([], [], color="k", linewidth=0.8, alpha=0.45, label="train loss"),
+        Line2D([], [], color="k", linewidth=2.0, label="val loss"),
+        Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9,
+               label="collapse (summary.json)")])
+    return save(fig, path)
+
+
+def mark_collapse(ax, run, x, scale, color):
+    """An X on the train-loss curve where summary.json says the run collapsed."""
+    where = {"step": run.collapse_step, "elapsed_s": run.summary.get("collapse_minute")}[x]
+    train = run.series("train_loss", x)
+    if run.collapse_step is None or where is None or train is None:
+        return
+    loss = np.interp(where, train[0] / scale, train[1])
+    ax.plot([where], [loss], marker="X", markersize=11, color=color, markeredgecolor="k", zorder=5)
+
+
+# -----------------------------------------------------------------------------
+# Spectral norms: which layer's W_Q grows first? The paper saw it in layer 2, in a few heads.
+
+
+def growth_layer(runs):
+    """The layer whose sn_q grows most relative to its value at the first logged step.
+
+    Growth of one run's layer = max over logged steps / first logged value, averaged over the
+    fix-off runs of our attention (the failing configuration), or over all runs if there are none.
+    Returns (layer or None, {layer: mean growth}).
+    """
+    chosen = [run for run in runs if family(run) == "fix off"] or runs
+    growth = {}
+    for run in chosen:
+        for column in run.columns(r"sn_q_L\d+"):
+            series = run.series(column)
+            if series is not None and series[1][0] > 0:
+                growth.setdefault(int(column[len("sn_q_L"):]), []).append(series[1].max() / series[1][0])
+    mean = {layer: float(np.mean(values)) for layer, values in growth.items()}
+    return (max(mean, key=mean.get) if mean else None), mean
+
+
+def layer_count(runs):
+    return max((len(run.columns(r"max_logit_L\d+")) for run in runs), default=0)
+
+
+def head_count(runs, layer):
+    return max((len(run.columns(rf"sn_q_L{layer}_H\d+")) for run in runs), default=0)
+
+
+# -----------------------------------------------------------------------------
+# Early warning: does the tie rate rise before the loss explodes?
+
+
+def early_warning(run, k):
+    """Compare the first step where the tie rate (max over layers) exceeds k times its median over
+    the first half of the run with the collapse step.
+
+    "First half" is the logged steps up to half the collapse step, so that a run that keeps going
+    after its collapse does not fold the explosion into its own baseline; the search for the
+    warning starts after that window. Returns None for runs that did not collapse or log no ties.
+    """
+    collapse = run.collapse_step
+    columns = run.columns(r"tie_rate_L\d+")
+    if collapse is None or not columns:
+        return None
+    rates = np.stack([run.log[c] for c in columns])  # (layers, rows)
+    logged = np.isfinite(rates).any(axis=0) & np.isfinite(run.log["step"])
+    if not logged.any():
+        return None
+    steps, tie_rate = run.log["step"][logged], np.nanmax(rates[:, logged], axis=0)
+    first_half = steps <= collapse / 2
+    if not first_half.any():
+        return None
+    baseline = float(np.median(tie_rate[first_half]))
+    above = steps[~first_half & (tie_rate > k * baseline)]
+    warn_step = int(above[0]) if above.size else None
+    lead = collapse - warn_step if warn_step is not None and warn_step <= collapse else None
+    return dict(collapse_step=collapse, baseline=baseline, warn_step=warn_step, lead=lead)
+
+
+def warning_sentence(run, warning, k):
+    head = (f"- `{run.name}`: the tie rate (max over layers; median {warning['baseline']:.4g} over the "
+            f"first half) ")
+    if warning["lead"] is not None:
+        return head + (f"first exceeded {k:g}x that median at step {warning['warn_step']}, "
+                       f"{warning['lead']} steps before the collapse at step {warning['collapse_step']}.")
+    if warning["warn_step"] is not None:
+        return head + (f"did not rise first: it exceeded {k:g}x that median only at step "
+                       f"{warning['warn_step']}, after the collapse at step {warning['collapse_step']}.")
+    return head + (f"did not rise first: it never exceeded {k:g}x that median before the run ended "
+                   f"(collapse at step {warning['collapse_step']}).")
+
+
+# -----------------------------------------------------------------------------
+# The report: one table row per run, then what the figures say in numbers.
+
+
+def fmt(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+def run_table(runs):
+    lines = ["| run | fix | backend | precision | seed | collapsed | final val loss | tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        if not run.summary:
+            collapsed = "n/a (no summary.json)"
+        elif run.collapse_step is None:
+            collapsed = "no"
+        else:
+            collapsed = (f"step {run.collapse_step}, "
+                         f"{fmt(run.summary.get('collapse_minute'), '.1f')} min")
+        cells = [f"`{run.name}`", run.setting("fix"), run.setting("attn"), run.setting("precision"),
+                 run.setting("seed"), collapsed, fmt(run.final_val_loss, ".4f"),
+                 fmt(run.tokens_per_s, ",.0f")]
+        lines.append("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")
+    return lines
+
+
+def analyze_runs(runs, out, warn_k):
+    """All run figures into `out`; returns the report section as a list of markdown lines."""
+    styles = run_styles(runs)
+    n_layer = layer_count(runs)
+    layers = range(n_layer)
+    figures = [plot_loss(runs, styles, out / "loss.png")]
+    if n_layer:
+        figures.append(plot_grid(
+            runs, styles, [[f"max_logit_L{i}" for i in layers]], "max attention logit per layer",
+            "max scaled logit q.k/sqrt(d)", out / "max_logit.png"))
+        figures.append(plot_grid(
+            runs, styles, [[f"sn_q_L{i}" for i in layers], [f"sn_k_L{i}" for i in layers]],
+            "spectral norm of W_Q (top) and W_K (bottom) per layer", "spectral norm",
+            out / "spectral_norm.png"))
+    layer, growth = growth_layer(runs)
+    if layer is not None and head_count(runs, layer):
+        figures.append(plot_grid(
+            runs, styles, [[f"sn_q_L{layer}_H{h}" for h in range(head_count(runs, layer))]],
+            f"spectral norm of W_Q per head in layer {layer}, where sn_q grows most",
+            "spectral norm", out / "spectral_norm_heads.png"))
+    if n_layer:
+        figures.append(plot_grid(
+            runs, styles, [[f"tie_rate_L{i}" for i in layers]],
+            "tie rate: fraction of rows with >= 2 scores within TIE_TOL of the row max",
+            "fraction of rows", out / "tie_rate.png"))
+        figures.append(plot_grid(
+            runs, styles, [[f"delta_err_L{i}" for i in layers]],
+            "cumulative signed delta error (sum of delta_err over logged steps)",
+            "cumulative delta error", out / "delta_err.png", transform=np.cumsum))
+
+    lines = ["## Runs", ""] + run_table(runs) + ["", "### Where W_Q grows", ""]
+    if layer is None:
+        lines.append("No sn_q columns with data: growth layer not determined.")
+    else:
+        lines.append(f"Growth of sn_q = max over logged steps / value at the first logged step, mean "
+                     f"over the runs of our attention with the fix off: " + ", ".join(
+                         f"L{i} {g:.3g}" for i, g in sorted(growth.items())) +
+                     f". Largest: **layer {layer}** (per-head plot: spectral_norm_heads.png).")
+    lines += ["", f"### Early warning (threshold k = {warn_k:g})", ""]
+    warnings = [(run, early_warning(run, warn_k)) for run in runs]
+    warnings = [warning_sentence(run, w, warn_k) for run, w in warnings if w is not None]
+    lines += warnings or ["No collapsed run with tie-rate data."]
+    lines += ["", "### Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# The report file holds one section per mode; each run of analyze.py replaces its own section.
+
+
+def update_report(path, section):
+    """Write `section` (markdown lines starting with a '## ' heading) into report.md, replacing
+    the section of the same heading and keeping the others."""
+    text = path.read_text() if path.exists() else "# nanolp report\n"
+    parts = [part.strip("\n") for part in text.split("\n## ")]
+    title, others = parts[0], ["## " + part for part in parts[1:]]
+    others = [part for part in others if part.split("\n")[0] != section[0]]
+    path.write_text("\n\n".join([title] + others + ["\n".join(section)]) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("runs", nargs="*", help="run folders, or folders of them (default: runs/)")
+    parser.add_argument("--out", type=Path, help="where figures and report.md go "
+                                                 "(default: <runs root>/figures)")
+    parser.add_argument("--warn-k", type=float, default=2.0, help="early-warning threshold factor")
+    parser.add_argument("--mechanism", action="store_true", help="demonstrate the rounding bias")
+    parser.add_argument("--checkpoint", type=Path, help="checkpoint for the per-head delta error "
+                                                        "(default: latest under the runs)")
+    args = parser.parse_args(argv)
+
+    paths = find_runs(args.runs or ["runs"])
+    root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path(
+        (args.runs or ["runs"])[0])
+    out = args.out or root / "figures"
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [load_run(p) for p in tqdm(paths, desc="reading runs", disable=len(paths) < 8)]
+
+    if args.mechanism:
+        from nanolp.mechanism import demonstrate  # torch, model.py and the attention: only needed here
+        section = demonstrate(runs, out, args.checkpoint)
+    elif runs:
+        section = analyze_runs(runs, out, args.warn_k)
+    else:
+        raise SystemExit(f"no run folders (with a log.csv) found in {args.runs or ['runs']}")
+    update_report(out / "report.md", section)
+    print(f"wrote {out / 'report.md'} and figures in {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""Flash attention in Triton, with the fix for the rounding bias that makes low-precision training fail.
+
+    from kernels import flash_attention
+    o = flash_attention(q, k, v, causal=True, fix=True)     # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
+
+Same layout and result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal);
+differentiable; head_dim 16/32/64/128; any sequence length; works inside torch.compile (it is a custom op).
+
+The paper (Qiu & Yao, arXiv 2510.04212): in bf16, a flash-attention forward makes a *biased* rounding error in
+O when a row of scores has several (near-)equal maxima, because their probabilities P are exactly 1 and the
+rounding of P V then always goes the same way. The backward reads O through delta = rowsum(dO * O), so the
+error reaches dQ and dK with one sign, piles up in W_Q / W_K, logits grow and training collapses. The fix
+moves such a row's max up a little, so no P is exactly 1. See _shifted_max, the only part the fix changes.
+
+Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
+    S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
+    l = exp(m - m') l + rowsum(P)      acc = exp(m - m') acc + P V_j      O = acc / l,  lse = m + log l
+Two precision modes. "fa2" is what production kernels do: S, m, l and acc in fp32, P rounded to the input
+dtype right before P V, O rounded once at the end; it works in log2 units (exp2, scale folded into
+qk_scale = scale * log2(e)), the cheapest form on a GPU. "paper" reproduces the rounding points of the
+paper's PyTorch implementation run under bf16 autocast: S rounded (after Q K^T and again after the scale),
+S - m, P, rowsum(P), P V, m, l and acc each rounded to the input dtype, natural units. Every rounding point
+below is marked "ROUND". nanolp/emulate.py computes exactly the same thing in PyTorch.
+"""
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+TILE_N = 64                      # keys per tile (fixed: the fix looks for ties within one tile)
+TIE_TOL = 2.0 ** -9              # nats: exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9
+SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # nats: the range the fix keeps its shift in
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# THE FIX. One small function, called once per key tile in the forward pass; the backward is unchanged.
+
+@triton.jit
+def _shifted_max(s, r, beta, tol, lo, hi, span):
+    """Row max to subtract from this tile's scores s (r = rowmax(s)), in the units of s.
+
+    Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
+    for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
+    Made robust here: when d falls outside [lo, hi) it is folded back into it by lo + fmod(d, hi - lo).
+    - d < lo (a max of 0 or a tiny one): exp(-d) would round back to exactly 1; now d >= lo.
+    - d >= hi (|max| above ~64 with beta 2): exp(-d) would underflow (l = 0, O = 0/0 past ~87 nats).
+    - d stays a function of the scores, so the rounding of exp(-d) changes sign from row to row; a constant
+      offset would round the same way every time and keep the bias (the paper's appendix).
+    - masked scores are -inf and never count; a fully masked tile (r = -inf) is left alone.
+    """
+    n_near = tl.sum((s >= (r - tol)[:, None]).to(tl.int32), 1)
+    tied = (n_near > 1) & (r > float("-inf"))
+    d = tl.where(r > 0, (beta - 1.0) * r, -r)
+    d = tl.where((d >= lo) & (d < hi), d, lo + d % span)
+    return tl.where(tied, r + d, r)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward
+# did, or P = exp(S - lse) no longer sums to one and training blows up for reasons unrelated to the paper.
+
+@triton.jit
+def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
+    s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
+    if PAPER:
+        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T stored in bf16 (autocast einsum)
+        s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
+    else:
+        s = s * qk_scale                                         # fp32, log2 units
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
+               qk_scale, beta, tol, lo, hi, span,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
+    causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
+    for start_n in range(start, stop, BLOCK_N):
+        cols = start_n + offs_n
+        kT_ptrs = K_tile + offs_d[:, None] + cols[None, :] * stride_kn
+        v_ptrs = V_tile + cols[:, None] * stride_vn + offs_d[None, :]
+        if MASKED:
+            kT = tl.load(kT_ptrs, mask=cols[None, :] < N, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < N, other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            v = tl.load(v_ptrs)
+        # S = Q_i K_j^T * scale
+        s = _scores(q, kT, qk_scale, PAPER)
+        if MASKED:
+            valid = cols[None, :] < N
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= cols[None, :])
+            s = tl.where(valid, s, float("-inf"))
+        # m' = max(m, rowmax(S))   (the fix only changes rowmax(S) here)
+        r = tl.max(s, 1)
+        if FIX:
+            r = _shifted_max(s, r, beta, tol, lo, hi, span)
+        if PAPER:
+            m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
+            alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
+            alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
+            p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32)).to(q.dtype)   # ROUND: S - m', P
+            # l = exp(m - m') l + rowsum(P)
+            l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
+            l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
+            l_i = l_i.to(q.dtype).to(tl.float32)                                      # ROUND: l in bf16
+            # acc = exp(m - m') acc + P V_j
+            pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                              # ROUND: P V in bf16
+            acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                   # ROUND
+            acc = (acc + pv).to(q.dtype).to(tl.float32)                               # ROUND: acc in bf16
+        else:
+            m_new = tl.maximum(m_i, r)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            # l = exp(m - m') l + rowsum(P), from the unrounded P
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # acc = exp(m - m') acc + P V_j
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(q.dtype), v, acc)                                       # ROUND: P to bf16
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, O32, LSE,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                H, N, qk_scale, beta, tol, lo, hi, span,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, STORE_O32: tl.constexpr):
+    # One program per (query tile, batch * head).
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < N, other=0.0)
+    K_tile = K + b * stride_kb + h * stride_kh
+    V_tile = V + b * stride_vb + h * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Key tiles that need no mask: all full tiles (non-causal) or those left of the diagonal (causal).
+    if CAUSAL:
+        stop_unmasked = start_m                       # start_m is a multiple of BLOCK_N
+        stop = tl.minimum(start_m + BLOCK_M, N)
+    else:
+        stop_unmasked = (N // BLOCK_N) * BLOCK_N
+        stop = N
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, 0, stop_unmasked,
+                               offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
+                               False, CAUSAL, FIX, PAPER, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, stop_unmasked, stop,
+                               offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
+                               True, CAUSAL, FIX, PAPER, BLOCK_N)
+    # O = acc / l -> stored in the input dtype (ROUND); lse = m + log l in fp32 (log2 units in "fa2").
+    o = acc / l_i[:, None]
+    row = bh * N + offs_m
+    o_ptrs = O + row[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
+    if STORE_O32:   # the paper's localisation control: delta from an fp32 O
+        tl.store(O32 + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < N)
+    lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))
+    tl.store(LSE + row, lse, mask=offs_m < N)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backward, FA2 style: delta first, then dK/dV (one program per key tile, looping over queries) and dQ (one
+# program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
+#     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
+#     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
+    row = tl.program_id(1).to(tl.int64) * N + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_seq = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M) < N
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O + row[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    do = tl.load(DO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    tl.store(DELTA + row, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_seq)
+
+
+@triton.jit
+def _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr):
+    """P = exp(S - lse) for a (query tile, key tile) pair, S rounded exactly as in the forward."""
+    s = _scores(q, kT, qk_scale, PAPER)
+    valid = (rows[:, None] < N) & (cols[None, :] < N)
+    if CAUSAL:
+        valid = valid & (rows[:, None] >= cols[None, :])
+    s = tl.where(valid, s, float("-inf"))
+    if PAPER:
+        return tl.exp(s - lse[:, None])
+    return tl.math.exp2(s - lse[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                     stride_vn, H, N, qk_scale, sm_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, PAPER: tl.constexpr):
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start_n = tl.program_id(0) * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kT = tl.load(K + b * stride_kb + h * stride_kh + offs_d[:, None] + cols[None, :] * stride_kn,
+                 mask=cols[None, :] < N, other=0.0)
+    vT = tl.load(V + b * stride_vb + h * stride_vh + offs_d[:, None] + cols[None, :] * stride_vn,
+                 mask=cols[None, :] < N, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    Q_tile = Q + b * stride_qb + h * stride_qh
+    start = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0     # queries above the diagonal see no key here
+    for start_m in range(start, N, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = tl.load(Q_tile + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+        do = tl.load(DO + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+        lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
+        delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
+        p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
+        dv += tl.dot(tl.trans(p.to(q.dtype)), do)                # ROUND: P to bf16
+        dp = tl.dot(do, vT)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)                # ROUND: dS to bf16
+    out = bh * N + cols
+    tl.store(DK + out[:, None] * HEAD_DIM + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=cols[:, None] < N)
+    tl.store(DV + out[:, None] * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                   stride_vn, H, N, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, PAPER: tl.constexpr):
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
+    delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
+    K_tile = K + b * stride_kb + h * stride_kh
+    V_tile = V + b * stride_vb + h * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
+    for start_n in range(0, stop, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(K_tile + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
+        vT = tl.load(V_tile + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
+        p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
+        dp = tl.dot(do, vT)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(q.dtype), tl.trans(kT))               # ROUND: dS to bf16
+    tl.store(DQ + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=rows[:, None] < N)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: checks, launches, and registration as a torch custom op (so torch.compile traces around it).
+
+FWD_BLOCK_M = 64 if INTERPRET else 128
+BWD_BLOCK = 64
+
+
+def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL):
+    """Clear errors instead of wrong answers (shared with nanolp/emulate.py)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
+    if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
+    if precision not in ("fa2", "paper"):
+        raise ValueError(f'precision must be "fa2" or "paper", got {precision!r}')
+    if not beta > 1.0:
+        raise ValueError(f"beta must be greater than 1 (it moves the max up), got {beta}")
+    if not tol >= 0.0:
+        raise ValueError(f"tol must be non-negative, got {tol}")
+
+
+def fix_constants(precision, tol):
+    """The fix's constants in the kernel's units (log2 units in "fa2"), computed once, in float64."""
+    unit = LOG2E if precision == "fa2" else 1.0
+    return tol * unit, SHIFT_LO * unit, SHIFT_HI * unit, (SHIFT_HI - SHIFT_LO) * unit
+
+
+def qk_scale(head_dim, precision):
+    return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
+
+
+@torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
+               beta: float, tol: float, delta_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns O, the O the backward reads for delta (fp32 copy if delta_fp32, else empty), and lse."""
+    B, H, N, D = q.shape
+    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    o32 = torch.empty((B, H, N, D) if delta_fp32 else (0,), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(N, FWD_BLOCK_M), B * H)
+    _fwd_kernel[grid](q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                      H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol),
+                      HEAD_DIM=D, BLOCK_M=FWD_BLOCK_M, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix,
+                      PAPER=precision == "paper", STORE_O32=delta_fp32, num_warps=8 if D >= 64 else 4,
+                      num_stages=1 if INTERPRET else 3)
+    return o, o32, lse
+
+
+@_flash_fwd.register_fake
+def _(q, k, v, causal, fix, precision, beta, tol, delta_fp32):
+    o32_shape = q.shape if delta_fp32 else (0,)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(o32_shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32))
+
+
+@torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
+def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               lse: torch.Tensor, causal: bool, precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, N, D = q.shape
+    do = do.contiguous()
+    delta = torch.empty_like(lse)
+    _bwd_delta_kernel[(triton.cdiv(N, BWD_BLOCK), B * H)](o, do, delta, N, HEAD_DIM=D, BLOCK_M=BWD_BLOCK)
+    dq, dk, dv = (torch.empty((B, H, N, D), dtype=q.dtype, device=q.device) for _ in range(3))
+    args = (q, k, v, do, lse, delta)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, N, qk_scale(D, precision), D ** -0.5)
+    meta = dict(HEAD_DIM=D, BLOCK_M=BWD_BLOCK, BLOCK_N=BWD_BLOCK, CAUSAL=causal, PAPER=precision == "paper",
+                num_warps=4, num_stages=1 if INTERPRET else 2)
+    _bwd_dkdv_kernel[(triton.cdiv(N, BWD_BLOCK), B * H)](*args, dk, dv, *strides, **meta)
+    _bwd_dq_kernel[(triton.cdiv(N, BWD_BLOCK), B * H)](*args, dq, *strides, **meta)
+    return dq, dk, dv
+
+
+@_flash_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, precision):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, fix, precision, beta, tol, delta_fp32 = inputs
+    o, o32, lse = output
+    ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)
+    ctx.causal, ctx.precision = causal, precision
+
+
+def _backward(ctx, do, _do32, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False):
+    """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
+
+    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
+        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up.
+    fix: remove the rounding bias (see _shifted_max). Exact in real arithmetic; costs one comparison and one
+        row reduction per tile.
+    precision: "fa2" (fp32 statistics and accumulator, the production pattern) or "paper" (the rounding
+        points of the paper's PyTorch implementation under bf16 autocast).
+    beta: the paper's factor: a tied row max r > 0 becomes beta * r. Default 2, the official value; any
+        beta > 1 is exact, and the fold into [2^-6, 64) nats removes the official advice to retune it on NaN.
+    tol: scores within tol nats of a tile's row max count as tied. Default 2^-9: exp(-x) for x below that
+        rounds to exactly 1.0 in bf16, which is what makes a product P V exact and its rounding one-sided.
+        (The official code uses 1e-3; both catch exact ties, this one also every score whose P rounds to 1.)
+    delta_fp32: the backward computes delta = rowsum(dO * O) from an fp32 copy of O (the paper's localisation
+        control: with it the failure disappears). Costs one extra fp32 store of O.
+    """
+    check_inputs(q, k, v, precision, beta, tol)
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"flash_attention needs CUDA tensors (got {q.device}); on CPU run with TRITON_INTERPRET=1 "
+                         "or use nanolp.emulate.emulate_attention, which computes the same numbers")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
+    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32)[0]

@@ -1,0 +1,180 @@
+"""
+A small GPT in the style of nanoGPT: learned positions, pre-LayerNorm blocks, a GELU MLP and an output
+layer tied to the token embedding. The one thing that differs is that the attention inside every block
+is pluggable, because the attention numerics are what this project studies:
+
+    kernel      our Triton FlashAttention-2 kernel (kernels.py); on CPU tensors its PyTorch emulation
+    emulate     the tile-by-tile PyTorch emulation (nanolp/emulate.py), with the kernel's rounding points
+    sdpa        torch.nn.functional.scaled_dot_product_attention, whichever backend torch picks
+    sdpa-flash  SDPA forced to its FlashAttention backend
+    sdpa-cudnn  SDPA forced to its cuDNN backend
+    fp32        plain softmax attention in float32: the control with no low-precision attention at all
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Dense (no sparsity) bf16 tensor-core peak of one NVIDIA H200 SXM, from NVIDIA's datasheet: 989 TFLOPS.
+# MFU is always reported against this number, whatever device the run is on.
+H200_BF16_PEAK_FLOPS = 989e12
+
+ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 65
+    block_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    attn: str = "kernel"      # one of ATTN_BACKENDS
+    fix: bool = False         # the paper's forward fix (kernel and emulate only)
+    precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
+    delta_fp32: bool = False  # kernel/emulate: compute delta = rowsum(dO * O) from an fp32 O
+
+
+def causal_scores(q, k):
+    """Scaled scores S = q k^T / sqrt(d) in float32, with -inf above the diagonal."""
+    T = q.size(-2)
+    # autocast would cast the fp32 operands straight back to bf16, so it is switched off here
+    with torch.autocast(q.device.type, enabled=False):
+        S = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.size(-1))
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return S.masked_fill(future, float("-inf"))
+
+
+def reference_attention(q, k, v):
+    """Softmax attention in float32 from the same q, k, v; only the result is cast back to their dtype.
+    Autograd's softmax backward never reads the output O, so this path has no delta = rowsum(dO * O) error."""
+    P = causal_scores(q, k).softmax(dim=-1)
+    with torch.autocast(q.device.type, enabled=False):
+        return (P @ v.float()).to(q.dtype)
+
+
+def attention(q, k, v, config):
+    """Causal attention on (batch, heads, seq, head_dim) tensors with the backend the config names."""
+    if config.attn in ("kernel", "emulate"):
+        # imported here so that this file (and the sdpa/fp32 backends) work without the kernel modules
+        if config.attn == "kernel" and q.is_cuda:
+            from kernels import flash_attention as fn
+        else:  # the emulation has the kernel's numerics and runs anywhere
+            from nanolp.emulate import emulate_attention as fn
+        return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision, delta_fp32=config.delta_fp32)
+    if config.attn == "fp32":
+        return reference_attention(q, k, v)
+    if config.attn == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[config.attn]
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attend(nn.Module):
+    """attention() as a module of its own, so that diagnostics can hook its inputs q, k, v and its output O."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def forward(self, q, k, v):
+        return attention(q, k, v, self.config)
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # rows: W_Q, then W_K, then W_V
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.attend = Attend(config)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.attend(q, k, v)  # (B, n_head, T, head_dim)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied: one matrix reads and writes tokens
+        self.apply(self._init_weights)
+        # GPT-2: scale the layers that write into the residual stream so its variance does not grow with depth
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        assert T <= self.config.block_size, f"sequence of {T} tokens, block_size is {self.config.block_size}"
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+    def flops_per_token(self):
+        """Training FLOPs per token, as in PaLM (appendix B) and nanoGPT: 6N for the weight matmuls
+        (forward 2N, backward 4N) plus 12 * n_layer * n_embd * T for the attention scores and P V.
+        N leaves out the position table (a lookup, not a matmul); the tied embedding counts once, as the
+        output layer. The attention term ignores causal masking, as PaLM does."""
+        c = self.config
+        n = sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size

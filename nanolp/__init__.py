@@ -1,0 +1,1 @@
+"""nanolp: the pieces shared by train.py, analyze.py and the tests (data, diagnostics, kernel emulation)."""

@@ -1,0 +1,89 @@
+"""Benchmark: our kernel (fix off / on) against torch SDPA's flash and cuDNN backends, side by side in one run.
+
+    python -m nanolp.bench [--out results/bench.csv] [--seqs 512 1024 2048 4096 8192] [--head-dims 64 128]
+
+bf16, causal; batch x heads sized so every shape holds 16k tokens x 2048 channels (fills an H200); median of
+repeated timings (triton.testing.do_bench); TFLOP/s count the causal half only (4 B H N^2 D / 2 forward,
+2.5x that backward). Ratios are ours / SDPA flash (> 1 means we are faster).
+"""
+import argparse
+import csv
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from kernels import flash_attention
+
+TOKENS, CHANNELS = 16384, 2048
+
+
+def sdpa(backend):
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return run
+
+
+IMPLS = {
+    "ours": lambda q, k, v: flash_attention(q, k, v, causal=True),
+    "ours_fix": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=True),
+    "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+}
+
+
+def time_impl(fn, q, k, v, do):
+    """Median milliseconds of forward, backward and forward+backward."""
+    fwd = do_bench(lambda: fn(q, k, v), return_mode="median")
+    o = fn(q, k, v)
+    bwd = do_bench(lambda: o.backward(do, retain_graph=True), return_mode="median", grad_to_none=[q, k, v])
+    both = do_bench(lambda: fn(q, k, v).backward(do), return_mode="median", grad_to_none=[q, k, v])
+    return fwd, bwd, both
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--out", default="results/bench.csv")
+    args = p.parse_args(argv)
+    rows = []
+    for D in args.head_dims:
+        for N in args.seqs:
+            B, H = max(1, TOKENS // N), CHANNELS // D
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            flops_fwd = 4 * B * H * N * N * D / 2
+            for name, fn in IMPLS.items():
+                try:
+                    ms = time_impl(fn, q, k, v, do)
+                except RuntimeError as e:   # e.g. a backend that does not support this shape
+                    print(f"{name} D={D} N={N}: {e}".splitlines()[0])
+                    continue
+                tflops = [f / t * 1e-9 for f, t in zip((flops_fwd, 2.5 * flops_fwd, 3.5 * flops_fwd), ms)]
+                rows.append(dict(impl=name, head_dim=D, seq=N, batch=B, heads=H, fwd_ms=ms[0], bwd_ms=ms[1],
+                                 fwd_bwd_ms=ms[2], fwd_tflops=tflops[0], bwd_tflops=tflops[1],
+                                 fwd_bwd_tflops=tflops[2]))
+    base = {(r["head_dim"], r["seq"]): r for r in rows if r["impl"] == "sdpa_flash"}
+    for r in rows:
+        b = base.get((r["head_dim"], r["seq"]))
+        for key in ("fwd", "bwd", "fwd_bwd"):
+            r[f"{key}_vs_flash"] = b[f"{key}_ms"] / r[f"{key}_ms"] if b else float("nan")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{'impl':<11}{'D':>4}{'N':>7}{'fwd TF/s':>10}{'bwd TF/s':>10}{'f+b TF/s':>10}{'fwd x':>8}{'f+b x':>8}")
+    for r in rows:
+        print(f"{r['impl']:<11}{r['head_dim']:>4}{r['seq']:>7}{r['fwd_tflops']:>10.0f}{r['bwd_tflops']:>10.0f}"
+              f"{r['fwd_bwd_tflops']:>10.0f}{r['fwd_vs_flash']:>8.2f}{r['fwd_bwd_vs_flash']:>8.2f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

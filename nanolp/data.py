@@ -1,0 +1,110 @@
+"""
+Character-level data. A UTF-8 text file becomes one token per character (the vocabulary is the sorted set
+of characters in the file), split 90/10 into train and validation, and cached as uint16 token files under
+data/<name>/. Batches are sampled on the device, from a generator seeded by (seed, step) alone.
+"""
+
+import hashlib
+import json
+import os
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = ROOT / "data"
+DEFAULT_TEXT = DATA_DIR / "tinyshakespeare" / "input.txt"
+DEFAULT_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+HOW_TO_GIVE_TEXT = (
+    "Give any UTF-8 text file in one of three ways: python train.py --data PATH, "
+    "or the environment variable NANOLP_DATA=PATH, or copy it to {default}."
+)
+
+
+@dataclass
+class Dataset:
+    train: torch.Tensor  # uint16 token ids, the first 90% of the text
+    val: torch.Tensor    # uint16 token ids, the last 10%
+    itos: str            # itos[i] is the character of token i
+
+    @property
+    def vocab_size(self):
+        return len(self.itos)
+
+    @property
+    def stoi(self):
+        return {ch: i for i, ch in enumerate(self.itos)}
+
+    def encode(self, text):
+        stoi = self.stoi
+        return [stoi[ch] for ch in text]
+
+    def decode(self, ids):
+        return "".join(self.itos[i] for i in ids)
+
+
+def find_text(path=None):
+    """The text to train on: an explicit path, else $NANOLP_DATA, else the local TinyShakespeare,
+    which is downloaded on first use."""
+    path = path or os.environ.get("NANOLP_DATA")
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no text file at {path}. " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
+        return Path(path)
+    if not DEFAULT_TEXT.is_file():
+        print(f"downloading TinyShakespeare from {DEFAULT_URL}")
+        try:
+            with urllib.request.urlopen(DEFAULT_URL, timeout=30) as response:
+                text = response.read()
+        except OSError as e:  # URLError and timeouts are OSErrors
+            raise FileNotFoundError(
+                f"no text at {DEFAULT_TEXT} and the download from {DEFAULT_URL} failed ({e}). "
+                + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)) from e
+        DEFAULT_TEXT.parent.mkdir(parents=True, exist_ok=True)
+        partial = DEFAULT_TEXT.with_suffix(".part")  # rename at the end, so a broken download never looks done
+        partial.write_bytes(text)
+        partial.rename(DEFAULT_TEXT)
+    return DEFAULT_TEXT
+
+
+def prepare(path=None, data_dir=None):
+    """Tokenize the text (or reuse the cached tokens of the very same text) and return a Dataset."""
+    text_path = find_text(path)
+    raw = text_path.read_bytes()
+    key = hashlib.sha1(raw).hexdigest()  # the cache follows the text's content, not its name or date
+    # char-rnn data sets come as <name>/input.txt; any other file is named by itself
+    name = text_path.parent.name if text_path.stem == "input" else text_path.stem
+    cache = Path(data_dir or DATA_DIR) / name
+    meta_path = cache / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta.get("sha1") == key:
+        itos = meta["itos"]
+        train, val = (np.fromfile(cache / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
+    else:
+        text = raw.decode("utf-8")
+        codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        chars, ids = np.unique(codepoints, return_inverse=True)
+        if len(chars) > 2**16:
+            raise ValueError(f"{text_path} has {len(chars)} distinct characters; uint16 tokens hold at most 65536")
+        itos = "".join(map(chr, chars))
+        ids = ids.astype(np.uint16)
+        n = int(0.9 * len(ids))
+        train, val = ids[:n], ids[n:]
+        cache.mkdir(parents=True, exist_ok=True)
+        train.tofile(cache / "train.bin")
+        val.tofile(cache / "val.bin")
+        meta_path.write_text(json.dumps({"sha1": key, "source": str(text_path), "itos": itos}))  # meta last
+    return Dataset(torch.from_numpy(train), torch.from_numpy(val), itos)
+
+
+def get_batch(tokens, batch_size, block_size, seed, step):
+    """Batch number `step` of a run with this seed, sampled where `tokens` lives (an integer tensor).
+    It is a pure function of (seed, step), so a resumed run sees exactly the batches an uninterrupted one would."""
+    g = torch.Generator(device=tokens.device).manual_seed(seed * 1_000_003 + step)
+    start = torch.randint(len(tokens) - block_size, (batch_size,), generator=g, device=tokens.device)
+    chunk = tokens[start[:, None] + torch.arange(block_size + 1, device=tokens.device)]
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()

@@ -1,0 +1,83 @@
+"""
+What the paper's mechanism says to watch, measured on one fixed batch every --diag-interval steps (never per step):
+
+    max_logit   largest scaled score q.k/sqrt(d) in a layer: the logits grow before a collapse
+    tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
+    sn_q, sn_k  spectral norms of W_Q and W_K (and of each head's slice of W_Q): the direction the biased
+                gradient grows
+    delta_err   mean of rowsum(dO * O) - rowsum(dO * O_fp32): the signed error that reaches dQ and dK
+                (O is what the configured attention returned, O_fp32 is float32 attention on the same q, k, v)
+
+The names are the column names of log.csv.
+"""
+
+import torch
+
+from model import causal_scores
+from nanolp.emulate import TIE_TOL  # the kernel's tie tolerance: exp(-x) rounds to 1.0 in bf16 below it
+
+
+def diag_columns(n_layer, n_head):
+    """log.csv's diagnostic columns, in order: per layer five numbers, then two per head."""
+    columns = []
+    for i in range(n_layer):
+        columns += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}", f"delta_err_L{i}"]
+        for h in range(n_head):
+            columns += [f"sn_q_L{i}_H{h}", f"delta_err_L{i}_H{h}"]
+    return columns
+
+
+def capture_attention(model, x, y, ctx):
+    """One forward and backward of the batch (x, y) that records, for every layer's attention call,
+    its inputs q, k, v, its output O and the gradient dO of the loss with respect to O.
+    dO comes from torch.autograd.grad, so the parameters' .grad are left untouched."""
+    calls = []
+    hooks = [block.attn.attend.register_forward_hook(lambda module, qkv, O: calls.append((*qkv, O)))
+             for block in model.transformer.h]
+    try:
+        with ctx:
+            _, loss = model(x, y)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    dOs = torch.autograd.grad(loss, [O for *_, O in calls])
+    return [(q.detach(), k.detach(), v.detach(), O.detach(), dO) for (q, k, v, O), dO in zip(calls, dOs)]
+
+
+@torch.no_grad()
+def attention_stats(q, k, v, O, dO):
+    """max_logit, tie_rate and the per-head delta error of one attention call."""
+    S = causal_scores(q, k)  # fp32, -inf above the diagonal
+    row_max = S.amax(dim=-1, keepdim=True)
+    tied = (S >= row_max - TIE_TOL).sum(dim=-1) >= 2  # -inf entries never count: row_max is finite
+    O_fp32 = S.softmax(dim=-1) @ v.float()
+    delta_lp = (dO.float() * O.float()).sum(dim=-1)
+    delta_fp32 = (dO.float() * O_fp32).sum(dim=-1)
+    return row_max.max(), tied.float().mean(), (delta_lp - delta_fp32).mean(dim=(0, 2))
+
+
+@torch.no_grad()
+def spectral_norms(model):
+    """Largest singular value of W_Q and W_K per layer, and of each head's rows of W_Q, in float32."""
+    n_head = model.config.n_head
+    out = {}
+    for i, block in enumerate(model.transformer.h):
+        W_q, W_k, _ = block.attn.c_attn.weight.float().chunk(3, dim=0)  # each (n_embd out, n_embd in)
+        out[f"sn_q_L{i}"] = torch.linalg.matrix_norm(W_q, ord=2)
+        out[f"sn_k_L{i}"] = torch.linalg.matrix_norm(W_k, ord=2)
+        per_head = torch.linalg.matrix_norm(W_q.view(n_head, -1, W_q.size(1)), ord=2)
+        out.update({f"sn_q_L{i}_H{h}": sn for h, sn in enumerate(per_head)})
+    return out
+
+
+def diagnose(model, x, y, ctx):
+    """Every diagnostic column for the (uncompiled) model on the batch (x, y), as Python floats.
+    ctx is the autocast context of training, so attention sees the same dtypes as in a training step."""
+    out = spectral_norms(model)
+    for i, call in enumerate(capture_attention(model, x, y, ctx)):
+        max_logit, tie_rate, delta_err = attention_stats(*call)
+        out.update({f"max_logit_L{i}": max_logit, f"tie_rate_L{i}": tie_rate, f"delta_err_L{i}": delta_err.mean()})
+        out.update({f"delta_err_L{i}_H{h}": d for h, d in enumerate(delta_err)})
+    names = list(out)
+    values = torch.stack([out[n] for n in names]).tolist()  # one device-to-host copy for all of them
+    return dict(zip(names, values))

@@ -1,0 +1,187 @@
+"""The kernel's numerics in plain PyTorch: the oracle for kernels.py and the attention on machines without a GPU.
+
+emulate_attention() runs the same algorithm as kernels.flash_attention: the same 64-key tiles, the same
+running max / row sum / accumulator, the same rounding points in both precision modes, and the same fix.
+It runs on any device, slowly (one Python iteration per key tile).
+
+How "the same" is made exact. The only operations whose result depends on an implementation's internal
+order are the tile matrix products, the row sums and the transcendental functions (exp2, exp, log2, log).
+Here each of them is evaluated in float64 and rounded once to float32, which is the correctly rounded
+float32 result in all but astronomically rare cases. The test suite patches Triton's CPU interpreter to do
+the same (tests/interp_patch.py), so the kernel and this file agree bit for bit and any difference is a
+difference of algorithm or rounding point, never of summation order. On a GPU the kernel's tensor cores
+and exp2 approximation differ from this in the last float32 bit, so there the two agree only to rounding.
+"""
+import math
+
+import torch
+
+from kernels import TIE_TOL, TILE_N, check_inputs, fix_constants, qk_scale
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rounding helpers (also used by analyze.py)
+
+def round_bf16(x):
+    """Round float32 values to the nearest bfloat16 (ties to even); returned as float32."""
+    return x.float().to(torch.bfloat16).float()
+
+
+def round_mantissa(x, bits):
+    """Round float32 values to `bits` explicit mantissa bits (ties to even), keeping float32's exponent range.
+
+    bits=7 is bfloat16, bits=3 the mantissa of FP8 e4m3. Works on the bit pattern, so it is exact.
+    """
+    assert 0 <= bits <= 23
+    drop = 23 - bits
+    if drop == 0:
+        return x.float()
+    b = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    half = (1 << (drop - 1)) - 1
+    b = (b + half + ((b >> drop) & 1)) >> drop << drop
+    out = (b & 0xFFFFFFFF).to(torch.int64)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isfinite(x), out, x.float())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exactly rounded primitives (float64 inside, one rounding to float32)
+
+def _dot(a, b):
+    return torch.matmul(a.double(), b.double()).float()
+
+
+def _rowsum(x):
+    return x.double().sum(-1).float()
+
+
+def _exp2(x):
+    return torch.exp2(x.double()).float()
+
+
+def _exp(x):
+    return torch.exp(x.double()).float()
+
+
+def _log2(x):
+    return torch.log2(x.double()).float()
+
+
+def _log(x):
+    return torch.log(x.double()).float()
+
+
+def _round(x, dtype):
+    return x.to(dtype).float()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fix
+
+def shifted_max(S, r, beta, tol, lo, hi, span):
+    """The row max to subtract from this tile's scores S (kernels._shifted_max, in the same units as S).
+
+    If two or more unmasked scores lie within tol of the tile's row max r, move the max up by d > 0, so that
+    no probability P = exp(S - max) is exactly 1 and its rounding is not one-sided. d is the paper's shift
+    ((beta - 1) r for r > 0, -r for r < 0, i.e. max -> beta r or 0), folded into [lo, hi) when it leaves that
+    range: never so small that exp(-d) rounds back to 1, never so large that exp(-d) underflows.
+    """
+    n_near = (S >= (r - tol).unsqueeze(-1)).sum(-1)
+    tied = (n_near > 1) & (r > -math.inf)          # a fully masked tile (r = -inf) is never a tie
+    d = torch.where(r > 0, (torch.tensor(beta, dtype=torch.float32) - 1.0) * r, -r)
+    d = torch.where((d >= lo) & (d < hi), d, lo + torch.fmod(d, span))
+    return torch.where(tied, r + d, r)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward: FlashAttention-2, one key tile at a time, all query rows at once (rows are independent).
+
+def _scores(q, kt, precision, dtype):
+    """S for one key tile, exactly as kernels._scores (fa2: fp32, log2 units; paper: nats, rounded twice)."""
+    S = _dot(q, kt.transpose(-1, -2))
+    scale = torch.tensor(qk_scale(q.shape[-1], precision), dtype=torch.float32)
+    if precision == "fa2":
+        return S * scale
+    return _round(_round(S, dtype) * scale, dtype)
+
+
+def _mask(S, col0, n_keys, causal):
+    rows = torch.arange(S.shape[-2], device=S.device).unsqueeze(-1)
+    cols = col0 + torch.arange(S.shape[-1], device=S.device).unsqueeze(0)
+    valid = cols < n_keys
+    if causal:
+        valid = valid & (cols <= rows)
+    return S.masked_fill(~valid, -math.inf)
+
+
+def forward(q, k, v, causal, fix, precision, beta, tol):
+    """Returns (O in the input dtype, O before its last rounding in fp32, lse in the kernel's units)."""
+    dtype = q.dtype
+    B, H, N, D = q.shape
+    q, k, v = q.float(), k.float(), v.float()
+    m = torch.full((B, H, N), -math.inf, device=q.device)
+    l = torch.zeros((B, H, N), device=q.device)
+    acc = torch.zeros((B, H, N, D), device=q.device)
+    for col0 in range(0, N, TILE_N):
+        kt, vt = k[:, :, col0:col0 + TILE_N], v[:, :, col0:col0 + TILE_N]
+        S = _mask(_scores(q, kt, precision, dtype), col0, N, causal)
+        r = S.amax(-1)
+        if fix:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
+            r = shifted_max(S, r, beta, *fix_constants(precision, tol))
+        if precision == "fa2":
+            m_new = torch.maximum(m, r)
+            alpha = _exp2(m - m_new)
+            P = _exp2(S - m_new.unsqueeze(-1))
+            l = l * alpha + _rowsum(P)
+            acc = acc * alpha.unsqueeze(-1) + _dot(_round(P, dtype), vt)   # P rounded right before P V
+        else:  # "paper": every intermediate held in the input dtype, as under bf16 autocast in PyTorch
+            m_new = _round(torch.maximum(m, r), dtype)
+            alpha = _round(_exp(_round(m - m_new, dtype)), dtype)
+            P = _round(_exp(_round(S - m_new.unsqueeze(-1), dtype)), dtype)
+            l = _round(_round(alpha * l, dtype) + _round(_rowsum(P), dtype), dtype)
+            acc = _round(_round(acc * alpha.unsqueeze(-1), dtype) + _round(_dot(P, vt), dtype), dtype)
+        m = m_new
+    o32 = acc / l.unsqueeze(-1)
+    lse = m + (_log2(l) if precision == "fa2" else _log(l))
+    return o32.to(dtype), o32, lse
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backward: the same S, P recomputed from the saved lse, delta from the stored O.
+
+def backward(q, k, v, o, lse, do, causal, precision):
+    dtype = q.dtype
+    N, D = q.shape[-2:]
+    scale = D ** -0.5
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    S = _mask(_scores(qf, kf, precision, dtype), 0, N, causal)
+    P = (_exp2 if precision == "fa2" else _exp)(S - lse.unsqueeze(-1))
+    delta = _rowsum(dof * o.float())                      # delta = rowsum(dO * O): the paper's channel
+    dv = _dot(_round(P, dtype).transpose(-1, -2), dof)
+    dP = _dot(dof, vf.transpose(-1, -2))
+    dS = P * (dP - delta.unsqueeze(-1))
+    dq = _dot(_round(dS, dtype), kf) * scale
+    dk = _dot(_round(dS, dtype).transpose(-1, -2), qf) * scale
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+class _EmulatedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_fp32):
+        o, o32, lse = forward(q, k, v, causal, fix, precision, beta, tol)
+        ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)
+        ctx.args = (causal, precision)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), None, None, None, None, None, None)
+
+
+def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False):
+    """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
+    check_inputs(q, k, v, precision, beta, tol)
+    with torch.autocast(q.device.type, enabled=False):
+        return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32)

@@ -1,0 +1,101 @@
+"""Read the run folders that train.py writes (config.json, log.csv, summary.json).
+
+A run folder may still be in progress or may come from an older train.py, so every file and
+every column is optional: missing files read as empty, empty cells read as NaN.
+"""
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    summary: dict
+    log: dict  # column name -> float array, NaN where the cell was empty
+
+    @property
+    def name(self):
+        return self.summary.get("name") or self.path.name
+
+    def setting(self, key, default=None):
+        """A run setting, from summary.json first (what actually ran), then config.json."""
+        for source in (self.summary, self.config):
+            if source.get(key) is not None:
+                return source[key]
+        return default
+
+    def series(self, column, x="step"):
+        """(x, values) of one log column against column x, rows with an empty cell dropped;
+        None if either column is absent or has no data."""
+        if column not in self.log or x not in self.log:
+            return None
+        keep = np.isfinite(self.log[column]) & np.isfinite(self.log[x])
+        if not keep.any():
+            return None
+        return self.log[x][keep], self.log[column][keep]
+
+    def columns(self, pattern):
+        """Log columns whose whole name matches a regex, in the order of their trailing number."""
+        found = [c for c in self.log if re.fullmatch(pattern, c)]
+        return sorted(found, key=lambda c: int(re.findall(r"\d+", c)[-1]))
+
+    @property
+    def collapse_step(self):
+        return self.summary.get("collapse_step") if self.summary.get("collapsed") else None
+
+    @property
+    def final_val_loss(self):
+        if self.summary.get("final_val_loss") is not None:
+            return self.summary["final_val_loss"]
+        val = self.series("val_loss")
+        return None if val is None else float(val[1][-1])
+
+    @property
+    def tokens_per_s(self):
+        if self.summary.get("tokens_per_s") is not None:
+            return self.summary["tokens_per_s"]
+        speed = self.series("tokens_per_s")
+        return None if speed is None else float(np.median(speed[1]))
+
+
+def read_json(path):
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def read_log(path):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    columns = rows[0].keys() if rows else []
+    return {c: np.array([to_float(row[c]) for row in rows]) for c in columns}
+
+
+def to_float(cell):
+    try:
+        return float(cell)
+    except (TypeError, ValueError):  # empty cell, or a short row (None)
+        return math.nan
+
+
+def load_run(path):
+    path = Path(path)
+    return Run(path, read_json(path / "config.json"), read_json(path / "summary.json"),
+               read_log(path / "log.csv"))
+
+
+def find_runs(paths):
+    """Run folders among `paths`: each is a run folder (it has a log.csv) or a folder of them."""
+    found = []
+    for path in map(Path, paths):
+        if (path / "log.csv").exists():
+            found.append(path)
+        elif path.is_dir():
+            found.extend(sorted(p.parent for p in path.glob("*/log.csv")))
+    return found

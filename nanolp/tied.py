@@ -1,0 +1,50 @@
+"""Inputs that isolate the paper's rounding bias: query rows with exactly k tied maximal scores.
+
+Shared by tests/test_mechanism.py and analyze.py --mechanism.
+"""
+import math
+
+import torch
+
+
+def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0), gap_range=(12.0, 18.0),
+              v_mean=-1.0, v_std=0.5, dtype=torch.bfloat16):
+    """q, k, v of shape (n_rows // head_dim, 1, head_dim, head_dim): every query row has its own n_tied tied maxima.
+
+    Row i of each block of head_dim rows is q_i = sqrt(d) e_i, so its scaled score with key j is exactly k_j[i]:
+    the scores are bf16 numbers, exact in both precision modes, and only the softmax / P V / O rounding is left.
+    Every row draws, independently of the others,
+      - its max M (a bf16 number, uniform in max_range; the fix's shift depends on M, so M must vary),
+      - which n_tied of the head_dim keys sit exactly at M,
+      - the other keys' scores M - gap, gap uniform in gap_range (rounded to bf16). Gaps of >= ~10 nats make the
+        other keys' P tiny next to the tied ones, the regime where they only tip roundings; at a few nats below
+        (gap_range (1, 8)) their sum is comparable to the tied P and no clean bias shows.
+    V ~ N(v_mean, v_std) (mostly negative by default, like the paper's failing feature). The rows of one block
+    share their keys' V, nothing else. head_dim must be 16 or 64 (sqrt(head_dim) a power of two: exact scores).
+    """
+    assert head_dim in (16, 64), "head_dim 16 or 64: scores are exact only when sqrt(head_dim) is a power of two"
+    assert n_rows % head_dim == 0 and 1 <= n_tied <= head_dim
+    D, B = head_dim, n_rows // head_dim
+    rand = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    lo, hi = max_range
+    M = (lo + (hi - lo) * rand(B, 1, D, 1)).to(dtype).float()
+    glo, ghi = gap_range
+    S = (M - glo - (ghi - glo) * rand(B, 1, D, D)).to(dtype).float()           # S[b, 0, row, key]
+    tied = torch.zeros(B, 1, D, D, dtype=torch.bool).scatter(-1, rand(B, 1, D, D).argsort(-1)[..., :n_tied], True)
+    S = torch.where(tied, M, S)
+    q = torch.eye(D).expand(B, 1, D, D) * math.sqrt(D)
+    k = S.transpose(-1, -2)                                                      # k_j[i] = S[i, j]
+    v = torch.randn(B, 1, D, D, generator=generator) * v_std + v_mean
+    return q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
+
+
+def reference(q, k, v):
+    """softmax(q k^T / sqrt(d)) v in float64 from the same bf16 inputs (non-causal)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+
+
+def mean_error(err):
+    """Mean and standard error over rows of the per-row mean error (err: (..., rows, features) or (..., rows))."""
+    per_row = (err.mean(-1) if err.dim() == 4 else err).flatten().double()
+    return per_row.mean().item(), per_row.std().item() / math.sqrt(per_row.numel())

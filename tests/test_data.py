@@ -1,0 +1,69 @@
+"""nanolp/data.py: tokenizing, the token cache, the missing-text error, batches as a function of (seed, step)."""
+import pytest
+import torch
+
+from nanolp import data
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "tiny.txt"
+    path.write_text("to be, or not to be: that is the question. " * 50 + "naïve café ☃\n", encoding="utf-8")
+    return path
+
+
+def test_prepare_round_trip(text_file, tmp_path):
+    ds = data.prepare(text_file, data_dir=tmp_path / "cache")
+    text = text_file.read_text(encoding="utf-8")
+    assert ds.itos == "".join(sorted(set(text)))  # any UTF-8 text: one token per character
+    assert ds.train.dtype == ds.val.dtype == torch.uint16
+    assert len(ds.train) == int(0.9 * len(text)) and len(ds.train) + len(ds.val) == len(text)
+    assert ds.decode(torch.cat([ds.train, ds.val]).tolist()) == text
+    assert ds.encode("to be") == [ds.stoi[ch] for ch in "to be"]
+    assert (tmp_path / "cache" / "tiny" / "train.bin").is_file()
+
+
+def test_cache_reused_and_invalidated(text_file, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    first = data.prepare(text_file, data_dir=cache)
+    # the second call must read the token files, not tokenize again
+    monkeypatch.setattr(data.np, "unique", lambda *a, **k: pytest.fail("tokenized again"))
+    again = data.prepare(text_file, data_dir=cache)
+    assert torch.equal(first.train, again.train) and first.itos == again.itos
+    monkeypatch.undo()
+    text_file.write_text("a different text, same file name\n" * 20, encoding="utf-8")
+    changed = data.prepare(text_file, data_dir=cache)
+    assert changed.decode(changed.train.tolist()) != first.decode(first.train.tolist())
+    assert "?" not in changed.itos and "d" in changed.itos
+
+
+def test_env_var_then_explicit_path(text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOLP_DATA", str(text_file))
+    assert data.find_text() == text_file
+    other = tmp_path / "other.txt"
+    other.write_text("xyz")
+    assert data.find_text(other) == other  # the --data flag wins over the environment
+
+
+def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="--data PATH.*NANOLP_DATA"):
+        data.prepare(tmp_path / "missing.txt", data_dir=tmp_path)
+    # no default file and no network (a closed local port): the same advice, not a stack of urllib errors
+    monkeypatch.delenv("NANOLP_DATA", raising=False)
+    monkeypatch.setattr(data, "DEFAULT_TEXT", tmp_path / "tinyshakespeare" / "input.txt")
+    monkeypatch.setattr(data, "DEFAULT_URL", "http://127.0.0.1:9/input.txt")
+    with pytest.raises(FileNotFoundError, match="download .* failed.*--data PATH.*NANOLP_DATA.*input.txt"):
+        data.prepare(data_dir=tmp_path)
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    tokens = torch.arange(1000)
+    x, y = data.get_batch(tokens, 4, 16, seed=3, step=7)
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(y[:, :-1], x[:, 1:])  # targets are the inputs shifted by one
+    data.get_batch(tokens, 4, 16, seed=3, step=8)  # whatever came before does not matter
+    x2, _ = data.get_batch(tokens, 4, 16, seed=3, step=7)
+    assert torch.equal(x, x2)
+    assert not torch.equal(x, data.get_batch(tokens, 4, 16, seed=3, step=6)[0])
+    assert not torch.equal(x, data.get_batch(tokens, 4, 16, seed=4, step=7)[0])
+    assert int(data.get_batch(tokens, 256, 16, seed=0, step=0)[1].max()) <= 999  # never past the end

@@ -1,0 +1,255 @@
+"""kernels.py against nanolp/emulate.py (bit for bit) and against float64 attention (within bf16 error).
+
+Runs on the CPU through Triton's interpreter (patched in conftest.py); on a GPU the same file runs on the
+compiled kernel (`python -m pytest tests/test_kernels.py` with CUDA and without TRITON_INTERPRET), where the
+bitwise tests are skipped: tensor cores and the GPU's exp2 differ from float64-rounded results in the last bit.
+"""
+import math
+from unittest import mock
+
+import pytest
+import torch
+
+import kernels
+from nanolp import emulate
+
+INTERPRETED = kernels.INTERPRET
+DEVICE = "cpu" if INTERPRETED else "cuda"
+requires_interpreter = pytest.mark.skipif(not INTERPRETED, reason="bitwise equality holds under the interpreter")
+
+
+def rand(shape, dtype=torch.bfloat16, scale=1.0, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def reference(q, k, v, causal):
+    """float64 softmax attention on the same (rounded) inputs, with float64 autograd."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    S = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[-2]
+        S = S.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(S, -1) @ v, (q, k, v)
+
+
+def plain_attention(q, k, v, causal):
+    """What PyTorch does in bf16 without flash attention: every op rounds to the input dtype."""
+    S = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        n = q.shape[-2]
+        S = S.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(S, -1) @ v
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture
+def poisoned():
+    """Every buffer the kernel allocates starts as NaN, so an element it forgets to write shows up."""
+    empty, empty_like = torch.empty, torch.empty_like
+    with mock.patch.object(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan)), \
+            mock.patch.object(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(math.nan)):
+        yield
+
+
+# -------------------------------------------------------------------------------------------------------
+# Forward: bit for bit against the emulation
+
+SHAPES = [(1, 2, 130, 64), (2, 1, 1, 16), (1, 3, 77, 32), (1, 1, 200, 128), (1, 1, 64, 64)]
+
+
+@requires_interpreter
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("fix", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisoned):
+    q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
+    k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
+    q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
+    o, _, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False)
+    o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL)
+    assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
+    assert torch.equal(lse, lse_ref), "lse differs from the emulation"
+
+
+@requires_interpreter
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
+    """With 128-row query tiles (the GPU's) some rows meet key tiles that are fully masked for them."""
+    monkeypatch.setattr(kernels, "FWD_BLOCK_M", 128)
+    q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
+    for fix in (False, True):
+        o, _, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False)
+        o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
+        assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Forward and gradients against float64, within twice the error of plain bf16 attention
+
+def check_against_float64(q, k, v, causal, precision="fa2", fix=False, attention=kernels.flash_attention,
+                          factor=2.0, autocast=False):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    do = rand(q.shape, q.dtype)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        o = attention(q, k, v, causal=causal, fix=fix, precision=precision)
+    o.backward(do)
+    ours = (o, q.grad, k.grad, v.grad)
+    ref, leaves = reference(q, k, v, causal)
+    ref.backward(do.double())
+    refs = (ref, *(t.grad for t in leaves))
+    qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    op = plain_attention(qp, kp, vp, causal)
+    op.backward(do)
+    plain = (op, qp.grad, kp.grad, vp.grad)
+    for name, a, r, p in zip(("O", "dQ", "dK", "dV"), ours, refs, plain):
+        assert torch.isfinite(a).all(), f"{name} not finite"
+        bound = factor * rel(p, r) + 1e-5
+        assert rel(a, r) <= bound, f"{name}: rel err {rel(a, r):.2e} > {factor} x plain {rel(p, r):.2e}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gradients_random_shapes(seed, poisoned):
+    g = torch.Generator().manual_seed(seed)
+    B, H = (int(x) for x in torch.randint(1, 3, (2,), generator=g))
+    N = int(torch.randint(1, 160, (1,), generator=g))
+    D = [16, 32, 64, 128][seed % 4]
+    dtype = [torch.bfloat16, torch.float16][seed % 2]
+    causal = seed % 3 != 0
+    q, k, v = (rand((B, H, N, D), dtype, seed=seed * 3 + i) for i in range(3))
+    check_against_float64(q, k, v, causal)
+
+
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("fix", [False, True])
+def test_gradients_precision_modes(precision, fix):
+    q, k, v = (rand((1, 2, 96, 64), scale=s) for s in (2.0, 1.0, 1.0))
+    check_against_float64(q, k, v, True, precision, fix)
+
+
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_gradients_autocast_large_logits(precision):
+    """Row maxima of a few hundred nats. A backward that rounds S unlike the forward gets P = exp(S - lse)
+    wrong by factors of e here (bf16 spacing is 1-2 at these logits) and fails by orders of magnitude."""
+    q, k, v = rand((1, 2, 128, 64), scale=1.0), rand((1, 2, 128, 64)), rand((1, 2, 128, 64))
+    q = q * (300 / (q @ k.transpose(-1, -2) / 8).amax())
+    q = q.to(torch.bfloat16)
+    for fix in (False, True):
+        check_against_float64(q, k, v, True, precision, fix, autocast=True)
+
+
+def test_emulation_gradients_against_float64():
+    q, k, v = (rand((2, 2, 70, 32)) for _ in range(3))
+    for precision in ("fa2", "paper"):
+        check_against_float64(q, k, v, True, precision, True, attention=emulate.emulate_attention)
+
+
+def test_delta_fp32_control():
+    q, k, v = (rand((1, 2, 80, 64)) for _ in range(3))
+    check_against_float64(q, k, v, True, attention=lambda *a, **kw: kernels.flash_attention(*a, **kw, delta_fp32=True))
+
+
+# -------------------------------------------------------------------------------------------------------
+# The fix: exact in real arithmetic, robust at the edges
+
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_fix_changes_only_rounding(precision):
+    q, k, v = (rand((2, 2, 150, 64)) for _ in range(3))
+    k[..., 10, :] = k[..., 20, :]
+    o_off = kernels.flash_attention(q, k, v, fix=False, precision=precision)
+    o_on = kernels.flash_attention(q, k, v, fix=True, precision=precision)
+    ref, _ = reference(q, k, v, True)
+    assert rel(o_on, o_off) < 2 * max(rel(o_off, ref), rel(o_on, ref)) + 1e-6
+    assert rel(o_on, ref) < (2e-2 if precision == "paper" else 5e-3)
+
+
+def structured(logit, n_tied, n=130, d=64, all_equal=False):
+    """Rows whose max score is `logit` nats, reached by n_tied keys; the other keys sit 1-30 nats lower."""
+    g = torch.Generator().manual_seed(n_tied)
+    u = torch.zeros(d)
+    u[0] = 1.0
+    level = torch.rand(n, generator=g) * 29 + 1
+    if all_equal:
+        level.zero_()
+    level[torch.randperm(n, generator=g)[:n_tied]] = 0.0
+    scores = logit - level * math.copysign(1.0, logit) if logit else -level
+    c = 64.0  # q = c * u and k_j = (score_j * sqrt(d) / c) * u give q.k / sqrt(d) = score_j
+    q = (c * u).expand(1, 2, n, d).clone()
+    k = (scores[:, None] * math.sqrt(d) / c * u).expand(1, 2, n, d).clone()
+    v = torch.randn(1, 2, n, d, generator=g) - 0.5
+    return tuple(t.to(torch.bfloat16).to(DEVICE) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("logit", [1e4, 300.0, 90.0, 1.0, 1e-3, 0.0, -1e-3, -90.0, -300.0, -1e4])
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_fix_adversarial_ties(logit, precision, poisoned):
+    """Tied maxima at large and tiny logits of both signs, and all-equal rows: finite and close to float64.
+    (The official rule, beta * max, gives 0/0 once a tied max passes ~87 nats.)"""
+    for n_tied, all_equal in ((2, False), (7, False), (130, True)):
+        q, k, v = structured(logit, n_tied, all_equal=all_equal)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o = kernels.flash_attention(q, k, v, causal=False, fix=True, precision=precision)
+        o.backward(torch.ones_like(o))
+        assert all(torch.isfinite(t).all() for t in (o, q.grad, k.grad, v.grad)), (logit, n_tied)
+        ref, _ = reference(q, k, v, False)
+        assert rel(o, ref) < 2e-2, (logit, n_tied, rel(o, ref))
+
+
+@requires_interpreter
+def test_fix_shift_stays_in_range_and_value_dependent():
+    """The shift d = m' - r lies in [2^-6, 64) nats for every tied max, and depends on the max."""
+    r = torch.tensor([-1e4, -300.0, -87.0, -1.0, -1e-6, 0.0, 1e-6, 1e-3, 1.0, 63.0, 87.0, 300.0, 1e4])
+    S = torch.stack([r, r, r - 5], -1)                     # two exact ties per row
+    d = emulate.shifted_max(S, r, 2.0, *kernels.fix_constants("paper", kernels.TIE_TOL)) - r
+    assert (d >= 2.0 ** -6 * 0.99).all() and (d < 64).all()
+    assert len(set(d.tolist())) > len(r) // 2             # not a constant offset
+    untied = torch.stack([r, r - 1, r - 5], -1)
+    assert torch.equal(emulate.shifted_max(untied, r, 2.0, *kernels.fix_constants("paper", kernels.TIE_TOL)), r)
+    masked = torch.full((1, 3), -math.inf)
+    assert emulate.shifted_max(masked, masked.amax(-1), 2.0, *kernels.fix_constants("fa2", kernels.TIE_TOL)) == -math.inf
+
+
+# -------------------------------------------------------------------------------------------------------
+# Bad input
+
+def test_bad_input():
+    q = rand((1, 2, 16, 64))
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        kernels.flash_attention(q.float(), q.float(), q.float())
+    with pytest.raises(TypeError, match="same dtype"):
+        kernels.flash_attention(q, q, q.half())
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.flash_attention(q, q[:, :, :8], q)
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels.flash_attention(*(rand((1, 2, 16, 48)),) * 3)
+    with pytest.raises(ValueError, match="shape"):
+        kernels.flash_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="contiguous"):
+        wide = rand((1, 2, 16, 128))[..., ::2]
+        kernels.flash_attention(wide, wide, wide)
+    with pytest.raises(ValueError, match="precision"):
+        kernels.flash_attention(q, q, q, precision="fp8")
+    with pytest.raises(ValueError, match="beta"):
+        kernels.flash_attention(q, q, q, fix=True, beta=1.0)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        kernels.flash_attention(q.tolist(), q, q)
+
+
+def test_cpu_tensors_without_interpreter(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    q = torch.randn(1, 1, 8, 16).bfloat16()
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.flash_attention(q, q, q)
+
+
+def test_non_contiguous_heads_layout():
+    """(B, T, H, D) storage viewed as (B, H, T, D), as a GPT produces it: strides are honoured."""
+    x = rand((2, 70, 3, 32))
+    q = x.transpose(1, 2)
+    o = kernels.flash_attention(q, q, q)
+    ref, _ = reference(q, q, q, True)
+    assert rel(o, ref) < 5e-3

@@ -1,0 +1,110 @@
+"""model.py: shapes, tied embeddings, the attention backends against each other, the FLOPs estimate;
+and nanolp/diagnostics.py on a small model."""
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, attention, reference_attention
+from nanolp.diagnostics import attention_stats, diag_columns, diagnose
+
+SMALL = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)
+BF16 = torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def small_gpt(attn="sdpa", **kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**SMALL, **kw}, attn=attn))
+
+
+def batch(B=4, T=64):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(65, (B, T), generator=g), torch.randint(65, (B, T), generator=g)
+
+
+def test_shapes_and_tied_embeddings():
+    model = small_gpt()
+    x, y = batch(3, 40)
+    logits, loss = model(x, y)
+    assert logits.shape == (3, 40, 65)
+    assert abs(loss.item() - math.log(65)) < 0.1  # small init: close to a uniform guess
+    assert model(x)[1] is None
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in model.state_dict().values()) - 65 * 64
+
+
+def qkv(logit_scale=1.0, B=2, H=2, T=64, D=32):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    return (q * logit_scale).bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "emulate"])
+def test_backends_agree_with_fp32_reference(attn):
+    q, k, v = qkv(logit_scale=3.0)
+    config = GPTConfig(**SMALL, attn=attn)
+    ref = reference_attention(q, k, v).float()
+    out = attention(q, k, v, config).float()
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    # one bf16 rounding of O (and of P in the flash algorithm) apart: relative 2^-8 per element at most
+    assert (out - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()
+
+
+@pytest.mark.parametrize("attn", ["fp32", "emulate"])
+def test_models_train_alike(attn):
+    """Same weights, same batch, bf16 autocast: loss and gradients of each backend match SDPA closely."""
+    x, y = batch()
+    results = {}
+    for name in ("sdpa", attn):
+        model = small_gpt(name)
+        with BF16:
+            loss = model(x, y)[1]
+        loss.backward()
+        results[name] = loss.item(), model.transformer.h[1].attn.c_attn.weight.grad
+    (loss_a, grad_a), (loss_b, grad_b) = results.values()
+    assert abs(loss_a - loss_b) < 1e-3
+    assert (grad_a - grad_b).norm() < 0.02 * grad_a.norm()
+
+
+def test_flops_per_token_counts_weights_and_attention():
+    model = small_gpt()
+    c = model.config
+    n = sum(p.numel() for p in model.parameters()) - c.block_size * c.n_embd
+    assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+def test_diagnostics_columns_and_values():
+    model = small_gpt("emulate")
+    x, y = batch(2)
+    out = diagnose(model, x, y, BF16)
+    assert list(out) and set(out) == set(diag_columns(2, 2))
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves training's gradients alone
+    W_q = model.transformer.h[0].attn.c_attn.weight[:64].detach()
+    assert out["sn_q_L0"] == pytest.approx(torch.linalg.svdvals(W_q)[0].item(), rel=1e-5)
+    assert out["sn_q_L0"] >= max(out["sn_q_L0_H0"], out["sn_q_L0_H1"])  # a slice cannot have a larger norm
+    assert 0.0 <= out["tie_rate_L0"] <= 1.0 and out["max_logit_L1"] > 0
+    assert out["delta_err_L0"] == pytest.approx((out["delta_err_L0_H0"] + out["delta_err_L0_H1"]) / 2, abs=1e-9)
+    assert abs(out["delta_err_L0"]) < 1e-3  # a bf16 rounding of O, not a bug in the probe
+    # fp32 attention returns the reference itself (cast to bf16): its delta error is that rounding only
+    fp32 = diagnose(small_gpt("fp32"), x, y, BF16)
+    assert abs(fp32["delta_err_L1"]) < 1e-3
+
+
+def test_tie_rate_counts_near_ties_only():
+    """Keys 0 and 1 equal and far above the rest: every row but the first (which sees only key 0) is tied."""
+    T = 16
+    q, k, v = qkv(T=T)
+    q = q.abs()
+    k[:, :, :2] = 2.0
+    O = reference_attention(q, k, v)
+    _, tie_rate, _ = attention_stats(q, k, v, O, torch.ones_like(O))
+    assert tie_rate.item() == (T - 1) / T
+    q, k, v = qkv(logit_scale=4.0, T=T)
+    _, tie_rate, _ = attention_stats(q, k, v, O, torch.ones_like(O))
+    assert tie_rate.item() < 0.05
+
+
+def test_kernel_backend_on_cpu_is_the_emulation():
+    q, k, v = qkv()
+    kernel, emulate = (attention(q, k, v, GPTConfig(**SMALL, attn=a, fix=True)) for a in ("kernel", "emulate"))
+    assert torch.equal(kernel, emulate)
