@@ -59,6 +59,18 @@ def _shifted_max(s, r, beta, tol, lo, hi, span):
     return tl.where(tied, r + d, r)
 
 
+@triton.jit
+def _round_bits(x, BITS: tl.constexpr):
+    """The amplifier (mantissa_bits): round fp32 x to BITS explicit mantissa bits, ties to even, on its bit
+    pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa). BITS = 0: no-op."""
+    if BITS > 0:
+        DROP: tl.constexpr = 23 - BITS
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
+        x = b.to(tl.float32, bitcast=True)
+    return x
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward
 # did, or P = exp(S - lse) no longer sums to one and training blows up for reasons unrelated to the paper.
@@ -81,7 +93,7 @@ def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
 def _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
                qk_scale, beta, tol, lo, hi, span,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               BITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
     causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
     for start_n in range(start, stop, BLOCK_N):
@@ -109,7 +121,8 @@ def _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, start, st
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
             alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
-            p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32)).to(q.dtype)   # ROUND: S - m', P
+            p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))               # ROUND: S - m'
+            p = _round_bits(p, BITS).to(q.dtype)                                      # ROUND: P
             # l = exp(m - m') l + rowsum(P)
             l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
             l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
@@ -126,7 +139,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, start, st
             l_i = l_i * alpha + tl.sum(p, 1)
             # acc = exp(m - m') acc + P V_j
             acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(q.dtype), v, acc)                                       # ROUND: P to bf16
+            acc = tl.dot(_round_bits(p, BITS).to(q.dtype), v, acc)                    # ROUND: P to bf16
         m_i = m_new
     return acc, l_i, m_i
 
@@ -136,7 +149,8 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 H, N, qk_scale, beta, tol, lo, hi, span,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, STORE_O32: tl.constexpr):
+                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, STORE_O32: tl.constexpr,
+                BITS: tl.constexpr):
     # One program per (query tile, batch * head).
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -161,10 +175,10 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
         stop = N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, 0, stop_unmasked,
                                offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                               False, CAUSAL, FIX, PAPER, BLOCK_N)
+                               False, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, stop_unmasked, stop,
                                offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                               True, CAUSAL, FIX, PAPER, BLOCK_N)
+                               True, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
     # O = acc / l -> stored in the input dtype (ROUND); lse = m + log l in fp32 (log2 units in "fa2").
     o = acc / l_i[:, None]
     row = bh * N + offs_m
@@ -281,7 +295,7 @@ FWD_BLOCK_M = 64 if INTERPRET else 128
 BWD_BLOCK = 64
 
 
-def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL):
+def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -306,6 +320,8 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL):
         raise ValueError(f"beta must be greater than 1 (it moves the max up), got {beta}")
     if not tol >= 0.0:
         raise ValueError(f"tol must be non-negative, got {tol}")
+    if mantissa_bits not in range(0, 7):
+        raise ValueError(f"mantissa_bits must be 0 (off) or 1-6, got {mantissa_bits}")
 
 
 def fix_constants(precision, tol):
@@ -320,7 +336,8 @@ def qk_scale(head_dim, precision):
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
-               beta: float, tol: float, delta_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               beta: float, tol: float, delta_fp32: bool, mantissa_bits: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns O, the O the backward reads for delta (fp32 copy if delta_fp32, else empty), and lse."""
     B, H, N, D = q.shape
     o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
@@ -330,13 +347,13 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     _fwd_kernel[grid](q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                       H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol),
                       HEAD_DIM=D, BLOCK_M=FWD_BLOCK_M, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix,
-                      PAPER=precision == "paper", STORE_O32=delta_fp32, num_warps=8 if D >= 64 else 4,
+                      PAPER=precision == "paper", STORE_O32=delta_fp32, BITS=mantissa_bits, num_warps=8 if D >= 64 else 4,
                       num_stages=1 if INTERPRET else 3)
     return o, o32, lse
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, fix, precision, beta, tol, delta_fp32):
+def _(q, k, v, causal, fix, precision, beta, tol, delta_fp32, mantissa_bits):
     o32_shape = q.shape if delta_fp32 else (0,)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(o32_shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32))
@@ -365,7 +382,7 @@ def _(do, q, k, v, o, lse, causal, precision):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, fix, precision, beta, tol, delta_fp32 = inputs
+    q, k, v, causal, fix, precision, beta, tol, delta_fp32, *_ = inputs
     o, o32, lse = output
     ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)
     ctx.causal, ctx.precision = causal, precision
@@ -374,13 +391,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _do32, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False):
+def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False,
+                    mantissa_bits=0):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
@@ -396,12 +414,14 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         (The official code uses 1e-3; both catch exact ties, this one also every score whose P rounds to 1.)
     delta_fp32: the backward computes delta = rowsum(dO * O) from an fp32 copy of O (the paper's localisation
         control: with it the failure disappears). Costs one extra fp32 store of O.
+    mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
+        mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
     """
-    check_inputs(q, k, v, precision, beta, tol)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"flash_attention needs CUDA tensors (got {q.device}); on CPU run with TRITON_INTERPRET=1 "
                          "or use nanolp.emulate.emulate_attention, which computes the same numbers")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
-    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32)[0]
+    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32, mantissa_bits)[0]

@@ -37,6 +37,7 @@ class GPTConfig:
     fix: bool = False         # the paper's forward fix (kernel and emulate only)
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_fp32: bool = False  # kernel/emulate: compute delta = rowsum(dO * O) from an fp32 O
+    mantissa_bits: int = 0    # kernel/emulate: the amplifier, P and O rounded to fewer bits (0 = off)
 
 
 def causal_scores(q, k):
@@ -65,7 +66,8 @@ def attention(q, k, v, config):
             from kernels import flash_attention as fn
         else:  # the emulation has the kernel's numerics and runs anywhere
             from nanolp.emulate import emulate_attention as fn
-        return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision, delta_fp32=config.delta_fp32)
+        return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision, delta_fp32=config.delta_fp32,
+                  mantissa_bits=config.mantissa_bits)
     if config.attn == "fp32":
         return reference_attention(q, k, v)
     if config.attn == "sdpa":

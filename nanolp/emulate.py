@@ -114,10 +114,11 @@ def _mask(S, col0, n_keys, causal):
     return S.masked_fill(~valid, -math.inf)
 
 
-def forward(q, k, v, causal, fix, precision, beta, tol):
+def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
     """Returns (O in the input dtype, O before its last rounding in fp32, lse in the kernel's units)."""
     dtype = q.dtype
     B, H, N, D = q.shape
+    low = (lambda x: round_mantissa(x, mantissa_bits)) if mantissa_bits else (lambda x: x)   # the amplifier
     q, k, v = q.float(), k.float(), v.float()
     m = torch.full((B, H, N), -math.inf, device=q.device)
     l = torch.zeros((B, H, N), device=q.device)
@@ -133,11 +134,11 @@ def forward(q, k, v, causal, fix, precision, beta, tol):
             alpha = _exp2(m - m_new)
             P = _exp2(S - m_new.unsqueeze(-1))
             l = l * alpha + _rowsum(P)
-            acc = acc * alpha.unsqueeze(-1) + _dot(_round(P, dtype), vt)   # P rounded right before P V
+            acc = acc * alpha.unsqueeze(-1) + _dot(_round(low(P), dtype), vt)   # P rounded right before P V
         else:  # "paper": every intermediate held in the input dtype, as under bf16 autocast in PyTorch
             m_new = _round(torch.maximum(m, r), dtype)
             alpha = _round(_exp(_round(m - m_new, dtype)), dtype)
-            P = _round(_exp(_round(S - m_new.unsqueeze(-1), dtype)), dtype)
+            P = _round(low(_exp(_round(S - m_new.unsqueeze(-1), dtype))), dtype)
             l = _round(_round(alpha * l, dtype) + _round(_rowsum(P), dtype), dtype)
             acc = _round(_round(acc * alpha.unsqueeze(-1), dtype) + _round(_dot(P, vt), dtype), dtype)
         m = m_new
@@ -167,8 +168,8 @@ def backward(q, k, v, o, lse, do, causal, precision):
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_fp32):
-        o, o32, lse = forward(q, k, v, causal, fix, precision, beta, tol)
+    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_fp32, mantissa_bits):
+        o, o32, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits)
         ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)
         ctx.args = (causal, precision)
         return o
@@ -177,11 +178,13 @@ class _EmulatedAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), None, None, None, None, None, None)
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 7)
 
 
-def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False):
+def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False,
+                      mantissa_bits=0):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
-    check_inputs(q, k, v, precision, beta, tol)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
     with torch.autocast(q.device.type, enabled=False):
-        return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32)
+        return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32,
+                                        mantissa_bits)

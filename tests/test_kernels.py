@@ -70,7 +70,7 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
-    o, _, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False)
+    o, _, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
     o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
@@ -83,9 +83,23 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     monkeypatch.setattr(kernels, "FWD_BLOCK_M", 128)
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in (False, True):
-        o, _, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False)
+        o, _, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
         o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("fix", [False, True])
+def test_forward_bitwise_fewer_mantissa_bits(precision, fix):
+    """The amplifier (P rounded to 3 mantissa bits before P V, as in FP8 e4m3 attention) is emulated exactly."""
+    q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
+    k[..., 7, :] = k[..., 9, :]
+    o, _, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 3)
+    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3)
+    assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
+    o_bf16, _, _ = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
+    assert not torch.equal(o, o_bf16), "the amplifier must change the result"
 
 
 # -------------------------------------------------------------------------------------------------------

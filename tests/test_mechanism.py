@@ -66,7 +66,7 @@ def measure(precision, n_tied, fix, seed=0):
     q, k, v = tied_rows(ROWS, n_tied, generator=g)
     do = (torch.randn(v.shape, generator=g) * 0.5 + 1.0).to(torch.bfloat16)
     o, _, _ = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix, precision, 2.0,
-                                 kernels.TIE_TOL, False)
+                                 kernels.TIE_TOL, False, 0)
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
         assert torch.equal(o, emulate.forward(q, k, v, False, fix, precision, 2.0, kernels.TIE_TOL)[0])
