@@ -4,7 +4,7 @@
     python analyze.py runs/a runs/b --out f  just these runs, figures and report.md into f/
     python analyze.py --mechanism            the bias on controlled inputs and on a checkpoint
 
-The story the figures follow (see docs/MECHANISM.md): with the fix off, delta = rowsum(dO * O)
+The story the figures follow (see README.md): with the fix off, delta = rowsum(dO * O)
 carries a same-signed error, which grows the spectral norm of W_Q and W_K in one layer, which
 raises the attention logits, which makes rows with several tied maxima (the tie rate) common,
 which makes the error larger, until the loss explodes. Each figure shows one link of that cycle.
@@ -21,7 +21,8 @@ import numpy as np
 from matplotlib.lines import Line2D
 from tqdm import tqdm
 
-from nanolp.plots import auto_log_scale, family, legend, plot_grid, run_styles, save
+from nanolp.plots import (auto_log_scale, family, fix_word, flag, legend, mantissa_bits, plot_grid,
+                          run_styles, save)
 from nanolp.runs import find_runs, load_run
 
 # -----------------------------------------------------------------------------
@@ -48,11 +49,12 @@ def plot_loss(runs, styles, path):
     axes[0].set_title("loss against step")
     axes[1].set_title("loss against wall-clock time")
     fig.tight_layout()
-    legend(fig, runs, styles, extra=[
-        Line2D([], [], color="k", linewidth=0.8, alpha=0.45, label="train loss"),
-        Line2D([], [], color="k", linewidth=2.0, label="val loss"),
-        Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9,
-               label="collapse (summary.json)")])
+    extra = [Line2D([], [], color="k", linewidth=0.8, alpha=0.45, label="train loss"),
+             Line2D([], [], color="k", linewidth=2.0, label="val loss")]
+    if any(run.collapse_step is not None for run in runs):
+        extra.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9,
+                            label="collapse (summary.json)"))
+    legend(fig, runs, styles, extra=extra)
     return save(fig, path)
 
 
@@ -149,8 +151,9 @@ def fmt(value, spec):
 
 
 def run_table(runs):
-    lines = ["| run | fix | backend | precision | seed | collapsed | final val loss | tokens/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | fix | backend | precision | P bits | delta fp32 | seed | collapsed | final val loss "
+             "| tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         if not run.summary:
             collapsed = "n/a (no summary.json)"
@@ -159,7 +162,10 @@ def run_table(runs):
         else:
             collapsed = (f"step {run.collapse_step}, "
                          f"{fmt(run.summary.get('collapse_minute'), '.1f')} min")
-        cells = [f"`{run.name}`", run.setting("fix"), run.setting("attn"), run.setting("precision"),
+        known = bool(run.config or run.summary)  # a run in progress may have neither file yet
+        cells = [f"`{run.name}`", fix_word(run) if known else None, run.setting("attn"),
+                 run.setting("precision"), (mantissa_bits(run) or "-") if known else None,
+                 ("yes" if flag(run, "delta_fp32") else "no") if known else None,
                  run.setting("seed"), collapsed, fmt(run.final_val_loss, ".4f"),
                  fmt(run.tokens_per_s, ",.0f")]
         lines.append("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")
@@ -218,12 +224,18 @@ def analyze_runs(runs, out, warn_k):
 
 def update_report(path, section):
     """Write `section` (markdown lines starting with a '## ' heading) into report.md, replacing
-    the section of the same heading and keeping the others."""
+    the section of the same heading where it stands (appending it if there is none) and keeping
+    the others."""
     text = path.read_text() if path.exists() else "# nanolp report\n"
     parts = [part.strip("\n") for part in text.split("\n## ")]
     title, others = parts[0], ["## " + part for part in parts[1:]]
-    others = [part for part in others if part.split("\n")[0] != section[0]]
-    path.write_text("\n\n".join([title] + others + ["\n".join(section)]) + "\n")
+    new = "\n".join(section)
+    headings = [part.split("\n")[0] for part in others]
+    if section[0] in headings:  # in place, so that the order of the sections stays as it was
+        others[headings.index(section[0])] = new
+    else:
+        others.append(new)
+    path.write_text("\n\n".join([title] + others) + "\n")
 
 
 def main(argv=None):

@@ -1,8 +1,11 @@
 """The shared look of analyze.py's figures, and the one plotting routine most of them use.
 
 Colour says what kind of attention a run used, the same in every figure: our flash attention
-with the fix off is red, with the fix on blue, the fp32 reference green, torch SDPA grey.
-Shades within a colour separate variants (e.g. precision "fa2" and "paper"); line style is the seed.
+with the fix off is red, with the fix on blue, torch SDPA grey. The mechanism controls are green:
+fp32 attention in pure greens, delta = rowsum(dO * O) taken from an fp32 O (delta_fp32) in
+olive greens. Shades within a colour separate variants (precision "fa2" / "paper", the
+amplifier's mantissa_bits); line style is the seed, and also cycles once a family runs out of shades.
+A config key missing from an older run reads as 0 / False.
 """
 
 import matplotlib
@@ -13,13 +16,28 @@ import numpy as np
 from matplotlib.lines import Line2D
 
 PALETTE = {
-    "fix off": ["tab:red", "darkred", "lightcoral", "orangered"],
-    "fix on": ["tab:blue", "navy", "lightskyblue", "tab:cyan"],
-    "fp32": ["tab:green", "darkgreen", "yellowgreen"],
+    "fix off": ["tab:red", "darkred", "lightcoral", "orangered", "firebrick", "salmon"],
+    "fix on": ["tab:blue", "navy", "lightskyblue", "tab:cyan", "royalblue", "steelblue"],
+    "fp32": ["tab:green", "darkgreen", "seagreen"],
+    "delta fp32": ["olivedrab", "yellowgreen", "darkolivegreen"],
     "sdpa": ["dimgray", "black", "darkgray", "tab:brown"],
 }
 LINESTYLES = ["-", "--", ":", "-."]
-MAX_COLS = 6  # panels per figure row; wider grids wrap
+MAX_COLS = 3  # panels per figure row; wider grids wrap (6 layers -> 2 rows of 3)
+
+
+def flag(run, key):
+    """A boolean setting; absent (older runs) reads as False."""
+    value = run.setting(key, False)
+    return value.lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
+
+
+def mantissa_bits(run):
+    """The amplifier: P rounded to this many mantissa bits before P V; 0 (or absent) = plain bf16."""
+    try:
+        return int(run.setting("mantissa_bits", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def family(run):
@@ -29,29 +47,60 @@ def family(run):
         return "fp32"
     if any(word in attn for word in ("sdpa", "torch", "math", "cudnn")):
         return "sdpa"
+    if flag(run, "delta_fp32"):
+        return "delta fp32"
     return "fix on" if str(run.setting("fix", "off")).lower() == "on" else "fix off"
 
 
+def fix_word(run):
+    fix = run.setting("fix", "off")
+    return ("on" if fix else "off") if isinstance(fix, bool) else str(fix)
+
+
 def label(run):
+    """"<attn> <precision> fix <off|on>[ P<bits>b][ delta-fp32] seed <s>" ("fp32 seed 0" for the
+    fp32 reference, which has no fix and no amplifier)."""
     parts = [str(run.setting("attn", "?"))]
-    if family(run) in ("fix off", "fix on"):
-        parts += [str(run.setting("precision", "?")), f"fix {run.setting('fix', '?')}"]
-    return " ".join(parts + [f"seed {run.setting('seed', '?')}"])
+    if family(run) != "fp32":
+        parts += [str(run.setting("precision", "?")), f"fix {fix_word(run)}"]
+        if mantissa_bits(run):
+            parts.append(f"P{mantissa_bits(run)}b")
+        if flag(run, "delta_fp32"):
+            parts.append("delta-fp32")
+    return " ".join(parts + [f"seed {run.setting('seed', 0)}"])
+
+
+def variant(run):
+    """What separates runs of one family by shade: everything in the label but the seed."""
+    return (family(run), str(run.setting("attn")), str(run.setting("precision")), fix_word(run),
+            mantissa_bits(run), flag(run, "delta_fp32"))
 
 
 def run_styles(runs):
-    """Colour and line style of every run, decided once so that all figures agree."""
-    variants = sorted({(family(r), str(r.setting("attn")), str(r.setting("precision"))) for r in runs})
-    seeds = sorted({str(r.setting("seed")) for r in runs})
-    styles = {}
-    for run in runs:
+    """Colour, line style and legend label of every run, decided once so that all figures agree.
+
+    A learning rate other than the most common one among `runs` is added to the label. Runs whose
+    labels still coincide (settings the label leaves out, e.g. an older amplifier) get their
+    folder name appended and, after the first, the next line style, so that no two entries read
+    or look the same."""
+    variants = sorted({variant(r) for r in runs}, key=str)
+    seeds = sorted({str(r.setting("seed", 0)) for r in runs})
+    rates = [r.setting("lr") for r in runs]
+    usual_lr = max(set(rates), key=rates.count, default=None) if rates else None
+    labels = [label(r) + (f" lr {r.setting('lr'):g}" if isinstance(r.setting("lr"), (int, float))
+                          and r.setting("lr") != usual_lr else "") for r in runs]
+    styles, seen = {}, []
+    for run, text in zip(runs, labels):
         kind = family(run)
-        shade = [v for v in variants if v[0] == kind].index(
-            (kind, str(run.setting("attn")), str(run.setting("precision"))))
+        shade = [v for v in variants if v[0] == kind].index(variant(run))
+        palette = PALETTE[kind]
+        twin = (variant(run), str(run.setting("seed", 0)))
+        dash = seeds.index(str(run.setting("seed", 0))) + shade // len(palette) + seen.count(twin)
+        seen.append(twin)
         styles[run.path] = dict(
-            color=PALETTE[kind][shade % len(PALETTE[kind])],
-            linestyle=LINESTYLES[seeds.index(str(run.setting("seed"))) % len(LINESTYLES)],
-            label=label(run))
+            color=palette[shade % len(palette)],
+            linestyle=LINESTYLES[dash % len(LINESTYLES)],
+            label=text if labels.count(text) == 1 else f"{text} ({run.name})")
     return styles
 
 
@@ -69,7 +118,7 @@ def legend(fig, runs, styles, extra=()):
 
 
 def save(fig, path):
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -78,7 +127,7 @@ def plot_grid(runs, styles, panels, title, ylabel, path, transform=None):
     """One panel per log column (`panels` is a list of rows of column names), every run in each."""
     rows = [row[i:i + MAX_COLS] for row in panels for i in range(0, len(row), MAX_COLS)]
     ncols = max(len(row) for row in rows)
-    fig, axes = plt.subplots(len(rows), ncols, figsize=(3.2 * ncols, 2.6 * len(rows) + 0.6),
+    fig, axes = plt.subplots(len(rows), ncols, figsize=(4.0 * ncols, 2.9 * len(rows) + 0.6),
                              squeeze=False)
     for row, row_axes in zip(rows, axes):
         for column, ax in zip(row, row_axes):

@@ -12,9 +12,9 @@ SMALL = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)
 BF16 = torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def small_gpt(attn="sdpa", **kw):
+def small_gpt(attn="sdpa"):
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{**SMALL, **kw}, attn=attn))
+    return GPT(GPTConfig(**SMALL, attn=attn))
 
 
 def batch(B=4, T=64):
@@ -29,8 +29,7 @@ def test_shapes_and_tied_embeddings():
     assert logits.shape == (3, 40, 65)
     assert abs(loss.item() - math.log(65)) < 0.1  # small init: close to a uniform guess
     assert model(x)[1] is None
-    assert model.lm_head.weight is model.transformer.wte.weight
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in model.state_dict().values()) - 65 * 64
+    assert model.lm_head.weight is model.transformer.wte.weight  # one matrix, counted once by parameters()
 
 
 def qkv(logit_scale=1.0, B=2, H=2, T=64, D=32):
@@ -45,7 +44,7 @@ def test_backends_agree_with_fp32_reference(attn):
     config = GPTConfig(**SMALL, attn=attn)
     ref = reference_attention(q, k, v).float()
     out = attention(q, k, v, config).float()
-    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert out.shape == ref.shape
     # one bf16 rounding of O (and of P in the flash algorithm) apart: relative 2^-8 per element at most
     assert (out - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()
 
