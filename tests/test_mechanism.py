@@ -22,7 +22,7 @@ Measured with the emulation (bit-identical to the kernel under the interpreter),
     delta follows O (about 64x larger: dO ~ 1 summed over 64 features).
 
 Thresholds, checked over 30 seeds at 1024 rows with the emulation (worst seed in brackets):
-  paper, k = 2 and 4, fix off: mean < 0 (away from zero, as MECHANISM.md predicts) and |mean| > 5 s.e. [t = 50]
+  paper, k = 2 and 4, fix off: mean < 0 (away from zero, as the paper predicts) and |mean| > 5 s.e. [t = 50]
   paper, k = 2 and 4, fix on:  |mean| at least 3x smaller                                           [4.2x]
   fa2, k = 2: fix off mean > 0 (TOWARD zero: the sign differs) and > 5 s.e. [t = 48]; fix on 3x smaller [3.9x]
 The same holds for delta (worst seeds: t = 43, factors 4.4 / 3.9).
