@@ -243,6 +243,9 @@ def main(argv=None):
     (run_dir / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     print(f"{run_dir}: {sum(p.numel() for p in params) / 1e6:.2f}M parameters, attention {c['attn']}, "
           f"fix {c['fix']}, {c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")
+    if device.type == "cpu" and c["preset"] != "tiny":
+        print("note: this preset is sized for a GPU; on a CPU one step can take many seconds "
+              "(try --preset tiny, or --dtype fp32 --attn sdpa)")
 
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bf16" else nullcontext()
     train_model = torch.compile(model) if c["compile"] else model  # diagnostics use the plain model (hooks)
