@@ -1,9 +1,10 @@
 """The rounding bias itself, shown without training: `python analyze.py --mechanism`.
 
 1. The paper's worked example: one fp32 sum rounded to bf16, with the project's own rounding.
-2. Controlled inputs: rows with k tied maxima and mostly negative V. The error of O and of
-   delta = rowsum(dO * O) against float64, fix off and on, precision "paper" and "fa2", and how the
-   mean error grows with k.
+2. Controlled inputs (nanolp.tied, as in tests/test_mechanism.py): independent rows, each with its own
+   k tied maxima, the other keys 12-18 nats below, mostly negative V. The error of O and of
+   delta = rowsum(dO * O) against float64, fix off and on, precision "paper" and "fa2", as a function of
+   k: per-row mean error, then its mean and standard error over the rows.
 3. A checkpoint of a real run: the mean signed delta error per layer and head (the paper's Fig. 5).
 
 The attention is kernels.flash_attention on a GPU and its PyTorch emulation elsewhere; both have the
@@ -23,13 +24,15 @@ from tqdm import tqdm
 from model import GPT, GPTConfig
 from nanolp.data import get_batch, prepare
 from nanolp.diagnostics import capture_attention
-from nanolp.emulate import TILE_N, emulate_attention, round_bf16
+from nanolp.emulate import emulate_attention, round_bf16
 from nanolp.plots import save
+from nanolp.tied import INPUTS, grad_out, mean_error, reference, tied_rows
 
 PRECISIONS = ("paper", "fa2")
 FIXES = (False, True)
 COLORS = {False: "tab:red", True: "tab:blue"}  # fix off / on, as in the run figures
-TIES = (1, 2, 4, 8, 16)  # numbers of tied maxima per row
+TIES = (1, 2, 3, 4, 8, 16)  # numbers of tied maxima per row (3: the case the fix makes worse in "paper" mode)
+ROWS = 65536  # independent tied rows per k (nanolp.tied.tied_rows); ~15 s for all k on 2 CPU cores
 PAPER_SUM = -4.70399  # the fp32 sum of P V terms in the paper's worked example, to its printed digits
 
 
@@ -64,40 +67,6 @@ def worked_example():
 # 2. Rows with k tied maxima
 
 
-def tied_inputs(k, batch=8, heads=8, n=128, dim=64, score=12.0, seed=0, device="cpu"):
-    """q, k, v, dO (batch, heads, n, dim) in bf16 where every query row has exactly k tied maximal scores.
-
-    Every query is a * u plus noise for one unit vector u; keys 0..k-1 are the identical vector a * u,
-    so their scores are bit-identical, about `score` nats, far above the other keys' scores (about 5
-    at most): the tied keys hold the row max and all other P entries are tiny. Adjacent tied keys share
-    a key tile, where the per-tile fix can see them. V ~ N(-0.5, 1) makes most values negative, like the
-    paper's failing feature; dO ~ N(0.5, 1) is a gradient that, like a real one, has a preferred sign.
-    All rows of a head share the tied keys' V, so it takes many (batch, head) pairs to average over V.
-    """
-    assert k <= TILE_N, "the tied keys must share one key tile for the per-tile fix to see them"
-    gen = torch.Generator().manual_seed(seed)
-    a = math.sqrt(score * math.sqrt(dim))  # (a u).(a u) / sqrt(dim) = score
-    u = torch.randn(dim, generator=gen)
-    hot = a * u / u.norm()
-    shape = (batch, heads, n, dim)
-    q = hot + torch.randn(shape, generator=gen)
-    keys = torch.randn(shape, generator=gen)
-    keys[:, :, :k] = hot
-    v = torch.randn(shape, generator=gen) - 0.5
-    do = torch.randn(shape, generator=gen) + 0.5
-    return [t.to(device, torch.bfloat16) for t in (q, keys, v, do)]
-
-
-def reference(q, k, v, causal):
-    """Softmax attention in float64 from the same (rounded) inputs: the exact answer to compare with."""
-    q, k, v = (t.double() for t in (q, k, v))
-    S = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        n = S.shape[-1]
-        S = S.masked_fill(torch.ones(n, n, dtype=torch.bool, device=S.device).triu(1), -math.inf)
-    return S.softmax(-1) @ v
-
-
 @torch.no_grad()
 def delta_errors(attend, q, k, v, do, precision, fix, causal):
     """Errors of O and of delta = rowsum(dO * O) against float64. delta is computed as the kernel's
@@ -109,52 +78,71 @@ def delta_errors(attend, q, k, v, do, precision, fix, causal):
     return o.double() - o64, delta - delta64
 
 
-def tied_rows_experiment(attend, device, ties=TIES, **shape):
-    """{(precision, fix, k): (O errors, delta errors)} as flat numpy arrays."""
+def tied_rows_experiment(attend, device, ties=TIES, rows=ROWS, head_dim=64, seed=0):
+    """{(precision, fix, k): (O error, delta error)}, each a numpy array of one number per row: the row's mean
+    error over its features for O, its error for delta. The inputs are nanolp.tied's (independent rows, each
+    with its own k tied maxima); the same seed for every k, as tests/test_mechanism.py does."""
     results = {}
-    for k in tqdm(ties, desc="tied rows (k)"):
-        q, keys, v, do = tied_inputs(k, device=device, **shape)
+    for k in tqdm(ties, desc=f"tied rows (k), {rows} rows"):
+        g = torch.Generator().manual_seed(seed)
+        q, keys, v = tied_rows(rows, k, head_dim=head_dim, generator=g)
+        do = grad_out(v.shape, generator=g)
+        q, keys, v, do = (t.to(device) for t in (q, keys, v, do))
         for precision in PRECISIONS:
             for fix in FIXES:
                 err_o, err_delta = delta_errors(attend, q, keys, v, do, precision, fix, causal=False)
-                results[precision, fix, k] = (err_o.cpu().numpy().ravel(), err_delta.cpu().numpy().ravel())
+                results[precision, fix, k] = (err_o.mean(-1).cpu().numpy().ravel(),
+                                              err_delta.cpu().numpy().ravel())
     return results
+
+
+def stats(per_row):
+    """Mean and standard error over rows (nanolp.tied.mean_error)."""
+    return mean_error(torch.from_numpy(per_row))
 
 
 def plot_error_histograms(results, k, path):
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for col, precision in enumerate(PRECISIONS):
-        for row, name in enumerate(("O", "delta = rowsum(dO * O)")):
+        for row, name in enumerate(("O (mean over the row's features)", "delta = rowsum(dO * O)")):
             ax = axes[row, col]
             errors = [results[precision, fix, k][row] for fix in FIXES]
             bins = np.histogram_bin_edges(np.concatenate(errors), bins=60)
             for fix, err in zip(FIXES, errors):
+                mean, se = stats(err)
                 ax.hist(err, bins=bins, alpha=0.5, color=COLORS[fix],
-                        label=f"{tag(precision, fix)}: mean {err.mean():+.2e}")
-                ax.axvline(err.mean(), color=COLORS[fix], linestyle="--")
-            ax.set_title(f"error of {name}, precision {precision}", fontsize=10)
+                        label=f"{tag(precision, fix)}: mean {mean:+.2e} (s.e. {se:.1e})")
+                ax.axvline(mean, color=COLORS[fix], linestyle="--")
+            ax.axvline(0, color="k", linewidth=0.5)
+            ax.set_title(f"per-row error of {name}, precision {precision}", fontsize=10)
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 2))
             ax.set_xlabel("low-precision minus float64")
-            ax.set_ylabel("count")
+            ax.set_ylabel("rows")
             ax.legend(fontsize=8)
-    fig.suptitle(f"rows with k = {k} tied maxima, V ~ N(-0.5, 1), dO ~ N(0.5, 1)")
+    n = len(results[PRECISIONS[0], FIXES[0], k][0])
+    fig.suptitle(f"{n} rows, each with k = {k} tied maxima; {INPUTS}", fontsize=11)
     fig.tight_layout()
     return save(fig, path)
 
 
 def plot_error_vs_k(results, ties, path):
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, row, name in ((axes[0], 0, "O"), (axes[1], 1, "delta")):
         for precision, linestyle in zip(PRECISIONS, ("-", "--")):
             for fix in FIXES:
-                means = [results[precision, fix, k][row].mean() for k in ties]
-                ax.plot(ties, means, marker="o", color=COLORS[fix], linestyle=linestyle,
-                        label=tag(precision, fix))
+                means, ses = zip(*(stats(results[precision, fix, k][row]) for k in ties))
+                ax.errorbar(ties, means, yerr=2 * np.array(ses), marker="o", color=COLORS[fix],
+                            linestyle=linestyle, capsize=3, label=tag(precision, fix))
         ax.axhline(0, color="k", linewidth=0.5)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ties, [str(k) for k in ties])
         ax.set_xlabel("k, tied maxima per row")
         ax.set_ylabel(f"mean signed error of {name}")
-        ax.set_title(f"mean error of {name} against float64")
-        ax.legend(fontsize=8)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        ax.set_title(f"mean error of {name} against float64 (bars: 2 s.e.)", fontsize=10)
+        ax.legend(fontsize=8, handlelength=3)
+    n = len(results[PRECISIONS[0], FIXES[0], ties[0]][0])
+    fig.suptitle(f"{n} rows with k tied maxima; {INPUTS}", fontsize=11)
     fig.tight_layout()
     return save(fig, path)
 
@@ -232,9 +220,11 @@ def plot_per_head(errors, title, path):
 # All three, as figures and one section of report.md
 
 
-def demonstrate(runs, out, checkpoint=None, hist_k=2, **shape):
+def demonstrate(runs, out, checkpoint=None, hist_k=2, **tied):
     attend, device = attention_backend()
-    lines = ["## Mechanism", "", f"Attention: {attend.__module__}.{attend.__name__} on {device}.", "",
+    emulated = (" (the kernel's PyTorch emulation: same rounding points, so the kernel's numbers)"
+                if device == "cpu" else "")
+    lines = ["## Mechanism", "", f"Attention: {attend.__module__}.{attend.__name__} on {device}{emulated}.", "",
              "### One rounding (the paper's worked example)", ""]
     ex = worked_example()
     print(f"fp32 sum {ex['fp32']:.7f} -> bf16 {ex['bf16']:.5f}, error {ex['error']:+.5f}")
@@ -243,18 +233,23 @@ def demonstrate(runs, out, checkpoint=None, hist_k=2, **shape):
                  f"{abs(ex['fp32'] - ex['midpoint']):.5f} past their midpoint {ex['midpoint']:.6f}, "
                  f"on the side away from zero, so it rounds away from zero by almost half a step.")
 
-    results = tied_rows_experiment(attend, device, **shape)
+    results = tied_rows_experiment(attend, device, **tied)
     ties = sorted({key[2] for key in results})
     figures = [plot_error_histograms(results, hist_k, out / "mechanism_error_hist.png"),
                plot_error_vs_k(results, ties, out / "mechanism_error_vs_k.png")]
     combos = [(p, f) for p in PRECISIONS for f in FIXES]
-    lines += ["", "### Rows with k tied maxima (V ~ N(-0.5, 1), dO ~ N(0.5, 1))", "",
-              "Mean signed error of O / of delta against float64:", "",
-              "| k | " + " | ".join(tag(p, f) for p, f in combos) + " |",
-              "|---|" + "---|" * len(combos)]
-    for k in ties:
-        lines.append(f"| {k} | " + " | ".join(
-            f"{results[p, f, k][0].mean():+.2e} / {results[p, f, k][1].mean():+.2e}" for p, f in combos) + " |")
+    n = len(results[PRECISIONS[0], FIXES[0], ties[0]][0])
+    lines += ["", f"### Rows with k tied maxima ({INPUTS})", "",
+              f"{n} independent rows per k (`nanolp.tied.tied_rows`: each row its own one-hot query, its own max "
+              "and its own k tied keys; scores exact in bf16), computed with the attention named above. "
+              "Per-row mean error against float64, then its mean over the rows (standard error in brackets)."]
+    for row, name in ((0, "O"), (1, "delta = rowsum(dO * O)")):
+        lines += ["", f"Mean signed error of {name}:", "",
+                  "| k | " + " | ".join(tag(p, f) for p, f in combos) + " |",
+                  "|---|" + "---|" * len(combos)]
+        for k in ties:
+            lines.append(f"| {k} | " + " | ".join(
+                "{:+.2e} ({:.1e})".format(*stats(results[p, f, k][row])) for p, f in combos) + " |")
 
     lines += ["", "### Per layer and head, on a checkpoint (the paper's Fig. 5)", ""]
     lines += checkpoint_section(attend, device, checkpoint or pick_checkpoint(runs), out, figures)

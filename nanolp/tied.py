@@ -6,9 +6,15 @@ import math
 
 import torch
 
+V_MEAN, V_STD = -1.0, 0.5     # V ~ N(-1, 0.5): mostly negative, like the paper's failing feature
+DO_MEAN, DO_STD = 1.0, 0.5    # dO ~ N(1, 0.5): a gradient with a preferred sign
+GAP_RANGE = (12.0, 18.0)      # nats between a row's tied max and its other keys
+INPUTS = (f"V ~ N({V_MEAN:g}, {V_STD:g}), dO ~ N({DO_MEAN:g}, {DO_STD:g}), "
+          f"other keys {GAP_RANGE[0]:g}-{GAP_RANGE[1]:g} nats below")
 
-def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0), gap_range=(12.0, 18.0),
-              v_mean=-1.0, v_std=0.5, dtype=torch.bfloat16):
+
+def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0), gap_range=GAP_RANGE,
+              v_mean=V_MEAN, v_std=V_STD, dtype=torch.bfloat16):
     """q, k, v of shape (n_rows // head_dim, 1, head_dim, head_dim): every query row has its own n_tied tied maxima.
 
     Row i of each block of head_dim rows is q_i = sqrt(d) e_i, so its scaled score with key j is exactly k_j[i]:
@@ -19,8 +25,9 @@ def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0
       - the other keys' scores M - gap, gap uniform in gap_range (rounded to bf16). Gaps of >= ~10 nats make the
         other keys' P tiny next to the tied ones, the regime where they only tip roundings; at a few nats below
         (gap_range (1, 8)) their sum is comparable to the tied P and no clean bias shows.
-    V ~ N(v_mean, v_std) (mostly negative by default, like the paper's failing feature). The rows of one block
-    share their keys' V, nothing else. head_dim must be 16 or 64 (sqrt(head_dim) a power of two: exact scores).
+    V ~ N(v_mean, v_std) (mostly negative by default, like the paper's failing feature; dO: grad_out). The rows
+    of one block share their keys' V, nothing else. head_dim must be 16 or 64 (sqrt(head_dim) a power of two:
+    exact scores).
     """
     assert head_dim in (16, 64), "head_dim 16 or 64: scores are exact only when sqrt(head_dim) is a power of two"
     assert n_rows % head_dim == 0 and 1 <= n_tied <= head_dim
@@ -38,10 +45,19 @@ def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0
     return q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
 
 
-def reference(q, k, v):
-    """softmax(q k^T / sqrt(d)) v in float64 from the same bf16 inputs (non-causal)."""
+def grad_out(shape, generator=None, mean=DO_MEAN, std=DO_STD, dtype=torch.bfloat16):
+    """dO ~ N(mean, std) in bf16, drawn after tied_rows from the same generator."""
+    return (torch.randn(shape, generator=generator) * std + mean).to(dtype)
+
+
+def reference(q, k, v, causal=False):
+    """softmax(q k^T / sqrt(d)) v in float64 from the same (rounded) inputs: the exact answer to compare with."""
     q, k, v = (t.double() for t in (q, k, v))
-    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+    S = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = S.shape[-1]
+        S = S.masked_fill(torch.ones(n, n, dtype=torch.bool, device=S.device).triu(1), -math.inf)
+    return S.softmax(-1) @ v
 
 
 def mean_error(err):

@@ -51,7 +51,7 @@ import torch
 
 import kernels
 from nanolp import emulate
-from nanolp.tied import mean_error, reference, tied_rows
+from nanolp.tied import grad_out, mean_error, reference, tied_rows
 
 ROWS = 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,7 +64,7 @@ def measure(precision, n_tied, fix, seed=0):
     """(mean, s.e.) of the error of O and of delta = rowsum(dO * O), kernel against float64."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = tied_rows(ROWS, n_tied, generator=g)
-    do = (torch.randn(v.shape, generator=g) * 0.5 + 1.0).to(torch.bfloat16)
+    do = grad_out(v.shape, generator=g)
     o, _, _ = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix, precision, 2.0,
                                  kernels.TIE_TOL, False, 0)
     o = o.cpu()
