@@ -27,7 +27,8 @@ def run(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "DATA_DIR", tmp_path / "data")  # keep the token cache out of the repository
 
     def run(name, *flags):
-        train.main(["--preset", "tiny", "--attn", "sdpa", "--data", str(text), "--out", str(tmp_path / "runs"),
+        train.main(["--preset", "tiny", "--attn", "sdpa", "--device", "cpu", "--data", str(text),
+                    "--out", str(tmp_path / "runs"),
                     "--name", name, "--batch-size", "8", "--block-size", "32", "--log-interval", "10",
                     "--eval-interval", "20", "--diag-interval", "20", "--ckpt-interval", "20", *flags])
         return tmp_path / "runs" / name
