@@ -324,10 +324,20 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0):
         raise ValueError(f"mantissa_bits must be 0 (off) or 1-6, got {mantissa_bits}")
 
 
-def fix_constants(precision, tol):
-    """The fix's constants in the kernel's units (log2 units in "fa2"), computed once, in float64."""
+def fix_constants(precision, tol, mantissa_bits=0):
+    """The fix's constants in the kernel's units (log2 units in "fa2"), computed once, in float64.
+
+    tol and the shift's lower bound are set for P in bf16 (7 mantissa bits). The amplifier rounds P to fewer
+    bits, which widens the band of scores whose P rounds to exactly 1.0 by 2^(7 - bits); both widen with it,
+    or the fix would miss most of the near-ties the amplifier creates and shift some maxima by too little."""
     unit = LOG2E if precision == "fa2" else 1.0
-    return tol * unit, SHIFT_LO * unit, SHIFT_HI * unit, (SHIFT_HI - SHIFT_LO) * unit
+    lo = SHIFT_LO * widening(mantissa_bits)
+    return tol * widening(mantissa_bits) * unit, lo * unit, SHIFT_HI * unit, (SHIFT_HI - lo) * unit
+
+
+def widening(mantissa_bits):
+    """How much wider than in bf16 the band of scores is whose P rounds to 1.0, with P at mantissa_bits bits."""
+    return 2.0 ** (7 - mantissa_bits) if mantissa_bits else 1.0
 
 
 def qk_scale(head_dim, precision):
@@ -345,7 +355,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(N, FWD_BLOCK_M), B * H)
     _fwd_kernel[grid](q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                      H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol),
+                      H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, mantissa_bits),
                       HEAD_DIM=D, BLOCK_M=FWD_BLOCK_M, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix,
                       PAPER=precision == "paper", STORE_O32=delta_fp32, BITS=mantissa_bits, num_warps=8 if D >= 64 else 4,
                       num_stages=1 if INTERPRET else 3)
@@ -416,6 +426,7 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         control: with it the failure disappears). Costs one extra fp32 store of O.
     mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
         mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
+        The fix's tol and shift range widen to match (fix_constants).
     """
     check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
     if q.device.type != "cuda" and not INTERPRET:

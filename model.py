@@ -37,7 +37,7 @@ class GPTConfig:
     fix: bool = False         # the paper's forward fix (kernel and emulate only)
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_fp32: bool = False  # kernel/emulate: compute delta = rowsum(dO * O) from an fp32 O
-    mantissa_bits: int = 0    # kernel/emulate: the amplifier, P and O rounded to fewer bits (0 = off)
+    mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
 
 
 def causal_scores(q, k):

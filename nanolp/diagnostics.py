@@ -3,6 +3,7 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
 
     max_logit   largest scaled score q.k/sqrt(d) in a layer: the logits grow before a collapse
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
+                (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits)
     sn_q, sn_k  spectral norms of W_Q and W_K (and of each head's slice of W_Q): the direction the biased
                 gradient grows
     delta_err   mean of rowsum(dO * O) - rowsum(dO * O_fp32): the signed error that reaches dQ and dK
@@ -14,7 +15,7 @@ The names are the column names of log.csv.
 import torch
 
 from model import causal_scores
-from nanolp.emulate import TIE_TOL  # the kernel's tie tolerance: exp(-x) rounds to 1.0 in bf16 below it
+from kernels import TIE_TOL, widening  # the kernel's tie tolerance: exp(-x) rounds to 1.0 in bf16 below it
 
 
 def diag_columns(n_layer, n_head):
@@ -45,11 +46,11 @@ def capture_attention(model, x, y, ctx):
 
 
 @torch.no_grad()
-def attention_stats(q, k, v, O, dO):
-    """max_logit, tie_rate and the per-head delta error of one attention call."""
+def attention_stats(q, k, v, O, dO, tol=TIE_TOL):
+    """max_logit, tie_rate (ties within tol nats) and the per-head delta error of one attention call."""
     S = causal_scores(q, k)  # fp32, -inf above the diagonal
     row_max = S.amax(dim=-1, keepdim=True)
-    tied = (S >= row_max - TIE_TOL).sum(dim=-1) >= 2  # -inf entries never count: row_max is finite
+    tied = (S >= row_max - tol).sum(dim=-1) >= 2  # -inf entries never count: row_max is finite
     O_fp32 = S.softmax(dim=-1) @ v.float()
     delta_lp = (dO.float() * O.float()).sum(dim=-1)
     delta_fp32 = (dO.float() * O_fp32).sum(dim=-1)
@@ -75,7 +76,7 @@ def diagnose(model, x, y, ctx):
     ctx is the autocast context of training, so attention sees the same dtypes as in a training step."""
     out = spectral_norms(model)
     for i, call in enumerate(capture_attention(model, x, y, ctx)):
-        max_logit, tie_rate, delta_err = attention_stats(*call)
+        max_logit, tie_rate, delta_err = attention_stats(*call, tol=TIE_TOL * widening(model.config.mantissa_bits))
         out.update({f"max_logit_L{i}": max_logit, f"tie_rate_L{i}": tie_rate, f"delta_err_L{i}": delta_err.mean()})
         out.update({f"delta_err_L{i}_H{h}": d for h, d in enumerate(delta_err)})
     names = list(out)

@@ -128,7 +128,7 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
         S = _mask(_scores(q, kt, precision, dtype), col0, N, causal)
         r = S.amax(-1)
         if fix:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
-            r = shifted_max(S, r, beta, *fix_constants(precision, tol))
+            r = shifted_max(S, r, beta, *fix_constants(precision, tol, mantissa_bits))
         if precision == "fa2":
             m_new = torch.maximum(m, r)
             alpha = _exp2(m - m_new)

@@ -14,7 +14,7 @@ INPUTS = (f"V ~ N({V_MEAN:g}, {V_STD:g}), dO ~ N({DO_MEAN:g}, {DO_STD:g}), "
 
 
 def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0), gap_range=GAP_RANGE,
-              v_mean=V_MEAN, v_std=V_STD, dtype=torch.bfloat16):
+              v_mean=V_MEAN, v_std=V_STD, dtype=torch.bfloat16, tie_gap=0.0):
     """q, k, v of shape (n_rows // head_dim, 1, head_dim, head_dim): every query row has its own n_tied tied maxima.
 
     Row i of each block of head_dim rows is q_i = sqrt(d) e_i, so its scaled score with key j is exactly k_j[i]:
@@ -25,6 +25,8 @@ def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0
       - the other keys' scores M - gap, gap uniform in gap_range (rounded to bf16). Gaps of >= ~10 nats make the
         other keys' P tiny next to the tied ones, the regime where they only tip roundings; at a few nats below
         (gap_range (1, 8)) their sum is comparable to the tied P and no clean bias shows.
+    tie_gap > 0 makes near-ties instead: one key sits at M, the other n_tied - 1 at M - u tie_gap, u uniform in
+    [0, 1) (rounded to bf16; use a small max_range so that bf16 resolves such gaps).
     V ~ N(v_mean, v_std) (mostly negative by default, like the paper's failing feature; dO: grad_out). The rows
     of one block share their keys' V, nothing else. head_dim must be 16 or 64 (sqrt(head_dim) a power of two:
     exact scores).
@@ -38,7 +40,9 @@ def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0
     glo, ghi = gap_range
     S = (M - glo - (ghi - glo) * rand(B, 1, D, D)).to(dtype).float()           # S[b, 0, row, key]
     tied = torch.zeros(B, 1, D, D, dtype=torch.bool).scatter(-1, rand(B, 1, D, D).argsort(-1)[..., :n_tied], True)
+    near = tied & (tied.cumsum(-1) > 1)                                          # all tied keys but the first
     S = torch.where(tied, M, S)
+    S = torch.where(near, (M - tie_gap * rand(B, 1, D, D)).to(dtype).float(), S)
     q = torch.eye(D).expand(B, 1, D, D) * math.sqrt(D)
     k = S.transpose(-1, -2)                                                      # k_j[i] = S[i, j]
     v = torch.randn(B, 1, D, D, generator=generator) * v_std + v_mean

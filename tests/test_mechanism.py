@@ -19,6 +19,9 @@ Measured with the emulation (bit-identical to the kernel under the interpreter),
     fa2    2  +3.9e-4 (se 1.9e-6)   -4.9e-5 (se 1.3e-5)   8
     fa2    4  +1.1e-4               -2.1e-5 (se 1.3e-5)   5
     k = 1 (no tie, the fix does nothing): -4.6e-7 in both modes.
+    fa2, P at 3 bits (the amplifier), k = 2: exact ties +3.8e-4 off, +1.5e-3 on (the fix is worse: exp(-d) rounded
+    to 3 bits has a relative error of up to 6% whose mean over d is not zero); near-ties within 2^-5 nats
+    -7.9e-3 off, +4.6e-4 on (asserted below).
     delta follows O (about 64x larger: dO ~ 1 summed over 64 features).
 
 Thresholds, checked over 30 seeds at 1024 rows with the emulation (worst seed in brackets):
@@ -60,16 +63,17 @@ FACTOR = 3.0     # fix on: |mean| at least 3x smaller
 
 
 @functools.lru_cache(maxsize=None)
-def measure(precision, n_tied, fix, seed=0):
+def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0):
     """(mean, s.e.) of the error of O and of delta = rowsum(dO * O), kernel against float64."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = tied_rows(ROWS, n_tied, generator=g)
+    q, k, v = tied_rows(ROWS, n_tied, generator=g, tie_gap=tie_gap, max_range=(-2.0, 2.0) if tie_gap else (-4.0, 12.0))
     do = grad_out(v.shape, generator=g)
     o, _, _ = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix, precision, 2.0,
-                                 kernels.TIE_TOL, False, 0)
+                                 kernels.TIE_TOL, False, mantissa_bits)
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
-        assert torch.equal(o, emulate.forward(q, k, v, False, fix, precision, 2.0, kernels.TIE_TOL)[0])
+        want = emulate.forward(q, k, v, False, fix, precision, 2.0, kernels.TIE_TOL, mantissa_bits)[0]
+        assert torch.equal(o, want)
     o, o64, do = o.double(), reference(q, k, v), do.double()
     return mean_error(o - o64), mean_error((do * o).sum(-1) - (do * o64).sum(-1))
 
@@ -95,3 +99,14 @@ def test_fa2_tied_rows_biased_toward_zero_and_fix_removes_it(what):
 def test_paper_fix_with_three_tied_maxima():
     (m_off, _), (m_on, _) = measure("paper", 3, False)[0], measure("paper", 3, True)[0]
     assert abs(m_on) * FACTOR < abs(m_off)
+
+
+def test_amplifier_near_ties_fix_widens_with_the_bits():
+    """P at 3 mantissa bits: exp(-x) rounds to 1.0 for x below 2^-5 nats, 16x the bf16 band, so near-ties (the
+    second key up to 2^-5 nats below the max) bias O (-7.9e-3 over 1024 rows, 52 s.e.). The fix's tol and shift
+    widen with the bits (kernels.fix_constants) and remove most of it (3 seeds: 9-72x smaller); with the bf16
+    constants it changed nothing (-7.9e-3)."""
+    assert kernels.fix_constants("paper", kernels.TIE_TOL, 3)[:2] == (2.0 ** -5, 2.0 ** -2)
+    (m_off, se_off), (m_on, _) = (measure("fa2", 2, fix, mantissa_bits=3, tie_gap=2.0 ** -5)[0] for fix in (0, 1))
+    assert m_off < -T_MIN * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed (negative)"
+    assert abs(m_on) * FACTOR < abs(m_off), f"fix on: mean {m_on:.2e} not {FACTOR}x below fix off {m_off:.2e}"
