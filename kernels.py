@@ -291,8 +291,19 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 # ---------------------------------------------------------------------------------------------------------
 # Host side: checks, launches, and registration as a torch custom op (so torch.compile traces around it).
 
-FWD_BLOCK_M = 64 if INTERPRET else 128
-BWD_BLOCK = 64
+# Tuning per head_dim, as (rows per program, warps, pipeline stages). Forward: a program owns BLOCK_M query rows
+# and walks the key tiles (TILE_N keys each, fixed: the fix looks for ties within one tile); 128 rows reuse each
+# loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while this one is
+# multiplied (software pipelining). Backward: 64 x 64 tiles in both passes, which keep dK, dV (or dQ) and the
+# recomputed P in registers. These values are the ones timed in results/bench_baseline.csv (`python -m
+# nanolp.bench`, H200); no per-shape search (autotune) has been run on them yet.
+# Forward rows must be a multiple of TILE_N (the causal split assumes it). Under the CPU interpreter, forward
+# programs own 64 rows and nothing is pipelined.
+FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 3)}
+BWD_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 2), 128: (64, 4, 2)}
+if INTERPRET:
+    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
+    BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
 
 
 def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0):
@@ -353,12 +364,12 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     o32 = torch.empty((B, H, N, D) if delta_fp32 else (0,), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(N, FWD_BLOCK_M), B * H)
-    _fwd_kernel[grid](q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                      H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, mantissa_bits),
-                      HEAD_DIM=D, BLOCK_M=FWD_BLOCK_M, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix,
-                      PAPER=precision == "paper", STORE_O32=delta_fp32, BITS=mantissa_bits, num_warps=8 if D >= 64 else 4,
-                      num_stages=1 if INTERPRET else 3)
+    block_m, warps, stages = FWD_TUNING[D]
+    _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
+        q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, mantissa_bits),
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix, PAPER=precision == "paper",
+        STORE_O32=delta_fp32, BITS=mantissa_bits, num_warps=warps, num_stages=stages)
     return o, o32, lse
 
 
@@ -374,15 +385,17 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                lse: torch.Tensor, causal: bool, precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, H, N, D = q.shape
     do = do.contiguous()
+    block, warps, stages = BWD_TUNING[D]
+    grid = (triton.cdiv(N, block), B * H)
     delta = torch.empty_like(lse)
-    _bwd_delta_kernel[(triton.cdiv(N, BWD_BLOCK), B * H)](o, do, delta, N, HEAD_DIM=D, BLOCK_M=BWD_BLOCK)
+    _bwd_delta_kernel[grid](o, do, delta, N, HEAD_DIM=D, BLOCK_M=block)
     dq, dk, dv = (torch.empty((B, H, N, D), dtype=q.dtype, device=q.device) for _ in range(3))
     args = (q, k, v, do, lse, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, N, qk_scale(D, precision), D ** -0.5)
-    meta = dict(HEAD_DIM=D, BLOCK_M=BWD_BLOCK, BLOCK_N=BWD_BLOCK, CAUSAL=causal, PAPER=precision == "paper",
-                num_warps=4, num_stages=1 if INTERPRET else 2)
-    _bwd_dkdv_kernel[(triton.cdiv(N, BWD_BLOCK), B * H)](*args, dk, dv, *strides, **meta)
-    _bwd_dq_kernel[(triton.cdiv(N, BWD_BLOCK), B * H)](*args, dq, *strides, **meta)
+    meta = dict(HEAD_DIM=D, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal, PAPER=precision == "paper",
+                num_warps=warps, num_stages=stages)
+    _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, **meta)
+    _bwd_dq_kernel[grid](*args, dq, *strides, **meta)
     return dq, dk, dv
 
 

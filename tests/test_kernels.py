@@ -80,7 +80,7 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     """With 128-row query tiles (the GPU's) some rows meet key tiles that are fully masked for them."""
-    monkeypatch.setattr(kernels, "FWD_BLOCK_M", 128)
+    monkeypatch.setitem(kernels.FWD_TUNING, 64, (128, 4, 1))
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in (False, True):
         o, _, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
