@@ -10,7 +10,8 @@ The paper (Qiu & Yao, arXiv 2510.04212): in bf16, a flash-attention forward make
 O when a row of scores has several (near-)equal maxima, because their probabilities P are exactly 1 and the
 rounding of P V then always goes the same way. The backward reads O through delta = rowsum(dO * O), so the
 error reaches dQ and dK with one sign, piles up in W_Q / W_K, logits grow and training collapses. The fix
-moves such a row's max up a little, so no P is exactly 1. See _shifted_max, the only part the fix changes.
+moves such a row's max up a little, so no P is exactly 1. See _shifted_max, the only part the fix changes
+(with one addition to the paper's per-tile rule: ties across key tiles count too).
 
 Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
     S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
@@ -40,23 +41,30 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # THE FIX. One small function, called once per key tile in the forward pass; the backward is unchanged.
 
 @triton.jit
-def _shifted_max(s, r, beta, tol, lo, hi, span):
-    """Row max to subtract from this tile's scores s (r = rowmax(s)), in the units of s.
+def _shifted_max(s, r, t, beta, tol, lo, hi, span):
+    """Row max to subtract from this tile's scores s (r = rowmax(s), t = the raw row max of the earlier tiles),
+    in the units of s; returns it and the new raw row max max(t, r).
 
     Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
     for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
-    Made robust here: when d falls outside [lo, hi) it is folded back into it by lo + fmod(d, hi - lo).
-    - d < lo (a max of 0 or a tiny one): exp(-d) would round back to exactly 1; now d >= lo.
-    - d >= hi (|max| above ~64 with beta 2): exp(-d) would underflow (l = 0, O = 0/0 past ~87 nats).
+    Made robust here:
+    - ties across tiles count too: r within tol of t (a tie the per-tile rule cannot see; with 64-key tiles
+      and 256 keys a row's tied pair shares one tile only a quarter of the time). Shifting this tile is
+      enough: the earlier tile's P = 1 stays in fp32 (acc and l are only rescaled by exp(m - m')), and this
+      tile's P are exp(-d) < 1, rounded both ways.
+    - when d falls outside [lo, hi) it is folded back into it by lo + fmod(d, hi - lo):
+      d < lo (a max of 0 or a tiny one): exp(-d) would round back to exactly 1; now d >= lo.
+      d >= hi (|max| above ~64 with beta 2): exp(-d) would underflow (l = 0, O = 0/0 past ~87 nats).
     - d stays a function of the scores, so the rounding of exp(-d) changes sign from row to row; a constant
       offset would round the same way every time and keep the bias (the paper's appendix).
     - masked scores are -inf and never count; a fully masked tile (r = -inf) is left alone.
     """
     n_near = tl.sum((s >= (r - tol)[:, None]).to(tl.int32), 1)
-    tied = (n_near > 1) & (r > float("-inf"))
+    across = (r >= t - tol) & (t >= r - tol)
+    tied = ((n_near > 1) | across) & (r > float("-inf"))
     d = tl.where(r > 0, (beta - 1.0) * r, -r)
     d = tl.where((d >= lo) & (d < hi), d, lo + d % span)
-    return tl.where(tied, r + d, r)
+    return tl.where(tied, r + d, r), tl.maximum(t, r)
 
 
 @triton.jit
@@ -90,7 +98,7 @@ def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
 # Forward
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
+def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
                qk_scale, beta, tol, lo, hi, span,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr,
                BITS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -113,10 +121,10 @@ def _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, start, st
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             s = tl.where(valid, s, float("-inf"))
-        # m' = max(m, rowmax(S))   (the fix only changes rowmax(S) here)
+        # m' = max(m, rowmax(S))   (the fix only changes rowmax(S) here; t_i: the unshifted running max)
         r = tl.max(s, 1)
         if FIX:
-            r = _shifted_max(s, r, beta, tol, lo, hi, span)
+            r, t_i = _shifted_max(s, r, t_i, beta, tol, lo, hi, span)
         if PAPER:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
@@ -141,7 +149,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, start, st
             acc = acc * alpha[:, None]
             acc = tl.dot(_round_bits(p, BITS).to(q.dtype), v, acc)                    # ROUND: P to bf16
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, t_i
 
 
 @triton.jit
@@ -164,6 +172,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     K_tile = K + b * stride_kb + h * stride_kh
     V_tile = V + b * stride_vb + h * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    t_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Key tiles that need no mask: all full tiles (non-causal) or those left of the diagonal (causal).
@@ -173,12 +182,12 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     else:
         stop_unmasked = (N // BLOCK_N) * BLOCK_N
         stop = N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, 0, stop_unmasked,
-                               offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                               False, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_vn, stop_unmasked, stop,
-                               offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                               True, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, 0, stop_unmasked,
+                                    offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
+                                    False, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, stop_unmasked,
+                                    stop, offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
+                                    True, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
     # O = acc / l -> stored in the input dtype (ROUND); lse = m + log l in fp32 (log2 units in "fa2").
     o = acc / l_i[:, None]
     row = bh * N + offs_m
@@ -426,8 +435,8 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
         strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up.
-    fix: remove the rounding bias (see _shifted_max). Exact in real arithmetic; costs one comparison and one
-        row reduction per tile.
+    fix: remove the rounding bias (see _shifted_max): ties within a key tile and across tiles. Exact in real
+        arithmetic; costs one comparison and one row reduction per tile.
     precision: "fa2" (fp32 statistics and accumulator, the production pattern) or "paper" (the rounding
         points of the paper's PyTorch implementation under bf16 autocast).
     beta: the paper's factor: a tied row max r > 0 becomes beta * r. Default 2, the official value; any

@@ -78,19 +78,21 @@ def _round(x, dtype):
 # ---------------------------------------------------------------------------------------------------------
 # The fix
 
-def shifted_max(S, r, beta, tol, lo, hi, span):
-    """The row max to subtract from this tile's scores S (kernels._shifted_max, in the same units as S).
+def shifted_max(S, r, t, beta, tol, lo, hi, span):
+    """The row max to subtract from this tile's scores S, and the new raw row max (kernels._shifted_max).
 
-    If two or more unmasked scores lie within tol of the tile's row max r, move the max up by d > 0, so that
-    no probability P = exp(S - max) is exactly 1 and its rounding is not one-sided. d is the paper's shift
-    ((beta - 1) r for r > 0, -r for r < 0, i.e. max -> beta r or 0), folded into [lo, hi) when it leaves that
-    range: never so small that exp(-d) rounds back to 1, never so large that exp(-d) underflows.
+    r = rowmax(S), t = the raw (unshifted) row max of the earlier tiles. If two or more unmasked scores of this
+    tile lie within tol of r, or r lies within tol of t (a tie across tiles), move the max up by d > 0, so that
+    no probability P = exp(S - max) of this tile is exactly 1 and its rounding is not one-sided. d is the paper's
+    shift ((beta - 1) r for r > 0, -r for r < 0, i.e. max -> beta r or 0), folded into [lo, hi) when it leaves
+    that range: never so small that exp(-d) rounds back to 1, never so large that exp(-d) underflows.
     """
     n_near = (S >= (r - tol).unsqueeze(-1)).sum(-1)
-    tied = (n_near > 1) & (r > -math.inf)          # a fully masked tile (r = -inf) is never a tie
+    across = (r >= t - tol) & (t >= r - tol)
+    tied = ((n_near > 1) | across) & (r > -math.inf)          # a fully masked tile (r = -inf) is never a tie
     d = torch.where(r > 0, (torch.tensor(beta, dtype=torch.float32) - 1.0) * r, -r)
     d = torch.where((d >= lo) & (d < hi), d, lo + torch.fmod(d, span))
-    return torch.where(tied, r + d, r)
+    return torch.where(tied, r + d, r), torch.maximum(t, r)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -121,6 +123,7 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
     low = (lambda x: round_mantissa(x, mantissa_bits)) if mantissa_bits else (lambda x: x)   # the amplifier
     q, k, v = q.float(), k.float(), v.float()
     m = torch.full((B, H, N), -math.inf, device=q.device)
+    t = m.clone()                      # the raw running max (the fix's shift is not in it)
     l = torch.zeros((B, H, N), device=q.device)
     acc = torch.zeros((B, H, N, D), device=q.device)
     for col0 in range(0, N, TILE_N):
@@ -128,7 +131,7 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
         S = _mask(_scores(q, kt, precision, dtype), col0, N, causal)
         r = S.amax(-1)
         if fix:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
-            r = shifted_max(S, r, beta, *fix_constants(precision, tol, mantissa_bits))
+            r, t = shifted_max(S, r, t, beta, *fix_constants(precision, tol, mantissa_bits))
         if precision == "fa2":
             m_new = torch.maximum(m, r)
             alpha = _exp2(m - m_new)

@@ -14,14 +14,14 @@ INPUTS = (f"V ~ N({V_MEAN:g}, {V_STD:g}), dO ~ N({DO_MEAN:g}, {DO_STD:g}), "
 
 
 def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0), gap_range=GAP_RANGE,
-              v_mean=V_MEAN, v_std=V_STD, dtype=torch.bfloat16, tie_gap=0.0):
-    """q, k, v of shape (n_rows // head_dim, 1, head_dim, head_dim): every query row has its own n_tied tied maxima.
+              v_mean=V_MEAN, v_std=V_STD, dtype=torch.bfloat16, tie_gap=0.0, n_keys=None):
+    """q, k, v of shape (n_rows // head_dim, 1, n_keys, head_dim): every query row has its own n_tied tied maxima.
 
     Row i of each block of head_dim rows is q_i = sqrt(d) e_i, so its scaled score with key j is exactly k_j[i]:
     the scores are bf16 numbers, exact in both precision modes, and only the softmax / P V / O rounding is left.
     Every row draws, independently of the others,
       - its max M (a bf16 number, uniform in max_range; the fix's shift depends on M, so M must vary),
-      - which n_tied of the head_dim keys sit exactly at M,
+      - which n_tied of the keys sit exactly at M,
       - the other keys' scores M - gap, gap uniform in gap_range (rounded to bf16). Gaps of >= ~10 nats make the
         other keys' P tiny next to the tied ones, the regime where they only tip roundings; at a few nats below
         (gap_range (1, 8)) their sum is comparable to the tied P and no clean bias shows.
@@ -30,22 +30,26 @@ def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0
     V ~ N(v_mean, v_std) (mostly negative by default, like the paper's failing feature; dO: grad_out). The rows
     of one block share their keys' V, nothing else. head_dim must be 16 or 64 (sqrt(head_dim) a power of two:
     exact scores).
+    n_keys (default head_dim, one key tile): more keys spread the tied ones over several key tiles; q is then
+    padded with zero rows to n_keys rows (attention needs as many queries as keys), so only the first head_dim
+    rows of each block are the tied rows: measure those.
     """
     assert head_dim in (16, 64), "head_dim 16 or 64: scores are exact only when sqrt(head_dim) is a power of two"
-    assert n_rows % head_dim == 0 and 1 <= n_tied <= head_dim
-    D, B = head_dim, n_rows // head_dim
+    assert n_rows % head_dim == 0 and 1 <= n_tied
+    D, B, N = head_dim, n_rows // head_dim, n_keys or head_dim
+    assert N >= D and n_tied <= N
     rand = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
     lo, hi = max_range
     M = (lo + (hi - lo) * rand(B, 1, D, 1)).to(dtype).float()
     glo, ghi = gap_range
-    S = (M - glo - (ghi - glo) * rand(B, 1, D, D)).to(dtype).float()           # S[b, 0, row, key]
-    tied = torch.zeros(B, 1, D, D, dtype=torch.bool).scatter(-1, rand(B, 1, D, D).argsort(-1)[..., :n_tied], True)
+    S = (M - glo - (ghi - glo) * rand(B, 1, D, N)).to(dtype).float()           # S[b, 0, row, key]
+    tied = torch.zeros(B, 1, D, N, dtype=torch.bool).scatter(-1, rand(B, 1, D, N).argsort(-1)[..., :n_tied], True)
     near = tied & (tied.cumsum(-1) > 1)                                          # all tied keys but the first
     S = torch.where(tied, M, S)
-    S = torch.where(near, (M - tie_gap * rand(B, 1, D, D)).to(dtype).float(), S)
-    q = torch.eye(D).expand(B, 1, D, D) * math.sqrt(D)
+    S = torch.where(near, (M - tie_gap * rand(B, 1, D, N)).to(dtype).float(), S)
+    q = torch.eye(N, D).expand(B, 1, N, D) * math.sqrt(D)
     k = S.transpose(-1, -2)                                                      # k_j[i] = S[i, j]
-    v = torch.randn(B, 1, D, D, generator=generator) * v_std + v_mean
+    v = torch.randn(B, 1, N, D, generator=generator) * v_std + v_mean
     return q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
 
 

@@ -215,16 +215,24 @@ def test_fix_adversarial_ties(logit, precision, poisoned):
 
 @requires_interpreter
 def test_fix_shift_stays_in_range_and_value_dependent():
-    """The shift d = m' - r lies in [2^-6, 64) nats for every tied max, and depends on the max."""
+    """The shift d = m' - r lies in [2^-6, 64) nats for every tied max, and depends on the max; a tile's max tied
+    with an earlier tile's (t) counts as a tie, one 1 nat apart does not, and a fully masked tile is left alone."""
+    paper = kernels.fix_constants("paper", kernels.TIE_TOL)
+    shift = lambda S, r, t: emulate.shifted_max(S, r, t, 2.0, *paper)  # noqa: E731
     r = torch.tensor([-1e4, -300.0, -87.0, -1.0, -1e-6, 0.0, 1e-6, 1e-3, 1.0, 63.0, 87.0, 300.0, 1e4])
+    none = torch.full_like(r, -math.inf)                   # no earlier tile
     S = torch.stack([r, r, r - 5], -1)                     # two exact ties per row
-    d = emulate.shifted_max(S, r, 2.0, *kernels.fix_constants("paper", kernels.TIE_TOL)) - r
+    m, t = shift(S, r, none)
+    d = m - r
     assert (d >= 2.0 ** -6 * 0.99).all() and (d < 64).all()
     assert len(set(d.tolist())) > len(r) // 2             # not a constant offset
+    assert torch.equal(t, r)
     untied = torch.stack([r, r - 1, r - 5], -1)
-    assert torch.equal(emulate.shifted_max(untied, r, 2.0, *kernels.fix_constants("paper", kernels.TIE_TOL)), r)
+    assert torch.equal(shift(untied, r, none)[0], r)
+    assert torch.equal(shift(untied, r, r - 1)[0], r)
+    assert torch.equal(shift(untied, r, r)[0], m)          # tied with the earlier tile: the same shift
     masked = torch.full((1, 3), -math.inf)
-    assert emulate.shifted_max(masked, masked.amax(-1), 2.0, *kernels.fix_constants("fa2", kernels.TIE_TOL)) == -math.inf
+    assert shift(masked, masked.amax(-1), torch.zeros(1))[0] == -math.inf
 
 
 # -------------------------------------------------------------------------------------------------------
