@@ -1,7 +1,7 @@
 """Figures and a short report from training runs, and a demonstration of the rounding bias itself.
 
     python analyze.py                        every run folder under runs/
-    python analyze.py runs/a runs/b --out f  just these runs, figures and report.md into f/
+    python analyze.py runs/a runs/b --out f  just these runs, figures, report.md and rates.csv into f/
     python analyze.py --mechanism            the bias on controlled inputs and on a checkpoint
 
 The story the figures follow (see README.md): with the fix off, delta = rowsum(dO * O)
@@ -24,6 +24,7 @@ from tqdm import tqdm
 from nanolp.plots import (auto_log_scale, family, fix_word, flag, legend, mantissa_bits, plot_grid,
                           run_styles, save)
 from nanolp.runs import find_runs, load_run
+from nanolp.sweep import write_csv
 
 # -----------------------------------------------------------------------------
 # Loss: does the run collapse, and when (in steps and in wall-clock minutes)?
@@ -172,6 +173,40 @@ def run_table(runs):
     return lines
 
 
+def median(values):
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
+def arm_rates(runs):
+    """One row per arm of a seed study (Run.arm), in the order the arms first appear: how many of its runs
+    collapsed, the median minutes to collapse over those, and medians over all of its runs."""
+    arms = {}
+    for run in runs:
+        arms.setdefault(run.arm, []).append(run)
+    rows = []
+    for arm, group in arms.items():
+        collapsed = [run for run in group if run.collapse_step is not None]
+        rows.append(dict(arm=arm, collapsed=len(collapsed), runs=len(group),
+                         median_collapse_minute=median([run.summary.get("collapse_minute") for run in collapsed]),
+                         **{f"median_{key}": median([getattr(run, key) for run in group])
+                            for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")}))
+    return rows
+
+
+def rate_table(rates):
+    lines = ["| arm | collapsed | median minutes to collapse | median steps | median final val loss "
+             "| median max logit | median tokens/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rates:
+        cells = [f"`{r['arm']}`", f"{r['collapsed']}/{r['runs']}",
+                 fmt(r["median_collapse_minute"], ".1f") if r["collapsed"] else "-",
+                 fmt(r["median_steps"], ",.0f"), fmt(r["median_final_val_loss"], ".4f"),
+                 fmt(r["median_max_logit"], ".1f"), fmt(r["median_tokens_per_s"], ",.0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def analyze_runs(runs, out, warn_k):
     """All run figures into `out`; returns the report section as a list of markdown lines."""
     styles = run_styles(runs)
@@ -202,7 +237,12 @@ def analyze_runs(runs, out, warn_k):
             "cumulative signed delta error (sum of delta_err over logged steps)",
             "cumulative delta error", out / "delta_err.png", transform=np.cumsum))
 
-    lines = ["## Runs", ""] + run_table(runs) + ["", "### Where W_Q grows", ""]
+    rates = arm_rates(runs)
+    write_csv(out / "rates.csv", rates, list(rates[0]))
+    lines = ["## Runs", ""] + run_table(runs) + ["", "### Collapse rate per arm", ""]
+    lines += ["Arms as nanolp/sweep.py names them (the run name less its `-s<seed>`); medians over each arm's "
+              "runs, minutes to collapse over its collapsed runs only. Also in rates.csv.", ""]
+    lines += rate_table(rates) + ["", "### Where W_Q grows", ""]
     if layer is None:
         lines.append("No sn_q columns with data: growth layer not determined.")
     else:

@@ -25,6 +25,12 @@ class Run:
     def name(self):
         return self.summary.get("name") or self.path.name
 
+    @property
+    def arm(self):
+        """The sweep's arm: nanolp/sweep.py names its runs ARM-sSEED."""
+        seed = self.setting("seed")
+        return re.sub(rf"-s{seed}$", "", self.name) if seed is not None else self.name
+
     def setting(self, key, default=None):
         """A run setting, from summary.json first (what actually ran), then config.json."""
         for source in (self.summary, self.config):
@@ -50,6 +56,22 @@ class Run:
     @property
     def collapse_step(self):
         return self.summary.get("collapse_step") if self.summary.get("collapsed") else None
+
+    @property
+    def steps(self):
+        """The last step reached."""
+        if self.summary.get("steps") is not None:
+            return self.summary["steps"]
+        step = self.series("step")
+        return None if step is None else int(step[1][-1])
+
+    @property
+    def max_logit(self):
+        """The largest attention logit seen over the whole run, in any layer."""
+        if self.summary.get("max_logit") is not None:
+            return self.summary["max_logit"]
+        logits = [x for c in self.columns(r"max_logit_L\d+") for x in self.log[c][np.isfinite(self.log[c])]]
+        return float(max(logits)) if logits else None
 
     @property
     def final_val_loss(self):

@@ -226,24 +226,21 @@ def first_growth(log):
 def collect_row(path):
     run = load_run(path)
     log = run.log
-    seed = run.setting("seed")
-    arm = re.sub(rf"-s{seed}$", "", run.name) if seed is not None else run.name
-    last_step, last_elapsed = (last_finite(log[c]) if c in log else None for c in ("step", "elapsed_s"))
+    last_elapsed = last_finite(log["elapsed_s"]) if "elapsed_s" in log else None
     tie_rates = [last_finite(log[c]) for c in run.columns(r"tie_rate_L\d+")]
     tie_rates = [t for t in tie_rates if t is not None]
-    max_logits = [x for c in run.columns(r"max_logit_L\d+") for x in log[c][np.isfinite(log[c])]]
     layer, head, growth_step = first_growth(log)
     s = run.summary
     return dict(
-        name=run.name, arm=arm, seed=seed,
+        name=run.name, arm=run.arm, seed=run.setting("seed"),
         **{key: run.setting(key) for key in ("attn", "precision", "fix")},
         delta_fp32=run.setting("delta_fp32", False), mantissa_bits=run.setting("mantissa_bits", 0),
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
         # a run without summary.json (in progress, or killed) still has its log
-        steps=s.get("steps", None if last_step is None else int(last_step)),
+        steps=run.steps,
         minutes=s.get("minutes", None if last_elapsed is None else last_elapsed / 60),
         **{key: s.get(key) for key in ("collapsed", "collapse_step", "collapse_minute", "reason")},
-        max_logit=s.get("max_logit", max(max_logits) if max_logits else None),
+        max_logit=run.max_logit,
         tie_rate_final=max(tie_rates) if tie_rates else None,
         final_val_loss=run.final_val_loss,
         final_train_loss=s.get("final_train_loss", last_finite(log["train_loss"]) if "train_loss" in log else None),
@@ -261,15 +258,20 @@ def cell(value):
     return value
 
 
+def write_csv(path, rows, columns):
+    """Rows (dicts) as a CSV of these columns, each value written by cell()."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({k: cell(v) for k, v in row.items()} for row in rows)
+
+
 def collect(paths, csv_path):
     """One row per run folder found in `paths` (run folders or folders of them), written to csv_path."""
     rows = [collect_row(path) for path in find_runs(paths)]
-    csv_path = Path(csv_path)
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: cell(v) for k, v in row.items()} for row in rows)
+    write_csv(csv_path, rows, COLUMNS)
     return rows
 
 

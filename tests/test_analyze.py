@@ -112,6 +112,45 @@ def test_runs_report_and_figures(tmp_path):
     assert f"{lead} steps before the collapse at step {COLLAPSE_STEP}" in report
 
 
+def test_arm_rates(tmp_path):
+    """The per-arm table of a seed study, in report.md and rates.csv: two arms, one collapsed run. The summaries'
+    values are chosen so that each median differs from the mean; off's max logits come from its logs."""
+    rng = np.random.default_rng(0)
+    runs = tmp_path / "runs"
+    seeds = [("off", 0, True, dict(steps=300, tokens_per_s=4000.0, final_val_loss=9.0)),
+             ("off", 1, False, dict(steps=390, tokens_per_s=5000.0, final_val_loss=2.0)),
+             ("off", 2, False, dict(steps=100, tokens_per_s=9000.0, final_val_loss=2.5)),
+             ("on", 0, False, dict(steps=390, tokens_per_s=6000.0, final_val_loss=2.2, max_logit=20.0)),
+             ("on", 1, False, dict(steps=200, tokens_per_s=7000.0, final_val_loss=2.4, max_logit=30.0))]
+    max_logits = []
+    for fix, seed, collapse, values in seeds:
+        rows = write_run(runs, f"b16-{fix}-s{seed}", fix, "kernel", seed, collapse, rng)
+        summary = runs / f"b16-{fix}-s{seed}" / "summary.json"
+        summary.write_text(json.dumps(json.loads(summary.read_text()) | values))
+        if fix == "off":
+            max_logits.append(max(r[f"max_logit_L{i}"] for r in rows for i in range(N_LAYER)
+                                  if r[f"max_logit_L{i}"] != ""))
+    assert max_logits[0] > max_logits[1] == max_logits[2]  # the collapsing run's grow: median != mean
+
+    analyze.main([str(runs)])
+
+    report = (runs / "figures" / "report.md").read_text()
+    minutes = COLLAPSE_STEP * 1.5 / 60
+    assert f"| `b16-off` | 1/3 | {minutes:.1f} | 300 | 2.5000 | {max_logits[1]:.1f} | 5,000 |" in report
+    assert "| `b16-on` | 0/2 | - | 295 | 2.3000 | 25.0 | 6,500 |" in report
+    with open(runs / "figures" / "rates.csv", newline="") as f:
+        rates = list(csv.DictReader(f))
+    assert [(r["arm"], r["collapsed"], r["runs"], r["median_collapse_minute"]) for r in rates] == [
+        ("b16-off", "1", "3", str(minutes)), ("b16-on", "0", "2", "")]
+    numbers = [float(r[f"median_{key}"]) for r in rates
+               for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")]
+    assert numbers == pytest.approx([300, 2.5, max_logits[1], 5000, 295, 2.3, 25, 6500], rel=1e-5)
+
+    analyze.main([str(runs / "b16-on-s0"), str(runs / "b16-on-s1"), "--out", str(tmp_path / "on")])  # one arm
+    with open(tmp_path / "on" / "rates.csv", newline="") as f:
+        assert [r["arm"] for r in csv.DictReader(f)] == ["b16-on"]
+
+
 def test_labels_and_colours(tmp_path):
     """Runs that differ only in delta_fp32 or mantissa_bits get different labels; the delta_fp32
     control is green like fp32 attention but in its own shade; missing keys read as 0 / False."""
