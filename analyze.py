@@ -152,7 +152,7 @@ def fmt(value, spec):
 
 
 def run_table(runs):
-    lines = ["| run | fix | backend | precision | P bits | delta fp32 | seed | collapsed | final val loss "
+    lines = ["| run | fix | backend | precision | P bits | delta from P | seed | collapsed | final val loss "
              "| tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -166,7 +166,7 @@ def run_table(runs):
         known = bool(run.config or run.summary)  # a run in progress may have neither file yet
         cells = [f"`{run.name}`", fix_word(run) if known else None, run.setting("attn"),
                  run.setting("precision"), (mantissa_bits(run) or "-") if known else None,
-                 ("yes" if flag(run, "delta_fp32") else "no") if known else None,
+                 ("yes" if flag(run, "delta_from_p") else "no") if known else None,
                  run.setting("seed"), collapsed, fmt(run.final_val_loss, ".4f"),
                  fmt(run.tokens_per_s, ",.0f")]
         lines.append("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")

@@ -153,12 +153,11 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, O32, LSE,
+def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 H, N, qk_scale, beta, tol, lo, hi, span,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, STORE_O32: tl.constexpr,
-                BITS: tl.constexpr):
+                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, BITS: tl.constexpr):
     # One program per (query tile, batch * head).
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -193,8 +192,6 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     row = bh * N + offs_m
     o_ptrs = O + row[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
-    if STORE_O32:   # the paper's localisation control: delta from an fp32 O
-        tl.store(O32 + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))
     tl.store(LSE + row, lse, mask=offs_m < N)
 
@@ -204,6 +201,9 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
 # program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
 #     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
 #     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
+# The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real arithmetic
+# (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's rounded O,
+# and every rounding that went into it, never reaches the gradient.
 
 @triton.jit
 def _bwd_delta_kernel(O, DO, DELTA, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -214,6 +214,36 @@ def _bwd_delta_kernel(O, DO, DELTA, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.const
     o = tl.load(O + row[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     do = tl.load(DO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     tl.store(DELTA + row, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_seq)
+
+
+@triton.jit
+def _bwd_delta_from_p_kernel(Q, K, V, DO, LSE, DELTA,
+                             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                             stride_vn, H, N, qk_scale,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             CAUSAL: tl.constexpr, PAPER: tl.constexpr):
+    # delta = rowsum(dP * P), one pass over the keys as in _bwd_dq_kernel: O is never read.
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
+    K_tile = K + b * stride_kb + h * stride_kh
+    V_tile = V + b * stride_vb + h * stride_vh
+    delta = tl.zeros([BLOCK_M], tl.float32)
+    stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
+    for start_n in range(0, stop, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(K_tile + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
+        vT = tl.load(V_tile + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
+        p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
+        dp = tl.dot(do, vT)
+        delta += tl.sum(p * dp, 1)
+    tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
 
 
 @triton.jit
@@ -366,70 +396,83 @@ def qk_scale(head_dim, precision):
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
-               beta: float, tol: float, delta_fp32: bool, mantissa_bits: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns O, the O the backward reads for delta (fp32 copy if delta_fp32, else empty), and lse."""
+               beta: float, tol: float, delta_from_p: bool, mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns O and lse. delta_from_p is for the backward only (it reaches it through _setup_context)."""
     B, H, N, D = q.shape
     o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-    o32 = torch.empty((B, H, N, D) if delta_fp32 else (0,), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = FWD_TUNING[D]
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, mantissa_bits),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix, PAPER=precision == "paper",
-        STORE_O32=delta_fp32, BITS=mantissa_bits, num_warps=warps, num_stages=stages)
-    return o, o32, lse
+        BITS=mantissa_bits, num_warps=warps, num_stages=stages)
+    return o, lse
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, fix, precision, beta, tol, delta_fp32, mantissa_bits):
-    o32_shape = q.shape if delta_fp32 else (0,)
+def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(o32_shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32))
+            q.new_empty(q.shape[:3], dtype=torch.float32))
+
+
+def _bwd_launch(q, k, v, causal, precision):
+    """What every backward kernel is launched with: the grid, the strides and qk_scale, the meta-parameters."""
+    B, H, N, D = q.shape
+    block, warps, stages = BWD_TUNING[D]
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, N, qk_scale(D, precision))
+    meta = dict(HEAD_DIM=D, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal, PAPER=precision == "paper",
+                num_warps=warps, num_stages=stages)
+    return (triton.cdiv(N, block), B * H), strides, meta
+
+
+def _bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p):
+    """The backward's first step: delta = rowsum(dO * O), or with delta_from_p the paper's control, which does
+    not read O. do must be contiguous."""
+    grid, strides, meta = _bwd_launch(q, k, v, causal, precision)
+    delta = torch.empty_like(lse)
+    if delta_from_p:
+        _bwd_delta_from_p_kernel[grid](q, k, v, do, lse, delta, *strides, **meta)
+    else:
+        _bwd_delta_kernel[grid](o, do, delta, q.shape[2], HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
+    return delta
 
 
 @torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, H, N, D = q.shape
+               lse: torch.Tensor, causal: bool, precision: str, delta_from_p: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()
-    block, warps, stages = BWD_TUNING[D]
-    grid = (triton.cdiv(N, block), B * H)
-    delta = torch.empty_like(lse)
-    _bwd_delta_kernel[grid](o, do, delta, N, HEAD_DIM=D, BLOCK_M=block)
-    dq, dk, dv = (torch.empty((B, H, N, D), dtype=q.dtype, device=q.device) for _ in range(3))
-    args = (q, k, v, do, lse, delta)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, N, qk_scale(D, precision), D ** -0.5)
-    meta = dict(HEAD_DIM=D, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal, PAPER=precision == "paper",
-                num_warps=warps, num_stages=stages)
-    _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, **meta)
-    _bwd_dq_kernel[grid](*args, dq, *strides, **meta)
+    grid, strides, meta = _bwd_launch(q, k, v, causal, precision)
+    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p))
+    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+    sm_scale = q.shape[-1] ** -0.5
+    _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, sm_scale, **meta)
+    _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, **meta)
     return dq, dk, dv
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, precision):
+def _(do, q, k, v, o, lse, causal, precision, delta_from_p):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, fix, precision, beta, tol, delta_fp32, *_ = inputs
-    o, o32, lse = output
-    ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)
-    ctx.causal, ctx.precision = causal, precision
+    q, k, v, causal, fix, precision, beta, tol, delta_from_p, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.precision, ctx.delta_from_p = causal, precision, delta_from_p
 
 
-def _backward(ctx, do, _do32, _dlse):
+def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision)
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.delta_from_p)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False,
+def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
                     mantissa_bits=0):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
@@ -444,8 +487,9 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
     tol: scores within tol nats of a tile's row max count as tied. Default 2^-9: exp(-x) for x below that
         rounds to exactly 1.0 in bf16, which is what makes a product P V exact and its rounding one-sided.
         (The official code uses 1e-3; both catch exact ties, this one also every score whose P rounds to 1.)
-    delta_fp32: the backward computes delta = rowsum(dO * O) from an fp32 copy of O (the paper's localisation
-        control: with it the failure disappears). Costs one extra fp32 store of O.
+    delta_from_p: the paper's localisation control: the backward computes delta = rowsum(dP * P) from P
+        recomputed in fp32, never reading the forward's rounded O (the paper reports that with it the failure
+        disappears). Costs one more pass over the keys in the backward.
     mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
         mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
         The fix's tol and shift range widen to match (fix_constants).
@@ -457,4 +501,4 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
-    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32, mantissa_bits)[0]
+    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p, mantissa_bits)[0]

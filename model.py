@@ -36,7 +36,7 @@ class GPTConfig:
     attn: str = "kernel"      # one of ATTN_BACKENDS
     fix: bool = False         # the paper's forward fix (kernel and emulate only)
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
-    delta_fp32: bool = False  # kernel/emulate: compute delta = rowsum(dO * O) from an fp32 O
+    delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
     mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
 
 
@@ -66,8 +66,8 @@ def attention(q, k, v, config):
             from kernels import flash_attention as fn
         else:  # the emulation has the kernel's numerics and runs anywhere
             from nanolp.emulate import emulate_attention as fn
-        return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision, delta_fp32=config.delta_fp32,
-                  mantissa_bits=config.mantissa_bits)
+        return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision,
+                  delta_from_p=config.delta_from_p, mantissa_bits=config.mantissa_bits)
     if config.attn == "fp32":
         return reference_attention(q, k, v)
     if config.attn == "sdpa":

@@ -1,8 +1,9 @@
 """The kernel's numerics in plain PyTorch: the oracle for kernels.py and the attention on machines without a GPU.
 
 emulate_attention() runs the same algorithm as kernels.flash_attention: the same 64-key tiles, the same
-running max / row sum / accumulator, the same rounding points in both precision modes, and the same fix.
-It runs on any device, slowly (one Python iteration per key tile).
+running max / row sum / accumulator, the same rounding points in both precision modes, and the same fix; the
+backward accumulates over the backward kernels' tiles in their order. It runs on any device, slowly (one
+Python iteration per tile).
 
 How "the same" is made exact. The only operations whose result depends on an implementation's internal
 order are the tile matrix products, the row sums and the transcendental functions (exp2, exp, log2, log).
@@ -16,7 +17,7 @@ import math
 
 import torch
 
-from kernels import TIE_TOL, TILE_N, check_inputs, fix_constants, qk_scale
+from kernels import BWD_TUNING, TIE_TOL, TILE_N, check_inputs, fix_constants, qk_scale
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -117,7 +118,8 @@ def _mask(S, col0, n_keys, causal):
 
 
 def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
-    """Returns (O in the input dtype, O before its last rounding in fp32, lse in the kernel's units)."""
+    """Returns (O in the input dtype, O before its last rounding in fp32, lse in the kernel's units). The kernel
+    keeps no fp32 O; the mechanism tests use it to show what it would and would not carry."""
     dtype = q.dtype
     B, H, N, D = q.shape
     low = (lambda x: round_mantissa(x, mantissa_bits)) if mantissa_bits else (lambda x: x)   # the amplifier
@@ -151,30 +153,51 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Backward: the same S, P recomputed from the saved lse, delta from the stored O.
+# Backward: the same S, P recomputed from the saved lse, in the tiles of the backward kernels (BWD_TUNING). A
+# kernel's loop adds exactly rounded tile products in fp32, in order, from zero: Python's sum() over the tiles
+# does the same. (The tiles a causal kernel skips add exact zeros here, which changes nothing.)
 
-def backward(q, k, v, o, lse, do, causal, precision):
+def _tiles(n, head_dim):
+    block = BWD_TUNING[head_dim][0]
+    return [slice(i, i + block) for i in range(0, n, block)]
+
+
+def _probs_and_dp(q, k, v, lse, do, causal, precision):
+    """P = exp(S - lse) (exp2 in "fa2"), S rounded exactly as in the forward, and dP = dO V^T, in fp32."""
+    S = _mask(_scores(q, k, precision, q.dtype), 0, q.shape[-2], causal)
+    P = (_exp2 if precision == "fa2" else _exp)(S - lse.unsqueeze(-1))
+    return P, _dot(do, v.transpose(-1, -2))
+
+
+def delta(q, k, v, o, lse, do, causal, precision, from_p=False):
+    """The backward's delta. rowsum(dO * O) from the stored O, the paper's channel (kernels._bwd_delta_kernel);
+    from_p: the paper's localisation control rowsum(dP * P), P recomputed in fp32 and O never read, summed per
+    key tile as kernels._bwd_delta_from_p_kernel does (one more pass over the keys, here as in the kernel)."""
+    if not from_p:
+        return _rowsum(do.float() * o.float())
+    P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
+    return sum(_rowsum((P * dP)[..., cols]) for cols in _tiles(*q.shape[-2:]))
+
+
+def backward(q, k, v, o, lse, do, causal, precision, delta_from_p=False):
     dtype = q.dtype
     N, D = q.shape[-2:]
     scale = D ** -0.5
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    S = _mask(_scores(qf, kf, precision, dtype), 0, N, causal)
-    P = (_exp2 if precision == "fa2" else _exp)(S - lse.unsqueeze(-1))
-    delta = _rowsum(dof * o.float())                      # delta = rowsum(dO * O): the paper's channel
-    dv = _dot(_round(P, dtype).transpose(-1, -2), dof)
-    dP = _dot(dof, vf.transpose(-1, -2))
-    dS = P * (dP - delta.unsqueeze(-1))
-    dq = _dot(_round(dS, dtype), kf) * scale
-    dk = _dot(_round(dS, dtype).transpose(-1, -2), qf) * scale
+    P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
+    dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, delta_from_p).unsqueeze(-1)), dtype)
+    P = _round(P, dtype)
+    dq = sum(_dot(dS[..., cols], k[..., cols, :]) for cols in _tiles(N, D)) * scale       # over key tiles
+    dk = sum(_dot(dS[..., rows, :].mT, q[..., rows, :]) for rows in _tiles(N, D)) * scale  # over query tiles
+    dv = sum(_dot(P[..., rows, :].mT, do[..., rows, :]) for rows in _tiles(N, D))
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_fp32, mantissa_bits):
-        o, o32, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits)
-        ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)
-        ctx.args = (causal, precision)
+    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits):
+        o, _, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, precision, delta_from_p)
         return o
 
     @staticmethod
@@ -184,10 +207,10 @@ class _EmulatedAttention(torch.autograd.Function):
             return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 7)
 
 
-def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_fp32=False,
+def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
                       mantissa_bits=0):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
     check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
     with torch.autocast(q.device.type, enabled=False):
-        return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_fp32,
+        return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p,
                                         mantissa_bits)

@@ -2,8 +2,8 @@
 
 Colour says what kind of attention a run used, the same in every figure: our flash attention
 with the fix off is red, with the fix on blue, torch SDPA grey. The mechanism controls are green:
-fp32 attention in pure greens, delta = rowsum(dO * O) taken from an fp32 O (delta_fp32) in
-olive greens. Shades within a colour separate variants (precision "fa2" / "paper", the
+fp32 attention in pure greens, delta = rowsum(dP * P) instead of rowsum(dO * O) (delta_from_p, the
+paper's control) in olive greens. Shades within a colour separate variants (precision "fa2" / "paper", the
 amplifier's mantissa_bits); line style is the seed, and also cycles once a family runs out of shades.
 A config key missing from an older run reads as 0 / False.
 """
@@ -19,7 +19,7 @@ PALETTE = {
     "fix off": ["tab:red", "darkred", "lightcoral", "orangered", "firebrick", "salmon"],
     "fix on": ["tab:blue", "navy", "lightskyblue", "tab:cyan", "royalblue", "steelblue"],
     "fp32": ["tab:green", "darkgreen", "seagreen"],
-    "delta fp32": ["olivedrab", "yellowgreen", "darkolivegreen"],
+    "delta from P": ["olivedrab", "yellowgreen", "darkolivegreen"],
     "sdpa": ["dimgray", "black", "darkgray", "tab:brown"],
 }
 LINESTYLES = ["-", "--", ":", "-."]
@@ -47,8 +47,8 @@ def family(run):
         return "fp32"
     if any(word in attn for word in ("sdpa", "torch", "math", "cudnn")):
         return "sdpa"
-    if flag(run, "delta_fp32"):
-        return "delta fp32"
+    if flag(run, "delta_from_p"):
+        return "delta from P"
     return "fix on" if str(run.setting("fix", "off")).lower() == "on" else "fix off"
 
 
@@ -58,22 +58,22 @@ def fix_word(run):
 
 
 def label(run):
-    """"<attn> <precision> fix <off|on>[ P<bits>b][ delta-fp32] seed <s>" ("fp32 seed 0" for the
+    """"<attn> <precision> fix <off|on>[ P<bits>b][ delta-from-p] seed <s>" ("fp32 seed 0" for the
     fp32 reference, which has no fix and no amplifier)."""
     parts = [str(run.setting("attn", "?"))]
     if family(run) != "fp32":
         parts += [str(run.setting("precision", "?")), f"fix {fix_word(run)}"]
         if mantissa_bits(run):
             parts.append(f"P{mantissa_bits(run)}b")
-        if flag(run, "delta_fp32"):
-            parts.append("delta-fp32")
+        if flag(run, "delta_from_p"):
+            parts.append("delta-from-p")
     return " ".join(parts + [f"seed {run.setting('seed', 0)}"])
 
 
 def variant(run):
     """What separates runs of one family by shade: everything in the label but the seed."""
     return (family(run), str(run.setting("attn")), str(run.setting("precision")), fix_word(run),
-            mantissa_bits(run), flag(run, "delta_fp32"))
+            mantissa_bits(run), flag(run, "delta_from_p"))
 
 
 def run_styles(runs):

@@ -52,7 +52,7 @@ def write_run(root, name, fix, attn, seed, collapse, rng, **extra):
     run = root / name
     run.mkdir(parents=True)
     config = dict(preset="test", fix=fix, attn=attn, precision="paper", seed=seed, n_layer=N_LAYER, n_head=N_HEAD,
-                  **extra)  # without extra: an older run, no delta_fp32 / mantissa_bits keys
+                  **extra)  # without extra: an older run, no delta_from_p / mantissa_bits keys
     (run / "config.json").write_text(json.dumps(config))
     rows = synthetic_log(collapse, rng)
     with open(run / "log.csv", "w", newline="") as f:
@@ -85,8 +85,8 @@ def test_runs_report_and_figures(tmp_path):
     collapsed = write_run(runs, "kernel-off-s0", "off", "kernel", 0, True, rng)
     write_run(runs, "kernel-on-s0", "on", "kernel", 0, False, rng)
     write_run(runs, "sdpa-s1", "off", "sdpa", 1, False, rng)
-    write_run(runs, "kernel-off-p3", "off", "kernel", 0, False, rng, delta_fp32=False, mantissa_bits=3)
-    write_run(runs, "kernel-off-p3-d32", "off", "kernel", 0, False, rng, delta_fp32=True, mantissa_bits=3)
+    write_run(runs, "kernel-off-p3", "off", "kernel", 0, False, rng, delta_from_p=False, mantissa_bits=3)
+    write_run(runs, "kernel-off-p3-dp", "off", "kernel", 0, False, rng, delta_from_p=True, mantissa_bits=3)
     # a run still in progress: no summary.json, no val loss, no diagnostics at all
     partial = runs / "partial"
     partial.mkdir()
@@ -104,7 +104,7 @@ def test_runs_report_and_figures(tmp_path):
     final_val = [r["val_loss"] for r in collapsed if r["val_loss"] != ""][-1]
     assert f"{final_val:.4f}" in row
     assert "| `partial` | n/a | n/a | n/a | n/a | n/a | n/a | n/a (no summary.json) | n/a | n/a |" in report
-    assert "| `kernel-off-p3-d32` | off | kernel | paper | 3 | yes | 0 | no |" in report
+    assert "| `kernel-off-p3-dp` | off | kernel | paper | 3 | yes | 0 | no |" in report
     assert "| `kernel-off-s0` | off | kernel | paper | - | no | 0 |" in report
     assert "**layer 1**" in report  # the synthetic collapsing run grows W_Q in layer 1
     lead = expected_lead(collapsed)
@@ -152,12 +152,12 @@ def test_arm_rates(tmp_path):
 
 
 def test_labels_and_colours(tmp_path):
-    """Runs that differ only in delta_fp32 or mantissa_bits get different labels; the delta_fp32
+    """Runs that differ only in delta_from_p or mantissa_bits get different labels; the delta_from_p
     control is green like fp32 attention but in its own shade; missing keys read as 0 / False."""
     rng = np.random.default_rng(0)
-    for name, extra in (("old", {}), ("p3", dict(mantissa_bits=3, delta_fp32=False)),
-                        ("p3-d32", dict(mantissa_bits=3, delta_fp32=True)),
-                        ("p3-on", dict(mantissa_bits=3, delta_fp32=False))):
+    for name, extra in (("old", {}), ("p3", dict(mantissa_bits=3, delta_from_p=False)),
+                        ("p3-dp", dict(mantissa_bits=3, delta_from_p=True)),
+                        ("p3-on", dict(mantissa_bits=3, delta_from_p=False))):
         write_run(tmp_path, name, "on" if name.endswith("on") else "off", "kernel", 0, False, rng, **extra)
     write_run(tmp_path, "fp32", "off", "fp32", 0, False, rng)
     write_run(tmp_path, "p3-again", "off", "kernel", 0, False, rng, mantissa_bits=3)  # same label as p3
@@ -167,16 +167,16 @@ def test_labels_and_colours(tmp_path):
     style = {name: styles[run.path] for name, run in runs.items()}
     assert label(runs["old"]) == "kernel paper fix off seed 0"
     assert label(runs["p3"]) == "kernel paper fix off P3b seed 0"
-    assert label(runs["p3-d32"]) == "kernel paper fix off P3b delta-fp32 seed 0"
+    assert label(runs["p3-dp"]) == "kernel paper fix off P3b delta-from-p seed 0"
     assert label(runs["p3-on"]) == "kernel paper fix on P3b seed 0"
     assert label(runs["fp32"]) == "fp32 seed 0"
     assert style["p3-lr"]["label"] == "kernel paper fix off P3b seed 0 lr 0.003"  # the unusual lr shown
     assert style["p3"]["label"] == "kernel paper fix off P3b seed 0 (p3)"  # a duplicate label: name added
     assert len({s["label"] for s in style.values()}) == len(style)
-    assert style["p3-d32"]["color"] in PALETTE["delta fp32"] and style["fp32"]["color"] in PALETTE["fp32"]
-    assert style["p3-d32"]["color"] != style["fp32"]["color"]
+    assert style["p3-dp"]["color"] in PALETTE["delta from P"] and style["fp32"]["color"] in PALETTE["fp32"]
+    assert style["p3-dp"]["color"] != style["fp32"]["color"]
     assert style["p3"]["color"] != style["old"]["color"]  # same family, different shade
-    assert not set(PALETTE["delta fp32"]) & set(PALETTE["fp32"])
+    assert not set(PALETTE["delta from P"]) & set(PALETTE["fp32"])
     assert style["p3-again"]["linestyle"] != style["p3"]["linestyle"]  # same colour, so another dash
 
 

@@ -70,7 +70,7 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
-    o, _, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
+    o, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
     o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
@@ -83,7 +83,7 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     monkeypatch.setitem(kernels.FWD_TUNING, 64, (128, 4, 1))
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in (False, True):
-        o, _, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
+        o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
         o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
 
@@ -95,11 +95,40 @@ def test_forward_bitwise_fewer_mantissa_bits(precision, fix):
     """The amplifier (P rounded to 3 mantissa bits before P V, as in FP8 e4m3 attention) is emulated exactly."""
     q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 9, :]
-    o, _, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 3)
+    o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 3)
     o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
     o_bf16, _, _ = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
     assert not torch.equal(o, o_bf16), "the amplifier must change the result"
+
+
+# -------------------------------------------------------------------------------------------------------
+# Gradients: bit for bit against the emulation, with delta from O or (the paper's control) from P
+
+def grads(attention, q, k, v, do, **kw):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    attention(q, k, v, **kw).backward(do)
+    return q.grad, k.grad, v.grad
+
+
+@requires_interpreter
+@pytest.mark.parametrize("shape", [(1, 2, 100, 64), (2, 1, 130, 32)])
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("delta_from_p", [False, True])
+def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from_p, poisoned):
+    """delta itself first: the gradients show its last bits only where they tip a rounding of dS to bf16."""
+    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
+    o, lse = kernels._flash_fwd(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL, delta_from_p, 0)
+    delta = kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p)
+    assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from_p))
+    kw = dict(causal=causal, precision=precision, delta_from_p=delta_from_p)
+    ours = grads(kernels.flash_attention, q, k, v, do, **kw)
+    want = grads(emulate.emulate_attention, q, k, v, do, **kw)
+    for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs from the emulation"
+    other = grads(emulate.emulate_attention, q, k, v, do, **{**kw, "delta_from_p": not delta_from_p})
+    assert not torch.equal(ours[0], other[0]), "the two ways of computing delta must give different bits here"
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -162,9 +191,11 @@ def test_emulation_gradients_against_float64():
         check_against_float64(q, k, v, True, precision, True, attention=emulate.emulate_attention)
 
 
-def test_delta_fp32_control():
+def test_delta_from_p_control():
     q, k, v = (rand((1, 2, 80, 64)) for _ in range(3))
-    check_against_float64(q, k, v, True, attention=lambda *a, **kw: kernels.flash_attention(*a, **kw, delta_fp32=True))
+    for precision in ("fa2", "paper"):
+        check_against_float64(q, k, v, True, precision,
+                              attention=lambda *a, **kw: kernels.flash_attention(*a, **kw, delta_from_p=True))
 
 
 # -------------------------------------------------------------------------------------------------------

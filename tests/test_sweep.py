@@ -41,7 +41,7 @@ def read_csv(path):
 def test_collect_synthetic_runs(tmp_path):
     base = {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 1.5, (1, 1): 0.5}
     config = dict(preset="test", attn="kernel", precision="fa2", fix="off", seed=3, lr=1e-3, batch_size=8,
-                  block_size=32, n_layer=2, n_head=2, n_embd=16, steps=100, mantissa_bits=3, delta_fp32=True)
+                  block_size=32, n_layer=2, n_head=2, n_embd=16, steps=100, mantissa_bits=3, delta_from_p=True)
     rows = [dict(step=10, elapsed_s=6.0, train_loss=3.0, val_loss="", tokens_per_s=900.0),  # no diagnostics
             diag_row(20, base, (0.01, 0.02)),                                            # the baseline
             diag_row(40, base | {(1, 1): 1.45, (0, 1): 5.8}, (0.05, 0.01)),             # 2.9x, 2.9x: not yet
@@ -51,8 +51,8 @@ def test_collect_synthetic_runs(tmp_path):
                    minutes=0.7, final_val_loss=2.95, final_train_loss=2.9, max_logit=6.0, tokens_per_s=1000.0,
                    peak_mem_gb=None, name="arm-s3", seed=3, attn="kernel", precision="fa2", fix="off")
     write_run(tmp_path / "runs", "arm-s3", config, summary, rows)
-    # an old run: no summary.json, no delta_fp32/mantissa_bits in its config, no head ever doubles
-    old = {k: v for k, v in config.items() if k not in ("delta_fp32", "mantissa_bits")}
+    # an old run: no summary.json, no delta_from_p/mantissa_bits in its config, no head ever doubles
+    old = {k: v for k, v in config.items() if k not in ("delta_from_p", "mantissa_bits")}
     write_run(tmp_path / "old", "legacy", dict(old, seed=0), None, rows[:3])
 
     sweep.main(["--collect", str(tmp_path / "runs"), str(tmp_path / "old" / "legacy"),
@@ -62,13 +62,13 @@ def test_collect_synthetic_runs(tmp_path):
     table = read_csv(tmp_path / "out.csv")
     assert list(table) == ["arm-s3", "legacy"]
     a, b = table["arm-s3"], table["legacy"]
-    assert (a["arm"], a["seed"], a["mantissa_bits"], a["delta_fp32"]) == ("arm", "3", "3", "True")
+    assert (a["arm"], a["seed"], a["mantissa_bits"], a["delta_from_p"]) == ("arm", "3", "3", "True")
     assert (a["collapsed"], a["collapse_step"], a["steps"], a["max_logit"]) == ("True", "60", "70", "6.0")
     assert float(a["tie_rate_final"]) == 0.2  # max over layers of each layer's last value (0.03, 0.20)
     # the baseline is step 20 (the first row past a quarter of 70 steps); both (0, 0) (3.5x) and (1, 1) (3.2x)
     # first pass 3x at step 60: the larger ratio wins
     assert (a["first_growth_layer"], a["first_growth_head"], a["first_growth_step"]) == ("0", "0", "60")
-    assert (b["arm"], b["delta_fp32"], b["mantissa_bits"], b["collapsed"]) == ("legacy", "False", "0", "")
+    assert (b["arm"], b["delta_from_p"], b["mantissa_bits"], b["collapsed"]) == ("legacy", "False", "0", "")
     assert (b["steps"], float(b["minutes"]), b["max_logit"]) == ("40", 0.4, "6.0")  # from the log
     assert float(b["tie_rate_final"]) == 0.05
     assert b["first_growth_layer"] == b["first_growth_head"] == b["final_val_loss"] == ""
