@@ -202,7 +202,7 @@ def rate_table(rates):
         cells = [f"`{r['arm']}`", f"{r['collapsed']}/{r['runs']}",
                  fmt(r["median_collapse_minute"], ".1f") if r["collapsed"] else "-",
                  fmt(r["median_steps"], ",.0f"), fmt(r["median_final_val_loss"], ".4f"),
-                 fmt(r["median_max_logit"], ".1f"), fmt(r["median_tokens_per_s"], ",.0f")]
+                 fmt(r["median_max_logit"], ".4g"), fmt(r["median_tokens_per_s"], ",.0f")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

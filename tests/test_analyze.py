@@ -136,8 +136,8 @@ def test_arm_rates(tmp_path):
 
     report = (runs / "figures" / "report.md").read_text()
     minutes = COLLAPSE_STEP * 1.5 / 60
-    assert f"| `b16-off` | 1/3 | {minutes:.1f} | 300 | 2.5000 | {max_logits[1]:.1f} | 5,000 |" in report
-    assert "| `b16-on` | 0/2 | - | 295 | 2.3000 | 25.0 | 6,500 |" in report
+    assert f"| `b16-off` | 1/3 | {minutes:.1f} | 300 | 2.5000 | {max_logits[1]:.4g} | 5,000 |" in report
+    assert "| `b16-on` | 0/2 | - | 295 | 2.3000 | 25 | 6,500 |" in report
     with open(runs / "figures" / "rates.csv", newline="") as f:
         rates = list(csv.DictReader(f))
     assert [(r["arm"], r["collapsed"], r["runs"], r["median_collapse_minute"]) for r in rates] == [
