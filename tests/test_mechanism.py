@@ -218,3 +218,18 @@ def test_amplifier_shrinks_o_without_any_tie():
     assert abs(d_p) * 100 < d_o, f"delta from P: {d_p:.2e} should be free of it (delta from O: {d_o:.2e})"
     (b_off, _), *_ = untied_errors(0)
     assert abs(b_off) * 20 < o_off, f"bf16: O error {b_off:.2e} should be far below 3 bits' {o_off:.2e}"
+
+
+def test_rounding_p_to_b_bits_is_low_by_a_quarter_per_bit():
+    """The shrinkage's size against the number of bits: the mean relative error of round(P) over all P of random
+    causal rows (logits of std 1, 32 x 256 rows) is close to -(2^-B)^2 / 24, a factor 4 per bit. Measured: B = 2..7
+    -2.7e-3, -7.0e-4, -1.7e-4, -4.2e-5, -9.2e-6, -3.5e-6 (the formula: -2.6e-3, -6.5e-4, -1.6e-4, -4.1e-5,
+    -1.0e-5, -2.5e-6). So bf16 (B = 7) has ~200x less of it than the 3-bit default."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(32, 1, 256, 64, generator=g).bfloat16().double() for _ in range(2))
+    S = (q @ k.mT / 8).masked_fill(torch.ones(256, 256, dtype=torch.bool).triu(1), -float("inf"))
+    P = torch.exp(S - S.amax(-1, keepdim=True))
+    P = P[P > 0]
+    for bits in (2, 3, 4, 5):
+        rel = ((emulate.round_mantissa(P.float(), bits).double() - P) / P).mean().item()
+        assert 0.8 < rel / (-(2.0 ** -bits) ** 2 / 24) < 1.3, (bits, rel)
