@@ -9,4 +9,6 @@ NORM=1 run results/commands/cpu_variant.py --fix off --name b1norm; run train.py
 ALWAYS=1 NORM=1 run results/commands/cpu_variant.py --fix on --name b1alwaysnorm
 ALWAYS=1 run results/commands/cpu_variant.py --fix on --name b1always; wait
 run train.py --fix off --seed 1 --name b1off-s1; run train.py --fix off --delta-from-p --seed 1 --name b1dp-s1; wait
+run train.py --fix on --seed 1 --name b1on-s1
+ALWAYS=1 NORM=1 run results/commands/cpu_variant.py --fix on --seed 1 --name b1alwaysnorm-s1; wait
 python -m nanolp.sweep --collect runs/cpu --csv results/search_cpu.csv
