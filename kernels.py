@@ -217,36 +217,6 @@ def _bwd_delta_kernel(O, DO, DELTA, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.const
 
 
 @triton.jit
-def _bwd_delta_from_p_kernel(Q, K, V, DO, LSE, DELTA,
-                             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                             stride_vn, H, N, qk_scale,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             CAUSAL: tl.constexpr, PAPER: tl.constexpr):
-    # delta = rowsum(dP * P), one pass over the keys as in _bwd_dq_kernel: O is never read.
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    start_m = tl.program_id(0) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=rows[:, None] < N, other=0.0)
-    do = tl.load(DO + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-    lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
-    K_tile = K + b * stride_kb + h * stride_kh
-    V_tile = V + b * stride_vb + h * stride_vh
-    delta = tl.zeros([BLOCK_M], tl.float32)
-    stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
-    for start_n in range(0, stop, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(K_tile + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
-        vT = tl.load(V_tile + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
-        p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
-        dp = tl.dot(do, vT)
-        delta += tl.sum(p * dp, 1)
-    tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
-
-
-@triton.jit
 def _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr):
     """P = exp(S - lse) for a (query tile, key tile) pair, S rounded exactly as in the forward."""
     s = _scores(q, kT, qk_scale, PAPER)
@@ -300,7 +270,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                    stride_vn, H, N, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, PAPER: tl.constexpr):
+                   CAUSAL: tl.constexpr, PAPER: tl.constexpr, DELTA_FROM_P: tl.constexpr):
+    # One program per query tile, looping over keys. With DELTA_FROM_P the same pass is the paper's control
+    # instead: it accumulates delta = rowsum(dP * P) and stores it (O is never read); run before dK/dV and dQ.
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     start_m = tl.program_id(0) * BLOCK_M
@@ -310,7 +282,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                 mask=rows[:, None] < N, other=0.0)
     do = tl.load(DO + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
     lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
-    delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
+    if DELTA_FROM_P:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
     K_tile = K + b * stride_kb + h * stride_kh
     V_tile = V + b * stride_vb + h * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -321,10 +296,16 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         vT = tl.load(V_tile + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
         p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
         dp = tl.dot(do, vT)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(q.dtype), tl.trans(kT))               # ROUND: dS to bf16
-    tl.store(DQ + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=rows[:, None] < N)
+        if DELTA_FROM_P:
+            delta += tl.sum(p * dp, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
+    if DELTA_FROM_P:
+        tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
+    else:
+        tl.store(DQ + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :],
+                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -432,7 +413,8 @@ def _bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p):
     grid, strides, meta = _bwd_launch(q, k, v, causal, precision)
     delta = torch.empty_like(lse)
     if delta_from_p:
-        _bwd_delta_from_p_kernel[grid](q, k, v, do, lse, delta, *strides, **meta)
+        # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
+        _bwd_dq_kernel[grid](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
     else:
         _bwd_delta_kernel[grid](o, do, delta, q.shape[2], HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
     return delta
@@ -448,7 +430,7 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
     sm_scale = q.shape[-1] ** -0.5
     _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, sm_scale, **meta)
-    _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, **meta)
+    _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
     return dq, dk, dv
 
 

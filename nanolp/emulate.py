@@ -172,7 +172,7 @@ def _probs_and_dp(q, k, v, lse, do, causal, precision):
 def delta(q, k, v, o, lse, do, causal, precision, from_p=False):
     """The backward's delta. rowsum(dO * O) from the stored O, the paper's channel (kernels._bwd_delta_kernel);
     from_p: the paper's localisation control rowsum(dP * P), P recomputed in fp32 and O never read, summed per
-    key tile as kernels._bwd_delta_from_p_kernel does (one more pass over the keys, here as in the kernel)."""
+    key tile as kernels._bwd_dq_kernel does in its DELTA_FROM_P pass (one more pass over the keys)."""
     if not from_p:
         return _rowsum(do.float() * o.float())
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
