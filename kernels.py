@@ -62,15 +62,9 @@ def _shifted_max(s, r, t, beta, tol, lo, hi, span):
     n_near = tl.sum((s >= (r - tol)[:, None]).to(tl.int32), 1)
     across = (r >= t - tol) & (t >= r - tol)
     tied = ((n_near > 1) | across) & (r > float("-inf"))
-    return tl.where(tied, _shift(r, beta, lo, hi, span), r), tl.maximum(t, r)
-
-
-@triton.jit
-def _shift(r, beta, lo, hi, span):
-    """r + d: the paper's shift d ((beta - 1) r for r > 0, -r otherwise), folded into [lo, hi)."""
     d = tl.where(r > 0, (beta - 1.0) * r, -r)
     d = tl.where((d >= lo) & (d < hi), d, lo + d % span)
-    return r + d
+    return tl.where(tied, r + d, r), tl.maximum(t, r)
 
 
 @triton.jit
@@ -129,10 +123,8 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
             s = tl.where(valid, s, float("-inf"))
         # m' = max(m, rowmax(S))   (the fix only changes rowmax(S) here; t_i: the unshifted running max)
         r = tl.max(s, 1)
-        if FIX == 1:
+        if FIX:
             r, t_i = _shifted_max(s, r, t_i, beta, tol, lo, hi, span)
-        if FIX == 2:   # EXPERIMENT: every tile's max shifted (no P is 1 anywhere), l summed from the rounded P
-            r = tl.where(r > float("-inf"), _shift(r, beta, lo, hi, span), r)
         if PAPER:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
@@ -151,12 +143,11 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
             m_new = tl.maximum(m_i, r)
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[:, None])
-            p_low = _round_bits(p, BITS).to(q.dtype)                                  # ROUND: P to bf16
             # l = exp(m - m') l + rowsum(P), from the unrounded P
-            l_i = l_i * alpha + tl.sum(p_low.to(tl.float32) if FIX == 2 else p, 1)
+            l_i = l_i * alpha + tl.sum(p, 1)
             # acc = exp(m - m') acc + P V_j
             acc = acc * alpha[:, None]
-            acc = tl.dot(p_low, v, acc)
+            acc = tl.dot(_round_bits(p, BITS).to(q.dtype), v, acc)                    # ROUND: P to bf16
         m_i = m_new
     return acc, l_i, m_i, t_i
 
@@ -335,7 +326,7 @@ if INTERPRET:
     BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
 
 
-def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, fix=0):
+def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -360,8 +351,6 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, fix
         raise ValueError(f"beta must be greater than 1 (it moves the max up), got {beta}")
     if not tol >= 0.0:
         raise ValueError(f"tol must be non-negative, got {tol}")
-    if fix == 2 and precision != "fa2":
-        raise ValueError('fix=2 (every max shifted, l from the rounded P) is for precision="fa2" only')
     if mantissa_bits not in range(0, 7):
         raise ValueError(f"mantissa_bits must be 0 (off) or 1-6, got {mantissa_bits}")
 
@@ -387,7 +376,7 @@ def qk_scale(head_dim, precision):
 
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
-def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: int, precision: str,
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
                beta: float, tol: float, delta_from_p: bool, mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns O and lse. delta_from_p is for the backward only (it reaches it through _setup_context)."""
     B, H, N, D = q.shape
@@ -487,11 +476,11 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
         The fix's tol and shift range widen to match (fix_constants).
     """
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, int(fix))
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"flash_attention needs CUDA tensors (got {q.device}); on CPU run with TRITON_INTERPRET=1 "
                          "or use nanolp.emulate.emulate_attention, which computes the same numbers")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
-    return _flash_fwd(q, k, v, causal, int(fix), precision, float(beta), float(tol), delta_from_p, mantissa_bits)[0]
+    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p, mantissa_bits)[0]

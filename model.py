@@ -34,7 +34,7 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 384
     attn: str = "kernel"      # one of ATTN_BACKENDS
-    fix: int = 0              # the paper's forward fix (kernel and emulate only); 2: EXPERIMENT every max
+    fix: bool = False         # the paper's forward fix (kernel and emulate only)
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
     mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)

@@ -76,7 +76,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # every default is None, so that a flag the user gave can be told from one they did not
     p.add_argument("--preset", choices=PRESETS)
-    p.add_argument("--fix", choices=["off", "on", "always"])
+    p.add_argument("--fix", choices=["off", "on"])
     p.add_argument("--attn", choices=ATTN_BACKENDS)
     p.add_argument("--precision", choices=["fa2", "paper"])
     p.add_argument("--delta-from-p", action=argparse.BooleanOptionalAction,
@@ -225,7 +225,7 @@ def main(argv=None):
     train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
-                          n_embd=c["n_embd"], attn=c["attn"], fix=["off", "on", "always"].index(c["fix"]), precision=c["precision"],
+                          n_embd=c["n_embd"], attn=c["attn"], fix=c["fix"] == "on", precision=c["precision"],
                           delta_from_p=c["delta_from_p"], mantissa_bits=c["mantissa_bits"])).to(device)
     c["vocab_size"], c["flops_per_token"] = data.vocab_size, model.flops_per_token()
     # weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2

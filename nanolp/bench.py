@@ -30,7 +30,6 @@ def sdpa(backend):
 IMPLS = {
     "ours": lambda q, k, v: flash_attention(q, k, v, causal=True),
     "ours_fix": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=True),
-    "ours_fix2": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=2),
     "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }

@@ -91,14 +91,9 @@ def shifted_max(S, r, t, beta, tol, lo, hi, span):
     n_near = (S >= (r - tol).unsqueeze(-1)).sum(-1)
     across = (r >= t - tol) & (t >= r - tol)
     tied = ((n_near > 1) | across) & (r > -math.inf)          # a fully masked tile (r = -inf) is never a tie
-    return torch.where(tied, shift(r, beta, lo, hi, span), r), torch.maximum(t, r)
-
-
-def shift(r, beta, lo, hi, span):
-    """r + d, d the paper's shift ((beta - 1) r for r > 0, -r otherwise) folded into [lo, hi) (kernels._shift)."""
     d = torch.where(r > 0, (torch.tensor(beta, dtype=torch.float32) - 1.0) * r, -r)
     d = torch.where((d >= lo) & (d < hi), d, lo + torch.fmod(d, span))
-    return r + d
+    return torch.where(tied, r + d, r), torch.maximum(t, r)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,18 +132,14 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
         kt, vt = k[:, :, col0:col0 + TILE_N], v[:, :, col0:col0 + TILE_N]
         S = _mask(_scores(q, kt, precision, dtype), col0, N, causal)
         r = S.amax(-1)
-        if fix == 1:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
+        if fix:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
             r, t = shifted_max(S, r, t, beta, *fix_constants(precision, tol, mantissa_bits))
-        if fix == 2:   # EXPERIMENT: every tile's max shifted, l from the rounded P
-            _, lo, hi, span = fix_constants(precision, tol, mantissa_bits)
-            r = torch.where(r > -math.inf, shift(r, beta, lo, hi, span), r)
         if precision == "fa2":
             m_new = torch.maximum(m, r)
             alpha = _exp2(m - m_new)
             P = _exp2(S - m_new.unsqueeze(-1))
-            P_low = _round(low(P), dtype)                                      # P rounded right before P V
-            l = l * alpha + _rowsum(P_low if fix == 2 else P)
-            acc = acc * alpha.unsqueeze(-1) + _dot(P_low, vt)
+            l = l * alpha + _rowsum(P)
+            acc = acc * alpha.unsqueeze(-1) + _dot(_round(low(P), dtype), vt)   # P rounded right before P V
         else:  # "paper": every intermediate held in the input dtype, as under bf16 autocast in PyTorch
             m_new = _round(torch.maximum(m, r), dtype)
             alpha = _round(_exp(_round(m - m_new, dtype)), dtype)
@@ -219,7 +210,7 @@ class _EmulatedAttention(torch.autograd.Function):
 def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
                       mantissa_bits=0):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, int(fix))
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
     with torch.autocast(q.device.type, enabled=False):
         return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p,
                                         mantissa_bits)
