@@ -38,6 +38,8 @@ class GPTConfig:
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
     mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
+    pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
+                              # repeat of a row's best-matching token is an exact tie (the paper's precondition)
 
 
 def causal_scores(q, k):
@@ -138,10 +140,11 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
+        assert config.pos in ("learned", "none"), f'pos must be "learned" or "none", got {config.pos!r}'
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos == "learned" else nn.Identity(),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd),
         ))
@@ -162,8 +165,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         B, T = idx.size()
         assert T <= self.config.block_size, f"sequence of {T} tokens, block_size is {self.config.block_size}"
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx)
+        if self.config.pos == "learned":
+            x = x + self.transformer.wpe(torch.arange(T, device=idx.device))
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
@@ -178,5 +182,5 @@ class GPT(nn.Module):
         N leaves out the position table (a lookup, not a matmul); the tied embedding counts once, as the
         output layer. The attention term ignores causal masking, as PaLM does."""
         c = self.config
-        n = sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        n = sum(p.numel() for name, p in self.named_parameters() if not name.startswith("transformer.wpe"))
         return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size

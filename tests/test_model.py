@@ -65,6 +65,22 @@ def test_models_train_alike(attn):
     assert (grad_a - grad_b).norm() < 0.02 * grad_a.norm()
 
 
+def test_without_positions_repeated_tokens_tie_exactly():
+    """--pos none: layer 0 sees tokens only, so a row's best key ties exactly with every repeat of its token.
+    With 4 symbols nearly every row repeats its best token; with learned positions the copies differ (the
+    near-ties left at init come from scores still close to 0)."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(4, (2, 64), generator=g), torch.randint(4, (2, 64), generator=g)
+    rates, sizes = {}, {}
+    for pos in ("learned", "none"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL, attn="emulate", pos=pos))
+        rates[pos] = diagnose(model, x, y, BF16)["tie_rate_L0"]
+        sizes[pos] = sum(p.numel() for p in model.parameters())
+    assert rates["none"] > 0.8 and rates["learned"] < 0.2, rates   # at init: 0.90 and 0.13
+    assert sizes["learned"] - sizes["none"] == SMALL["block_size"] * SMALL["n_embd"]
+
+
 def test_flops_per_token_counts_weights_and_attention():
     model = small_gpt()
     c = model.config
