@@ -50,9 +50,9 @@ COMMON = dict(
 PRESETS = {
     # The fastest demonstration we found (README.md, "How we found the default"). Plain bf16 does not collapse
     # at this scale in 27,000 steps, so P is rounded to 3 mantissa bits before P V, as an FP8 (e4m3) attention
-    # would: the amplifier. Fix off collapses at 6,240-7,280 steps (5 runs); delta = rowsum(dP * P), the paper's
-    # control (--delta-from-p), trains 20,000 steps without it (3 seeds): the failure goes through delta, the
-    # paper's channel. But --fix on collapses too (5,650-6,650, 3 seeds): at 3 bits the bias is not only at
+    # would: the amplifier. Fix off collapses at 6,240-7,280 steps (6 runs); delta = rowsum(dP * P), the paper's
+    # control (--delta-from-p), trains up to 20,600 steps without it (4 runs): the failure goes through delta, the
+    # paper's channel. But --fix on collapses too (5,250-6,650, 4 runs): at 3 bits the bias is not only at
     # tied maxima, which is all the fix removes.
     "default": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, mantissa_bits=3, steps=12000),
     # Plain bf16, the paper's setting, at the fastest learning rate we measured: no collapse in 27,000 steps
