@@ -70,7 +70,8 @@ def _shifted_max(s, r, t, beta, tol, lo, hi, span):
 @triton.jit
 def _round_bits(x, BITS: tl.constexpr):
     """The amplifier (mantissa_bits): round fp32 x to BITS explicit mantissa bits, ties to even, on its bit
-    pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa). BITS = 0: no-op."""
+    pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa), or on O before it is
+    stored (amplify="vo"). BITS = 0: no-op."""
     if BITS > 0:
         DROP: tl.constexpr = 23 - BITS
         b = x.to(tl.int32, bitcast=True)
@@ -101,7 +102,7 @@ def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
 def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
                qk_scale, beta, tol, lo, hi, span,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr,
-               BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+               P_BITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
     causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
     for start_n in range(start, stop, BLOCK_N):
@@ -130,7 +131,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
             alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
             p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))               # ROUND: S - m'
-            p = _round_bits(p, BITS).to(q.dtype)                                      # ROUND: P
+            p = _round_bits(p, P_BITS).to(q.dtype)                                    # ROUND: P
             # l = exp(m - m') l + rowsum(P)
             l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
             l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
@@ -147,7 +148,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
             l_i = l_i * alpha + tl.sum(p, 1)
             # acc = exp(m - m') acc + P V_j
             acc = acc * alpha[:, None]
-            acc = tl.dot(_round_bits(p, BITS).to(q.dtype), v, acc)                    # ROUND: P to bf16
+            acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
         m_i = m_new
     return acc, l_i, m_i, t_i
 
@@ -157,7 +158,8 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 H, N, qk_scale, beta, tol, lo, hi, span,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, BITS: tl.constexpr):
+                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, P_BITS: tl.constexpr,
+                O_BITS: tl.constexpr):
     # One program per (query tile, batch * head).
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -183,12 +185,13 @@ def _fwd_kernel(Q, K, V, O, LSE,
         stop = N
     acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, 0, stop_unmasked,
                                     offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                                    False, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
+                                    False, CAUSAL, FIX, PAPER, P_BITS, BLOCK_N)
     acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, stop_unmasked,
                                     stop, offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                                    True, CAUSAL, FIX, PAPER, BITS, BLOCK_N)
-    # O = acc / l -> stored in the input dtype (ROUND); lse = m + log l in fp32 (log2 units in "fa2").
-    o = acc / l_i[:, None]
+                                    True, CAUSAL, FIX, PAPER, P_BITS, BLOCK_N)
+    # O = acc / l -> stored in the input dtype (ROUND; to O_BITS first with amplify="vo"); lse = m + log l in fp32
+    # (log2 units in "fa2").
+    o = _round_bits(acc / l_i[:, None], O_BITS)
     row = bh * N + offs_m
     o_ptrs = O + row[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
@@ -326,7 +329,7 @@ if INTERPRET:
     BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
 
 
-def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0):
+def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amplify="p"):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -353,6 +356,8 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0):
         raise ValueError(f"tol must be non-negative, got {tol}")
     if mantissa_bits not in range(0, 7):
         raise ValueError(f"mantissa_bits must be 0 (off) or 1-6, got {mantissa_bits}")
+    if amplify not in ("p", "vo"):
+        raise ValueError(f'amplify must be "p" or "vo", got {amplify!r}')
 
 
 def fix_constants(precision, tol, mantissa_bits=0):
@@ -366,6 +371,34 @@ def fix_constants(precision, tol, mantissa_bits=0):
     return tol * widening(mantissa_bits) * unit, lo * unit, SHIFT_HI * unit, (SHIFT_HI - lo) * unit
 
 
+def amplified_bits(mantissa_bits, amplify):
+    """The amplifier as (bits of P before P V, bits of O before its store); 0 = no extra rounding."""
+    return (mantissa_bits, 0) if amplify == "p" else (0, mantissa_bits)
+
+
+def round_mantissa(x, bits):
+    """Round values to `bits` explicit mantissa bits (ties to even) on their float32 bit pattern, keeping
+    float32's exponent range; returned as float32. bits=7 is bfloat16, 3 the mantissa of FP8 e4m3."""
+    assert 0 <= bits <= 23
+    drop = 23 - bits
+    if drop == 0:
+        return x.float()
+    b = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    half = (1 << (drop - 1)) - 1
+    b = (b + half + ((b >> drop) & 1)) >> drop << drop
+    out = (b & 0xFFFFFFFF).to(torch.int64)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isfinite(x), out, x.float())
+
+
+def amplified_v(v, mantissa_bits, amplify):
+    """amplify="vo": V rounded to mantissa_bits before attention sees it, so the forward and the backward read
+    the same V; its gradient passes straight through to the unrounded V."""
+    if amplify != "vo" or not mantissa_bits:
+        return v
+    return round_mantissa(v, mantissa_bits).to(v.dtype).detach() + (v - v.detach())
+
+
 def widening(mantissa_bits):
     """How much wider than in bf16 the band of scores is whose P rounds to 1.0, with P at mantissa_bits bits."""
     return 2.0 ** (7 - mantissa_bits) if mantissa_bits else 1.0
@@ -377,22 +410,24 @@ def qk_scale(head_dim, precision):
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
-               beta: float, tol: float, delta_from_p: bool, mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+               beta: float, tol: float, delta_from_p: bool, mantissa_bits: int, amplify: str = "p"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns O and lse. delta_from_p is for the backward only (it reaches it through _setup_context)."""
     B, H, N, D = q.shape
     o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = FWD_TUNING[D]
+    p_bits, o_bits = amplified_bits(mantissa_bits, amplify)
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, mantissa_bits),
+        H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, p_bits),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix, PAPER=precision == "paper",
-        BITS=mantissa_bits, num_warps=warps, num_stages=stages)
+        P_BITS=p_bits, O_BITS=o_bits, num_warps=warps, num_stages=stages)
     return o, lse
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits):
+def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits, amplify):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:3], dtype=torch.float32))
 
@@ -440,7 +475,7 @@ def _(do, q, k, v, o, lse, causal, precision, delta_from_p):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, fix, precision, beta, tol, delta_from_p, _ = inputs
+    q, k, v, causal, fix, precision, beta, tol, delta_from_p, _, _ = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.causal, ctx.precision, ctx.delta_from_p = causal, precision, delta_from_p
 
@@ -448,14 +483,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.delta_from_p)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, *[None] * 8
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                    mantissa_bits=0):
+                    mantissa_bits=0, amplify="p"):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
@@ -475,12 +510,17 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
     mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
         mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
         The fix's tol and shift range widen to match (fix_constants).
+    amplify: what mantissa_bits rounds: "p" (the default, above) or "vo": V before attention reads it and O
+        before it is stored, P staying in the input dtype. Rows with tied maxima put O on rounding midpoints
+        of V's format, so this amplifies the paper's own bias (by 2^(7 - bits) in bf16) and little else.
     """
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify)
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"flash_attention needs CUDA tensors (got {q.device}); on CPU run with TRITON_INTERPRET=1 "
                          "or use nanolp.emulate.emulate_attention, which computes the same numbers")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
-    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p, mantissa_bits)[0]
+    v = amplified_v(v, mantissa_bits, amplify)
+    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p, mantissa_bits,
+                      amplify)[0]

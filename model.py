@@ -38,6 +38,7 @@ class GPTConfig:
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
     mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
+    amplify: str = "p"        # what the amplifier rounds: "p", or "vo" (V and O: the paper's own bias, amplified)
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
                               # repeat of a row's best-matching token is an exact tie (the paper's precondition)
 
@@ -69,7 +70,7 @@ def attention(q, k, v, config):
         else:  # the emulation has the kernel's numerics and runs anywhere
             from nanolp.emulate import emulate_attention as fn
         return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision,
-                  delta_from_p=config.delta_from_p, mantissa_bits=config.mantissa_bits)
+                  delta_from_p=config.delta_from_p, mantissa_bits=config.mantissa_bits, amplify=config.amplify)
     if config.attn == "fp32":
         return reference_attention(q, k, v)
     if config.attn == "sdpa":

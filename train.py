@@ -41,7 +41,8 @@ from nanolp.data import get_batch, prepare
 from nanolp.diagnostics import diag_columns, diagnose
 
 COMMON = dict(
-    fix="off", attn="kernel", precision="fa2", delta_from_p=False, mantissa_bits=0, pos="learned", seed=0,
+    fix="off", attn="kernel", precision="fa2", delta_from_p=False, mantissa_bits=0, amplify="p", pos="learned",
+    seed=0,
     lr=1e-3, warmup=100, schedule="constant", beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
     steps=5000, minutes=None, dtype="bf16",
     log_interval=10, eval_interval=250, eval_iters=20, diag_interval=250, ckpt_interval=250,
@@ -82,6 +83,8 @@ def parse_args(argv):
     p.add_argument("--delta-from-p", action=argparse.BooleanOptionalAction,
                    help="kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the paper's control)")
     p.add_argument("--mantissa-bits", type=int, help="kernel/emulate: amplifier, P rounded to 1-6 mantissa bits before P V")
+    p.add_argument("--amplify", choices=["p", "vo"],
+                   help="what --mantissa-bits rounds: P (default) or V and O (the paper's tie bias, amplified)")
     p.add_argument("--pos", choices=["learned", "none"],
                    help="position embeddings; none: layer 0 sees tokens only, so repeated tokens tie exactly")
     p.add_argument("--seed", type=int)
@@ -229,7 +232,7 @@ def main(argv=None):
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
                           n_embd=c["n_embd"], attn=c["attn"], fix=c["fix"] == "on", precision=c["precision"],
-                          delta_from_p=c["delta_from_p"], mantissa_bits=c["mantissa_bits"], pos=c["pos"])).to(device)
+                          delta_from_p=c["delta_from_p"], mantissa_bits=c["mantissa_bits"], amplify=c["amplify"], pos=c["pos"])).to(device)
     c["vocab_size"], c["flops_per_token"] = data.vocab_size, model.flops_per_token()
     # weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2
     params = list(model.parameters())

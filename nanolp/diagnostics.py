@@ -15,7 +15,7 @@ The names are the column names of log.csv.
 import torch
 
 from model import causal_scores
-from kernels import TIE_TOL, widening  # the kernel's tie tolerance: exp(-x) rounds to 1.0 in bf16 below it
+from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # the kernel's tie tolerance: exp(-x) rounds to 1.0 in bf16 below it
 
 
 def diag_columns(n_layer, n_head):
@@ -75,8 +75,11 @@ def diagnose(model, x, y, ctx):
     """Every diagnostic column for the (uncompiled) model on the batch (x, y), as Python floats.
     ctx is the autocast context of training, so attention sees the same dtypes as in a training step."""
     out = spectral_norms(model)
-    for i, call in enumerate(capture_attention(model, x, y, ctx)):
-        max_logit, tie_rate, delta_err = attention_stats(*call, tol=TIE_TOL * widening(model.config.mantissa_bits))
+    c = model.config
+    p_bits, _ = amplified_bits(c.mantissa_bits, c.amplify)   # the tie band: scores whose P rounds to 1.0
+    for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):
+        v = amplified_v(v, c.mantissa_bits, c.amplify)       # the V attention read
+        max_logit, tie_rate, delta_err = attention_stats(q, k, v, O, dO, tol=TIE_TOL * widening(p_bits))
         out.update({f"max_logit_L{i}": max_logit, f"tie_rate_L{i}": tie_rate, f"delta_err_L{i}": delta_err.mean()})
         out.update({f"delta_err_L{i}_H{h}": d for h, d in enumerate(delta_err)})
     names = list(out)

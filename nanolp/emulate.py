@@ -17,32 +17,16 @@ import math
 
 import torch
 
-from kernels import BWD_TUNING, TIE_TOL, TILE_N, check_inputs, fix_constants, qk_scale
+from kernels import (BWD_TUNING, TIE_TOL, TILE_N, amplified_bits, amplified_v, check_inputs, fix_constants, qk_scale,
+                     round_mantissa)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Rounding helpers (also used by analyze.py)
+# Rounding helpers (also used by analyze.py; round_mantissa, shared with kernels.flash_attention, is kernels')
 
 def round_bf16(x):
     """Round float32 values to the nearest bfloat16 (ties to even); returned as float32."""
     return x.float().to(torch.bfloat16).float()
-
-
-def round_mantissa(x, bits):
-    """Round float32 values to `bits` explicit mantissa bits (ties to even), keeping float32's exponent range.
-
-    bits=7 is bfloat16, bits=3 the mantissa of FP8 e4m3. Works on the bit pattern, so it is exact.
-    """
-    assert 0 <= bits <= 23
-    drop = 23 - bits
-    if drop == 0:
-        return x.float()
-    b = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    half = (1 << (drop - 1)) - 1
-    b = (b + half + ((b >> drop) & 1)) >> drop << drop
-    out = (b & 0xFFFFFFFF).to(torch.int64)
-    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.float32)
-    return torch.where(torch.isfinite(x), out, x.float())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -117,12 +101,13 @@ def _mask(S, col0, n_keys, causal):
     return S.masked_fill(~valid, -math.inf)
 
 
-def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
+def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0, amplify="p"):
     """Returns (O in the input dtype, O before its last rounding in fp32, lse in the kernel's units). The kernel
     keeps no fp32 O; the mechanism tests use it to show what it would and would not carry."""
     dtype = q.dtype
     B, H, N, D = q.shape
-    low = (lambda x: round_mantissa(x, mantissa_bits)) if mantissa_bits else (lambda x: x)   # the amplifier
+    p_bits, o_bits = amplified_bits(mantissa_bits, amplify)                                   # the amplifier
+    low = (lambda x: round_mantissa(x, p_bits)) if p_bits else (lambda x: x)
     q, k, v = q.float(), k.float(), v.float()
     m = torch.full((B, H, N), -math.inf, device=q.device)
     t = m.clone()                      # the raw running max (the fix's shift is not in it)
@@ -133,7 +118,7 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
         S = _mask(_scores(q, kt, precision, dtype), col0, N, causal)
         r = S.amax(-1)
         if fix:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
-            r, t = shifted_max(S, r, t, beta, *fix_constants(precision, tol, mantissa_bits))
+            r, t = shifted_max(S, r, t, beta, *fix_constants(precision, tol, p_bits))
         if precision == "fa2":
             m_new = torch.maximum(m, r)
             alpha = _exp2(m - m_new)
@@ -149,7 +134,7 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0):
         m = m_new
     o32 = acc / l.unsqueeze(-1)
     lse = m + (_log2(l) if precision == "fa2" else _log(l))
-    return o32.to(dtype), o32, lse
+    return (round_mantissa(o32, o_bits) if o_bits else o32).to(dtype), o32, lse
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,8 +179,8 @@ def backward(q, k, v, o, lse, do, causal, precision, delta_from_p=False):
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits):
-        o, _, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits)
+    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits, amplify):
+        o, _, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits, amplify)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (causal, precision, delta_from_p)
         return o
@@ -204,13 +189,14 @@ class _EmulatedAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 7)
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 8)
 
 
 def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                      mantissa_bits=0):
+                      mantissa_bits=0, amplify="p"):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify)
+    v = amplified_v(v, mantissa_bits, amplify)
     with torch.autocast(q.device.type, enabled=False):
         return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p,
-                                        mantissa_bits)
+                                        mantissa_bits, amplify)

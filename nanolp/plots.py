@@ -64,7 +64,7 @@ def label(run):
     if family(run) != "fp32":
         parts += [str(run.setting("precision", "?")), f"fix {fix_word(run)}"]
         if mantissa_bits(run):
-            parts.append(f"P{mantissa_bits(run)}b")
+            parts.append(f"{str(run.setting('amplify', 'p')).upper()}{mantissa_bits(run)}b")
         if flag(run, "delta_from_p"):
             parts.append("delta-from-p")
     return " ".join(parts + [f"seed {run.setting('seed', 0)}"])
@@ -73,7 +73,7 @@ def label(run):
 def variant(run):
     """What separates runs of one family by shade: everything in the label but the seed."""
     return (family(run), str(run.setting("attn")), str(run.setting("precision")), fix_word(run),
-            mantissa_bits(run), flag(run, "delta_from_p"))
+            mantissa_bits(run), str(run.setting("amplify", "p")), flag(run, "delta_from_p"))
 
 
 def run_styles(runs):

@@ -14,7 +14,7 @@ INPUTS = (f"V ~ N({V_MEAN:g}, {V_STD:g}), dO ~ N({DO_MEAN:g}, {DO_STD:g}), "
 
 
 def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0), gap_range=GAP_RANGE,
-              v_mean=V_MEAN, v_std=V_STD, dtype=torch.bfloat16, tie_gap=0.0, n_keys=None):
+              v_mean=V_MEAN, v_std=V_STD, dtype=torch.bfloat16, tie_gap=0.0, n_keys=None, copies=False):
     """q, k, v of shape (n_rows // head_dim, 1, n_keys, head_dim): every query row has its own n_tied tied maxima.
 
     Row i of each block of head_dim rows is q_i = sqrt(d) e_i, so its scaled score with key j is exactly k_j[i]:
@@ -33,6 +33,8 @@ def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0
     n_keys (default head_dim, one key tile): more keys spread the tied ones over several key tiles; q is then
     padded with zero rows to n_keys rows (attention needs as many queries as keys), so only the first head_dim
     rows of each block are the tied rows: measure those.
+    copies: the tied keys are copies of one key, value included (a repeated token in a layer without position
+    embeddings); all rows of a block then tie at the same keys.
     """
     assert head_dim in (16, 64), "head_dim 16 or 64: scores are exact only when sqrt(head_dim) is a power of two"
     assert n_rows % head_dim == 0 and 1 <= n_tied
@@ -43,13 +45,17 @@ def tied_rows(n_rows, n_tied, head_dim=64, generator=None, max_range=(-4.0, 12.0
     M = (lo + (hi - lo) * rand(B, 1, D, 1)).to(dtype).float()
     glo, ghi = gap_range
     S = (M - glo - (ghi - glo) * rand(B, 1, D, N)).to(dtype).float()           # S[b, 0, row, key]
-    tied = torch.zeros(B, 1, D, N, dtype=torch.bool).scatter(-1, rand(B, 1, D, N).argsort(-1)[..., :n_tied], True)
+    per = (B, 1, 1, N) if copies else (B, 1, D, N)
+    tied = torch.zeros(per, dtype=torch.bool).scatter(-1, rand(*per).argsort(-1)[..., :n_tied], True).expand(B, 1, D, N)
     near = tied & (tied.cumsum(-1) > 1)                                          # all tied keys but the first
     S = torch.where(tied, M, S)
     S = torch.where(near, (M - tie_gap * rand(B, 1, D, N)).to(dtype).float(), S)
     q = torch.eye(N, D).expand(B, 1, N, D) * math.sqrt(D)
     k = S.transpose(-1, -2)                                                      # k_j[i] = S[i, j]
     v = torch.randn(B, 1, N, D, generator=generator) * v_std + v_mean
+    if copies:
+        first = tied[:, :, 0].int().argmax(-1)                                   # (B, 1): a block's first tied key
+        v = torch.where(tied[:, :, 0].unsqueeze(-1), v[torch.arange(B), 0, first[:, 0]][:, None, None], v)
     return q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
 
 

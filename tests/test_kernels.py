@@ -91,12 +91,14 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
 @requires_interpreter
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 @pytest.mark.parametrize("fix", [False, True])
-def test_forward_bitwise_fewer_mantissa_bits(precision, fix):
-    """The amplifier (P rounded to 3 mantissa bits before P V, as in FP8 e4m3 attention) is emulated exactly."""
+@pytest.mark.parametrize("amplify", ["p", "vo"])
+def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
+    """The amplifier (P rounded to 3 mantissa bits before P V, as in FP8 e4m3 attention; or O before its store)
+    is emulated exactly."""
     q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 9, :]
-    o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 3)
-    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3)
+    o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 3, amplify)
+    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3, amplify)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
     o_bf16, _, _ = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
     assert not torch.equal(o, o_bf16), "the amplifier must change the result"
@@ -129,6 +131,22 @@ def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from_
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs from the emulation"
     other = grads(emulate.emulate_attention, q, k, v, do, **{**kw, "delta_from_p": not delta_from_p})
     assert not torch.equal(ours[0], other[0]), "the two ways of computing delta must give different bits here"
+
+
+def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through():
+    """amplify="vo": attention reads V rounded to mantissa_bits in the forward and the backward alike (the
+    result equals plain attention on the rounded V), and dV reaches the unrounded V unchanged."""
+    shape = (1, 2, 100, 64)
+    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
+    v3 = kernels.round_mantissa(v, 3).to(v.dtype)
+    assert not torch.equal(v3, v)
+    for attention in (kernels.flash_attention, emulate.emulate_attention):
+        ours = grads(attention, q, k, v, do, mantissa_bits=3, amplify="vo")
+        on_v3 = grads(attention, q, k, v3, do, mantissa_bits=3, amplify="vo")
+        for name, a, b in zip(("dQ", "dK", "dV"), ours, on_v3):
+            assert torch.equal(a, b), f"{attention.__name__}: {name} must equal the gradient at the rounded V"
+    plain = grads(kernels.flash_attention, q, k, v3, do)
+    assert not torch.equal(ours[0], plain[0]), "O rounded to 3 bits must change delta and so dQ"
 
 
 # -------------------------------------------------------------------------------------------------------
