@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 from tqdm import tqdm
 
-from nanolp.plots import (auto_log_scale, family, fix_word, flag, legend, mantissa_bits, plot_grid,
+from nanolp.plots import (amplifier, auto_log_scale, family, fix_word, flag, legend, plot_grid,
                           run_styles, save)
 from nanolp.runs import find_runs, load_run
 from nanolp.sweep import write_csv
@@ -152,7 +152,7 @@ def fmt(value, spec):
 
 
 def run_table(runs):
-    lines = ["| run | fix | backend | precision | P bits | delta from P | seed | collapsed | final val loss "
+    lines = ["| run | fix | backend | precision | amplifier | delta from P | seed | collapsed | final val loss "
              "| tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -165,12 +165,26 @@ def run_table(runs):
                          f"{fmt(run.summary.get('collapse_minute'), '.1f')} min")
         known = bool(run.config or run.summary)  # a run in progress may have neither file yet
         cells = [f"`{run.name}`", fix_word(run) if known else None, run.setting("attn"),
-                 run.setting("precision"), (mantissa_bits(run) or "-") if known else None,
+                 run.setting("precision"), (amplifier(run) or "-") if known else None,
                  ("yes" if flag(run, "delta_from_p") else "no") if known else None,
                  run.setting("seed"), collapsed, fmt(run.final_val_loss, ".4f"),
                  fmt(run.tokens_per_s, ",.0f")]
         lines.append("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")
     return lines
+
+
+def tie_heads(runs):
+    """Per run, the head whose tie rate peaked highest: the paper's failure starts in a few heads, so a layer's
+    mean can hide the heads that matter. (Only ties between keys with different values carry the bias; copies of
+    one token do not, tests/test_mechanism.py.)"""
+    lines = []
+    for run in runs:
+        peaks = {c: np.nanmax(run.log[c]) for c in run.columns(r"tie_rate_L\d+_H\d+") if np.isfinite(run.log[c]).any()}
+        if peaks:
+            column = max(peaks, key=peaks.get)
+            layer, head = column[len("tie_rate_L"):].split("_H")
+            lines.append(f"- `{run.name}`: layer {layer}, head {head}: {peaks[column]:.3g} of its rows tied")
+    return lines or ["No per-head tie rates in these logs (they start with session 4's runs)."]
 
 
 def median(values):
@@ -250,6 +264,7 @@ def analyze_runs(runs, out, warn_k):
                      f"over the runs of our attention with the fix off: " + ", ".join(
                          f"L{i} {g:.3g}" for i, g in sorted(growth.items())) +
                      f". Largest: **layer {layer}** (per-head plot: spectral_norm_heads.png).")
+    lines += ["", "### Heads with the most ties (peak over logged steps)", ""] + tie_heads(runs)
     lines += ["", f"### Early warning (threshold k = {warn_k:g})", ""]
     warnings = [(run, early_warning(run, warn_k)) for run in runs]
     warnings = [warning_sentence(run, w, warn_k) for run, w in warnings if w is not None]

@@ -3,7 +3,8 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
 
     max_logit   largest scaled score q.k/sqrt(d) in a layer: the logits grow before a collapse
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
-                (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits)
+                (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits); also per head,
+                since the paper's failure starts in a few heads
     sn_q, sn_k  spectral norms of W_Q and W_K (and of each head's slice of W_Q): the direction the biased
                 gradient grows
     delta_err   mean of rowsum(dO * O) - rowsum(dO * O_fp32): the signed error that reaches dQ and dK
@@ -15,16 +16,16 @@ The names are the column names of log.csv.
 import torch
 
 from model import causal_scores
-from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # the kernel's tie tolerance: exp(-x) rounds to 1.0 in bf16 below it
+from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # TIE_TOL: exp(-x) rounds to 1.0 in bf16 below it
 
 
 def diag_columns(n_layer, n_head):
-    """log.csv's diagnostic columns, in order: per layer five numbers, then two per head."""
+    """log.csv's diagnostic columns, in order: per layer five numbers, then three per head."""
     columns = []
     for i in range(n_layer):
         columns += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}", f"delta_err_L{i}"]
         for h in range(n_head):
-            columns += [f"sn_q_L{i}_H{h}", f"delta_err_L{i}_H{h}"]
+            columns += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}"]
     return columns
 
 
@@ -47,14 +48,14 @@ def capture_attention(model, x, y, ctx):
 
 @torch.no_grad()
 def attention_stats(q, k, v, O, dO, tol=TIE_TOL):
-    """max_logit, tie_rate (ties within tol nats) and the per-head delta error of one attention call."""
+    """max_logit, and per head the tie rate (ties within tol nats) and the delta error, of one attention call."""
     S = causal_scores(q, k)  # fp32, -inf above the diagonal
     row_max = S.amax(dim=-1, keepdim=True)
     tied = (S >= row_max - tol).sum(dim=-1) >= 2  # -inf entries never count: row_max is finite
     O_fp32 = S.softmax(dim=-1) @ v.float()
     delta_lp = (dO.float() * O.float()).sum(dim=-1)
     delta_fp32 = (dO.float() * O_fp32).sum(dim=-1)
-    return row_max.max(), tied.float().mean(), (delta_lp - delta_fp32).mean(dim=(0, 2))
+    return row_max.max(), tied.float().mean(dim=(0, 2)), (delta_lp - delta_fp32).mean(dim=(0, 2))
 
 
 @torch.no_grad()
@@ -80,8 +81,10 @@ def diagnose(model, x, y, ctx):
     for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):
         v = amplified_v(v, c.mantissa_bits, c.amplify)       # the V attention read
         max_logit, tie_rate, delta_err = attention_stats(q, k, v, O, dO, tol=TIE_TOL * widening(p_bits))
-        out.update({f"max_logit_L{i}": max_logit, f"tie_rate_L{i}": tie_rate, f"delta_err_L{i}": delta_err.mean()})
-        out.update({f"delta_err_L{i}_H{h}": d for h, d in enumerate(delta_err)})
+        out.update({f"max_logit_L{i}": max_logit, f"tie_rate_L{i}": tie_rate.mean(),
+                    f"delta_err_L{i}": delta_err.mean()})
+        for h in range(len(tie_rate)):
+            out.update({f"tie_rate_L{i}_H{h}": tie_rate[h], f"delta_err_L{i}_H{h}": delta_err[h]})
     names = list(out)
     values = torch.stack([out[n] for n in names]).tolist()  # one device-to-host copy for all of them
     return dict(zip(names, values))

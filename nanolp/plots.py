@@ -40,6 +40,12 @@ def mantissa_bits(run):
         return 0
 
 
+def amplifier(run):
+    """"P3b" (P at 3 bits), "VO1b" (V and O at 1 bit; amplify="vo"), or "" without the amplifier."""
+    bits = mantissa_bits(run)
+    return f"{str(run.setting('amplify', 'p')).upper()}{bits}b" if bits else ""
+
+
 def family(run):
     attn = str(run.setting("attn", "")).lower()
     precision = str(run.setting("precision", "")).lower()
@@ -58,13 +64,13 @@ def fix_word(run):
 
 
 def label(run):
-    """"<attn> <precision> fix <off|on>[ P<bits>b][ delta-from-p] seed <s>" ("fp32 seed 0" for the
+    """"<attn> <precision> fix <off|on>[ P<bits>b or VO<bits>b][ delta-from-p] seed <s>" ("fp32 seed 0" for the
     fp32 reference, which has no fix and no amplifier)."""
     parts = [str(run.setting("attn", "?"))]
     if family(run) != "fp32":
         parts += [str(run.setting("precision", "?")), f"fix {fix_word(run)}"]
-        if mantissa_bits(run):
-            parts.append(f"{str(run.setting('amplify', 'p')).upper()}{mantissa_bits(run)}b")
+        if amplifier(run):
+            parts.append(amplifier(run))
         if flag(run, "delta_from_p"):
             parts.append("delta-from-p")
     return " ".join(parts + [f"seed {run.setting('seed', 0)}"])
@@ -73,7 +79,7 @@ def label(run):
 def variant(run):
     """What separates runs of one family by shade: everything in the label but the seed."""
     return (family(run), str(run.setting("attn")), str(run.setting("precision")), fix_word(run),
-            mantissa_bits(run), str(run.setting("amplify", "p")), flag(run, "delta_from_p"))
+            amplifier(run), flag(run, "delta_from_p"))
 
 
 def run_styles(runs):

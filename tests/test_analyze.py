@@ -21,7 +21,7 @@ def columns():
     for i in range(N_LAYER):
         cols += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}", f"delta_err_L{i}"]
         for h in range(N_HEAD):
-            cols += [f"sn_q_L{i}_H{h}", f"delta_err_L{i}_H{h}"]
+            cols += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}"]
     return cols
 
 
@@ -42,6 +42,7 @@ def synthetic_log(collapse, rng):
                     f"sn_q_L{i}": grow, f"sn_k_L{i}": grow, f"delta_err_L{i}": -1e-3 if collapse else 1e-4}
             row |= {f"sn_q_L{i}_H{h}": grow * (h + 1) for h in range(N_HEAD)}
             row |= {f"delta_err_L{i}_H{h}": -1e-3 for h in range(N_HEAD)}
+            row |= {f"tie_rate_L{i}_H{h}": row[f"tie_rate_L{i}"] * (2 if (i, h) == (1, 1) else 1) for h in range(N_HEAD)}
             if not diag:  # diagnostics not computed on this row: empty cells
                 row |= {c: "" for c in row if "_L" in c}
         rows.append(row)
@@ -104,9 +105,10 @@ def test_runs_report_and_figures(tmp_path):
     final_val = [r["val_loss"] for r in collapsed if r["val_loss"] != ""][-1]
     assert f"{final_val:.4f}" in row
     assert "| `partial` | n/a | n/a | n/a | n/a | n/a | n/a | n/a (no summary.json) | n/a | n/a |" in report
-    assert "| `kernel-off-p3-dp` | off | kernel | paper | 3 | yes | 0 | no |" in report
+    assert "| `kernel-off-p3-dp` | off | kernel | paper | P3b | yes | 0 | no |" in report
     assert "| `kernel-off-s0` | off | kernel | paper | - | no | 0 |" in report
     assert "**layer 1**" in report  # the synthetic collapsing run grows W_Q in layer 1
+    assert "- `kernel-off-s0`: layer 1, head 1: 0.2" in report  # and ties most in its head 1
     lead = expected_lead(collapsed)
     assert lead > 0
     assert f"{lead} steps before the collapse at step {COLLAPSE_STEP}" in report
