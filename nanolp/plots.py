@@ -64,13 +64,15 @@ def fix_word(run):
 
 
 def label(run):
-    """"<attn> <precision> fix <off|on>[ P<bits>b or VO<bits>b][ delta-from-p] seed <s>" ("fp32 seed 0" for the
+    """"<attn> <precision> fix <off|on>[ P<bits>b or VO<bits>b][ no-pos][ delta-from-p] seed <s>" ("fp32 seed 0" for the
     fp32 reference, which has no fix and no amplifier)."""
     parts = [str(run.setting("attn", "?"))]
     if family(run) != "fp32":
         parts += [str(run.setting("precision", "?")), f"fix {fix_word(run)}"]
         if amplifier(run):
             parts.append(amplifier(run))
+        if run.setting("pos", "learned") == "none":
+            parts.append("no-pos")
         if flag(run, "delta_from_p"):
             parts.append("delta-from-p")
     return " ".join(parts + [f"seed {run.setting('seed', 0)}"])
@@ -79,7 +81,7 @@ def label(run):
 def variant(run):
     """What separates runs of one family by shade: everything in the label but the seed."""
     return (family(run), str(run.setting("attn")), str(run.setting("precision")), fix_word(run),
-            amplifier(run), flag(run, "delta_from_p"))
+            amplifier(run), str(run.setting("pos", "learned")), flag(run, "delta_from_p"))
 
 
 def run_styles(runs):
