@@ -45,9 +45,10 @@ OWNED_FLAGS = ("--name", "--out", "--seed", "--minutes", "--resume")  # the swee
 GROWTH = 3.0
 
 COLUMNS = ["name", "arm", "seed", "attn", "precision", "fix", "delta_from_p", "mantissa_bits", "amplify", "lr",
-           "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute",
-           "reason", "max_logit", "tie_rate_final", "final_val_loss", "final_train_loss", "tokens_per_s",
-           "peak_mem_gb", "first_growth_layer", "first_growth_head", "first_growth_step"]
+           "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step",
+           "collapse_minute", "reason", "max_logit", "tie_rate_final", "tie_rate_head_peak", "final_val_loss",
+           "final_train_loss", "tokens_per_s", "peak_mem_gb", "first_growth_layer", "first_growth_head",
+           "first_growth_step"]
 
 
 # -----------------------------------------------------------------------------
@@ -229,6 +230,7 @@ def collect_row(path):
     last_elapsed = last_finite(log["elapsed_s"]) if "elapsed_s" in log else None
     tie_rates = [last_finite(log[c]) for c in run.columns(r"tie_rate_L\d+")]
     tie_rates = [t for t in tie_rates if t is not None]
+    head_peaks = [np.nanmax(log[c]) for c in run.columns(r"tie_rate_L\d+_H\d+") if np.isfinite(log[c]).any()]
     layer, head, growth_step = first_growth(log)
     s = run.summary
     return dict(
@@ -243,6 +245,7 @@ def collect_row(path):
         **{key: s.get(key) for key in ("collapsed", "collapse_step", "collapse_minute", "reason")},
         max_logit=run.max_logit,
         tie_rate_final=max(tie_rates) if tie_rates else None,
+        tie_rate_head_peak=max(head_peaks) if head_peaks else None,    # the paper's failure starts in a few heads
         final_val_loss=run.final_val_loss,
         final_train_loss=s.get("final_train_loss", last_finite(log["train_loss"]) if "train_loss" in log else None),
         tokens_per_s=run.tokens_per_s, peak_mem_gb=s.get("peak_mem_gb"),

@@ -28,7 +28,7 @@ def diag_row(step, sn, tie):
     """A log row with diagnostics for 2 layers x 2 heads: sn[(layer, head)] and tie[layer]."""
     row = dict(step=step, elapsed_s=step * 0.6, train_loss=3.0 - step / 1000, val_loss="", tokens_per_s=1000.0)
     for i in range(2):
-        row |= {f"max_logit_L{i}": 5.0 + i, f"tie_rate_L{i}": tie[i]}
+        row |= {f"max_logit_L{i}": 5.0 + i, f"tie_rate_L{i}": tie[i], f"tie_rate_L{i}_H1": 2 * tie[i]}
         row |= {f"sn_q_L{i}_H{h}": sn[i, h] for h in range(2)}
     return row
 
@@ -65,6 +65,7 @@ def test_collect_synthetic_runs(tmp_path):
     assert (a["arm"], a["seed"], a["mantissa_bits"], a["delta_from_p"]) == ("arm", "3", "3", "True")
     assert (a["collapsed"], a["collapse_step"], a["steps"], a["max_logit"]) == ("True", "60", "70", "6.0")
     assert float(a["tie_rate_final"]) == 0.2  # max over layers of each layer's last value (0.03, 0.20)
+    assert float(a["tie_rate_head_peak"]) == 0.4  # max over heads and steps (layer 1, head 1, step 60)
     # the baseline is step 20 (the first row past a quarter of 70 steps); both (0, 0) (3.5x) and (1, 1) (3.2x)
     # first pass 3x at step 60: the larger ratio wins
     assert (a["first_growth_layer"], a["first_growth_head"], a["first_growth_step"]) == ("0", "0", "60")
