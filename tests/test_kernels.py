@@ -306,6 +306,10 @@ def test_bad_input():
         kernels.flash_attention(q, q, q, precision="fp8")
     with pytest.raises(ValueError, match="beta"):
         kernels.flash_attention(q, q, q, fix=True, beta=1.0)
+    with pytest.raises(ValueError, match="mantissa_bits"):
+        kernels.flash_attention(q, q, q, mantissa_bits=7)
+    with pytest.raises(ValueError, match="amplify"):
+        kernels.flash_attention(q, q, q, mantissa_bits=3, amplify="o")
     with pytest.raises(TypeError, match="torch.Tensor"):
         kernels.flash_attention(q.tolist(), q, q)
 
