@@ -512,7 +512,8 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         The fix's tol and shift range widen to match (fix_constants).
     amplify: what mantissa_bits rounds: "p" (the default, above) or "vo": V before attention reads it and O
         before it is stored, P staying in the input dtype. Rows with tied maxima put O on rounding midpoints
-        of V's format, so this amplifies the paper's own bias (by 2^(7 - bits) in bf16) and little else.
+        of V's format, so this amplifies the paper's own bias (by 2^(7 - bits) over bf16); rounding O to few
+        bits is biased on other rows too (results/research.md, session 4, points 7-8).
     """
     check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify)
     if q.device.type != "cuda" and not INTERPRET:

@@ -38,9 +38,9 @@ class GPTConfig:
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
     mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
-    amplify: str = "p"        # what the amplifier rounds: "p", or "vo" (V and O: the paper's own bias, amplified)
+    amplify: str = "p"        # what the amplifier rounds: "p", or "vo" (V and O: amplifies the paper's tie bias)
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
-                              # repeat of a row's best-matching token is an exact tie (the paper's precondition)
+                              # repeat of a row's best-matching token ties exactly (copies, which carry no bias)
 
 
 def causal_scores(q, k):

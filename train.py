@@ -84,7 +84,7 @@ def parse_args(argv):
                    help="kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the paper's control)")
     p.add_argument("--mantissa-bits", type=int, help="kernel/emulate: amplifier, P rounded to 1-6 mantissa bits before P V")
     p.add_argument("--amplify", choices=["p", "vo"],
-                   help="what --mantissa-bits rounds: P (default) or V and O (the paper's tie bias, amplified)")
+                   help="what --mantissa-bits rounds: P (default) or V and O (amplifies the paper's tie bias)")
     p.add_argument("--pos", choices=["learned", "none"],
                    help="position embeddings; none: layer 0 sees tokens only, so repeated tokens tie exactly")
     p.add_argument("--seed", type=int)
