@@ -1,6 +1,7 @@
 #!/bin/bash
 # S4C2 (session 4): the two-part fix (fix=2, "--fix always": every tile's max shifted, l summed from the rounded P)
 # at 3 bits (GPU 0, 4 side by side) and 2 bits (GPU 1, 4 side by side), next to fix off; then the benchmark.
+# --fix always and the bench's ours_fix2 exist only at commit ad54d48 (removed after these runs): run it there.
 export OUT=${OUT:-out}; mkdir -p $OUT
 export PYTHONUNBUFFERED=1
 R=runs/s4c2; mkdir -p $R
