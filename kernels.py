@@ -410,7 +410,7 @@ def qk_scale(head_dim, precision):
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
-               beta: float, tol: float, delta_from_p: bool, mantissa_bits: int, amplify: str = "p"
+               beta: float, tol: float, delta_from_p: bool, mantissa_bits: int, amplify: str
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns O and lse. delta_from_p is for the backward only (it reaches it through _setup_context)."""
     B, H, N, D = q.shape

@@ -70,7 +70,7 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
-    o, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
+    o, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, 0, "p")
     o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
@@ -83,7 +83,7 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     monkeypatch.setitem(kernels.FWD_TUNING, 64, (128, 4, 1))
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in (False, True):
-        o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 0)
+        o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 0, "p")
         o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
 
@@ -121,7 +121,7 @@ def grads(attention, q, k, v, do, **kw):
 def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from_p, poisoned):
     """delta itself first: the gradients show its last bits only where they tip a rounding of dS to bf16."""
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    o, lse = kernels._flash_fwd(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL, delta_from_p, 0)
+    o, lse = kernels._flash_fwd(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL, delta_from_p, 0, "p")
     delta = kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p)
     assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from_p))
     kw = dict(causal=causal, precision=precision, delta_from_p=delta_from_p)
@@ -328,3 +328,21 @@ def test_non_contiguous_heads_layout():
     o = kernels.flash_attention(q, q, q)
     ref, _ = reference(q, q, q, True)
     assert rel(o, ref) < 5e-3
+
+
+@pytest.mark.parametrize("amplify", ["p", "vo"])
+def test_torch_compile_traces_through_the_op(amplify):
+    """train.py compiles the model: the custom ops' fake implementations must accept exactly what the ops do,
+    or dynamo logs an error, breaks the graph and runs that part eagerly (at half the speed, silently)."""
+    q, k, v = (rand((1, 2, 70, 32), seed=s).requires_grad_() for s in range(3))
+    def f(q, k, v):
+        return kernels.flash_attention(q, k, v, fix=True, mantissa_bits=3, amplify=amplify)
+    torch._dynamo.reset()
+    o = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
+    o.float().square().sum().backward()
+    eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o_eager = f(*eager)
+    o_eager.float().square().sum().backward()
+    assert torch.equal(o, o_eager)
+    for a, b in zip((q, k, v), eager):
+        assert torch.equal(a.grad, b.grad)
