@@ -318,12 +318,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 # and walks the key tiles (TILE_N keys each, fixed: the fix looks for ties within one tile); 128 rows reuse each
 # loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while this one is
 # multiplied (software pipelining). Backward: 64 x 64 tiles in both passes, which keep dK, dV (or dQ) and the
-# recomputed P in registers. These values are the ones timed in results/bench_baseline.csv (`python -m
-# nanolp.bench`, H200); no per-shape search (autotune) has been run on them yet.
+# recomputed P in registers; up to SHORT_SEQ keys its loops are at most 8 tiles long, too short to fill a
+# pipeline, so it runs unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward and 6 backward
+# settings timed on the H200 (results/commands/speed.py, results/tuning_s5.csv); no autotune, so that a run's
+# numerics (the backward's summation order) never depend on a timing.
 # Forward rows must be a multiple of TILE_N (the causal split assumes it). Under the CPU interpreter, forward
 # programs own 64 rows and nothing is pipelined.
-FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 3)}
-BWD_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 2), 128: (64, 4, 2)}
+FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
+BWD_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
+SHORT_SEQ = 512
 if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
     BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
@@ -436,6 +439,8 @@ def _bwd_launch(q, k, v, causal, precision):
     """What every backward kernel is launched with: the grid, the strides and qk_scale, the meta-parameters."""
     B, H, N, D = q.shape
     block, warps, stages = BWD_TUNING[D]
+    if N <= SHORT_SEQ:
+        stages = 1
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, N, qk_scale(D, precision))
     meta = dict(HEAD_DIM=D, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal, PAPER=precision == "paper",
                 num_warps=warps, num_stages=stages)
