@@ -185,6 +185,15 @@ def test_gradients_random_shapes(seed, poisoned):
     check_against_float64(q, k, v, causal)
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs every setting unpipelined; this is for the GPU's")
+@pytest.mark.parametrize("N", [kernels.SHORT_SEQ, kernels.SHORT_SEQ + 77])
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+def test_gradients_every_tuning_setting(N, D, poisoned):
+    """Each head_dim's forward and backward settings (stages differ per head_dim and across SHORT_SEQ)."""
+    q, k, v = (rand((1, 2, N, D), seed=D + i) for i in range(3))
+    check_against_float64(q, k, v, True)
+
+
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 @pytest.mark.parametrize("fix", [False, True])
 def test_gradients_precision_modes(precision, fix):

@@ -9,6 +9,7 @@
    fused AdamW) with our kernel (current table, then the grid's best for the training shape) and torch SDPA
    (flash, cuDNN), one after another in this process: median step time of 100 steps -> train_speed.csv, and a
    torch.profiler table of one step per backend (GPU time by kernel) -> profile_<attn>.txt.
+   --modes default reduce-overhead: also with torch.compile's CUDA graphs (the step is CPU-bound, session 5).
 """
 import argparse
 import csv
@@ -62,12 +63,12 @@ def grid(out):
     return best
 
 
-def train_speed(attn, steps=100, warmup=30, profile_to=None):
+def train_speed(attn, mode="default", steps=100, warmup=30, profile_to=None):
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65, attn=attn)
     model = GPT(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    step_model = torch.compile(model)
+    step_model = torch.compile(model, mode=mode)
     x = torch.randint(0, 65, (64, 256), device="cuda")
     y = torch.randint(0, 65, (64, 256), device="cuda")
 
@@ -103,6 +104,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="out")
     p.add_argument("--skip-grid", action="store_true")
+    p.add_argument("--modes", nargs="+", default=["default"], help="torch.compile modes to time")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,14 +113,15 @@ def main():
     arms = [("kernel", None), ("sdpa-flash", None), ("sdpa-cudnn", None)]
     if best:
         arms.insert(1, ("kernel", best))
-    for attn, tuning in arms:
-        if tuning:
-            kernels.FWD_TUNING[64], kernels.BWD_TUNING[64] = tuning["fwd"], tuning["bwd"]
-        name = attn + ("-tuned" if tuning else "")
-        ms, tps = train_speed(attn, profile_to=out / f"profile_{name}.txt")
-        rows.append(dict(attn=name, fwd=kernels.FWD_TUNING[64], bwd=kernels.BWD_TUNING[64], step_ms=ms,
-                         tokens_per_s=tps))
-        print(f"{name:<14} step {ms:.2f} ms  {tps / 1e6:.3f}M tokens/s", flush=True)
+    table = kernels.FWD_TUNING[64], kernels.BWD_TUNING[64]
+    for mode in args.modes:
+        for attn, tuning in arms:
+            kernels.FWD_TUNING[64], kernels.BWD_TUNING[64] = (tuning["fwd"], tuning["bwd"]) if tuning else table
+            name = attn + ("-tuned" if tuning else "") + ("" if mode == "default" else "-" + mode)
+            ms, tps = train_speed(attn, mode, profile_to=out / f"profile_{name}.txt")
+            rows.append(dict(attn=name, mode=mode, fwd=kernels.FWD_TUNING[64], bwd=kernels.BWD_TUNING[64],
+                             step_ms=ms, tokens_per_s=tps))
+            print(f"{name:<14} step {ms:.2f} ms  {tps / 1e6:.3f}M tokens/s", flush=True)
     base = next(r for r in rows if r["attn"] == "sdpa-flash")["step_ms"]
     for r in rows:
         r["vs_sdpa_flash"] = base / r["step_ms"]
