@@ -8,6 +8,8 @@ The story the figures follow (see README.md): with the fix off, delta = rowsum(d
 carries a same-signed error, which grows the spectral norm of W_Q and W_K in one layer, which
 raises the attention logits, which makes rows with several tied maxima (the tie rate) common,
 which makes the error larger, until the loss explodes. Each figure shows one link of that cycle.
+Given runs with the amplifier at several bit counts, it also fits how much later the failure comes per bit
+(bits_law.png), the basis of the README's estimate for plain bf16.
 
 analyze.py only reads run folders (nanolp/runs.py); it never imports train.py.
 """
@@ -21,7 +23,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 from tqdm import tqdm
 
-from nanolp.plots import (amplifier, auto_log_scale, family, fix_word, flag, legend, plot_grid,
+from nanolp.plots import (amplifier, auto_log_scale, family, fix_word, flag, legend, mantissa_bits, plot_grid,
                           run_styles, save)
 from nanolp.runs import find_runs, load_run
 from nanolp.sweep import write_csv
@@ -141,6 +143,81 @@ def warning_sentence(run, warning, k):
                        f"{warning['warn_step']}, after the collapse at step {warning['collapse_step']}.")
     return head + (f"did not rise first: it never exceeded {k:g}x that median before the run ended "
                    f"(collapse at step {warning['collapse_step']}).")
+
+
+# -----------------------------------------------------------------------------
+# The bits law: how much later does the failure come for each mantissa bit the amplifier leaves P? If steps to the
+# failure go as one over the bias, a steady factor per bit extrapolated to 7 bits (P in plain bf16, in "fa2") says
+# when plain bf16 would fail, if the same term drove it: an estimate, to be tested by a run that long.
+
+TAKEOFF_LOGIT = 100.0  # a layer's max logit past this marks the take-off (runs that train normally stay below)
+BF16_BITS = 7
+
+
+def takeoff_step(run):
+    """The first logged step where any layer's max logit passes TAKEOFF_LOGIT; None if it never does."""
+    first = []
+    for column in run.columns(r"max_logit_L\d+"):
+        series = run.series(column)
+        if series is not None and (series[1] > TAKEOFF_LOGIT).any():
+            first.append(int(series[0][series[1] > TAKEOFF_LOGIT][0]))
+    return min(first) if first else None
+
+
+def bits_law(runs):
+    """For runs of our attention with the fix off and P rounded to B bits: per B, the median take-off and
+    collapse steps (and the steps reached by runs without one), and for each measure the factor per bit of a
+    least-squares line through log(step) against B, with its value at BF16_BITS. None with fewer than 2 B."""
+    by_bits = {}
+    for run in runs:
+        if family(run) == "fix off" and amplifier(run).startswith("P"):
+            by_bits.setdefault(mantissa_bits(run), []).append(run)
+    rows = [dict(bits=b, runs=len(rs), takeoff=median([takeoff_step(r) for r in rs]),
+                 collapse=median([r.collapse_step for r in rs]),
+                 reached=max(r.steps or 0 for r in rs)) for b, rs in sorted(by_bits.items())]
+    fits = {}
+    for measure in ("takeoff", "collapse"):
+        points = [(r["bits"], r[measure]) for r in rows if r[measure]]
+        if len({b for b, _ in points}) >= 2:
+            slope, intercept = np.polyfit([b for b, _ in points], np.log([s for _, s in points]), 1)
+            fits[measure] = dict(per_bit=float(np.exp(slope)), at_bf16=float(np.exp(intercept + slope * BF16_BITS)),
+                                 line=(slope, intercept))
+    return (rows, fits) if fits else None
+
+
+def plot_bits_law(rows, fits, path):
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    bits = np.linspace(min(r["bits"] for r in rows), BF16_BITS, 50)
+    for measure, color, text in (("takeoff", "tab:orange", f"max logit > {TAKEOFF_LOGIT:g}"),
+                                 ("collapse", "tab:red", "loss collapse")):
+        points = [(r["bits"], r[measure]) for r in rows if r[measure]]
+        if points:
+            ax.plot(*zip(*points), "o", color=color, label=text)
+        if measure in fits:
+            slope, intercept = fits[measure]["line"]
+            ax.plot(bits, np.exp(intercept + slope * bits), "--", color=color, alpha=0.6,
+                    label=f"fit: x{fits[measure]['per_bit']:.2f} per bit, {fits[measure]['at_bf16']:,.0f} at {BF16_BITS}")
+    open_runs = [(r["bits"], r["reached"]) for r in rows if not r["collapse"]]
+    if open_runs:
+        ax.plot(*zip(*open_runs), "^", color="gray", label="no collapse yet (steps reached)")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"mantissa bits of P ({BF16_BITS} = plain bf16)")
+    ax.set_ylabel("step")
+    ax.set_title("time to failure against the amplifier's bits (fix off)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return save(fig, path)
+
+
+def bits_law_lines(rows, fits):
+    lines = ["| P bits | runs | median take-off step | median collapse step | most steps reached |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['bits']} | {r['runs']} | {fmt(r['takeoff'], ',.0f')} | {fmt(r['collapse'], ',.0f')} "
+              f"| {r['reached']:,} |" for r in rows]
+    names = {"takeoff": f"the take-off (a max logit past {TAKEOFF_LOGIT:g})", "collapse": "the collapse"}
+    lines += [""] + [f"- {names[m]}: x{f['per_bit']:.2f} later per bit; at {BF16_BITS} bits (plain bf16) "
+                     f"~{f['at_bf16']:,.0f} steps, an extrapolation" for m, f in fits.items()]
+    return lines
 
 
 # -----------------------------------------------------------------------------
@@ -269,6 +346,10 @@ def analyze_runs(runs, out, warn_k):
     warnings = [(run, early_warning(run, warn_k)) for run in runs]
     warnings = [warning_sentence(run, w, warn_k) for run, w in warnings if w is not None]
     lines += warnings or ["No collapsed run with tie-rate data."]
+    law = bits_law(runs)
+    if law:
+        figures.append(plot_bits_law(*law, out / "bits_law.png"))
+        lines += ["", "### The bits law (fix off, P rounded to fewer bits)", ""] + bits_law_lines(*law)
     lines += ["", "### Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
     return lines
 

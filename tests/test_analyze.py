@@ -9,7 +9,7 @@ import pytest
 import analyze
 from nanolp import mechanism
 from nanolp.plots import PALETTE, label, run_styles
-from nanolp.runs import load_run
+from nanolp.runs import Run, load_run
 
 N_LAYER, N_HEAD = 2, 2
 STEPS = np.arange(0, 400, 10)
@@ -153,6 +153,29 @@ def test_arm_rates(tmp_path):
         assert [r["arm"] for r in csv.DictReader(f)] == ["b16-on"]
 
 
+def test_bits_law(tmp_path):
+    """Take-off and collapse 3x later per bit at 2-4 bits: the fit finds 3 and extrapolates to 7 bits; a run that
+    never took off, a fix-on run and a plain bf16 run are left out of the fit."""
+    def run(name, bits, takeoff, collapse, fix="off", steps=None):
+        step = np.arange(0, 2 * (collapse or takeoff or 1000) + 1, 50.0)
+        logit = np.where(step >= takeoff, 500.0, 20.0) if takeoff else np.full_like(step, 20.0)
+        summary = dict(collapsed=collapse is not None, collapse_step=collapse, steps=steps or int(step[-1]))
+        config = dict(fix=fix, attn="kernel", mantissa_bits=bits, amplify="p", seed=0)
+        return Run(tmp_path / name, config, summary, {"step": step, "max_logit_L0": 20.0 + 0 * step,
+                                                      "max_logit_L1": logit})
+    runs = [run("b2", 2, 1000, 2000), run("b3", 3, 3000, 6000), run("b4", 4, 9000, 18000),
+            run("b5", 5, None, None, steps=25000), run("b3on", 3, 100, 200, fix="on"), run("bf16", 0, 50, 100)]
+    assert analyze.takeoff_step(runs[1]) == 3000 and analyze.takeoff_step(runs[3]) is None
+    rows, fits = analyze.bits_law(runs)
+    assert [(r["bits"], r["takeoff"], r["collapse"], r["reached"]) for r in rows] == [
+        (2, 1000, 2000, 4000), (3, 3000, 6000, 12000), (4, 9000, 18000, 36000), (5, None, None, 25000)]
+    assert fits["takeoff"]["per_bit"] == pytest.approx(3.0) and fits["collapse"]["per_bit"] == pytest.approx(3.0)
+    assert fits["takeoff"]["at_bf16"] == pytest.approx(1000 * 3.0 ** 5)
+    assert fits["collapse"]["at_bf16"] == pytest.approx(2000 * 3.0 ** 5)
+    assert analyze.plot_bits_law(rows, fits, tmp_path / "law.png").stat().st_size > 0
+    assert analyze.bits_law(runs[:1] + runs[3:]) is None  # one value of B with a take-off: nothing to fit
+
+
 def test_labels_and_colours(tmp_path):
     """Runs that differ only in delta_from_p or mantissa_bits get different labels; the delta_from_p
     control is green like fp32 attention but in its own shade; missing keys read as 0 / False."""
@@ -209,7 +232,7 @@ def test_mechanism_checkpoint_per_head(tmp_path, monkeypatch):
 
     import nanolp.data
     from model import GPT, GPTConfig
-    from nanolp.runs import load_run
+    from nanolp.runs import Run, load_run
 
     monkeypatch.setattr(nanolp.data, "DATA_DIR", tmp_path / "data")  # token cache out of the repo
     text = tmp_path / "text.txt"
