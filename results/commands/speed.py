@@ -8,7 +8,8 @@
 2. Training throughput: train.py's model and optimizer (default preset dims, bf16 autocast, torch.compile,
    fused AdamW) with our kernel (current table, then the grid's best for the training shape) and torch SDPA
    (flash, cuDNN), one after another in this process: median step time of 100 steps -> train_speed.csv, and a
-   torch.profiler table of one step per backend (GPU time by kernel) -> profile_<attn>.txt.
+   torch.profiler table of 5 steps per arm (GPU time by kernel) -> profiles.txt (one file: the device returns
+   at most 8 files).
    --modes default reduce-overhead: also with torch.compile's CUDA graphs (the step is CPU-bound, session 5).
 """
 import argparse
@@ -95,7 +96,9 @@ def train_speed(attn, mode="default", steps=100, warmup=30, profile_to=None):
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        profile_to.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        path, name = profile_to
+        with open(path, "a") as f:
+            f.write(f"== {name}\n{prof.key_averages().table(sort_by='cuda_time_total', row_limit=25)}\n")
     ms = statistics.median(times) * 1e3
     return ms, 64 * 256 / ms * 1e3
 
@@ -118,7 +121,7 @@ def main():
         for attn, tuning in arms:
             kernels.FWD_TUNING[64], kernels.BWD_TUNING[64] = (tuning["fwd"], tuning["bwd"]) if tuning else table
             name = attn + ("-tuned" if tuning else "") + ("" if mode == "default" else "-" + mode)
-            ms, tps = train_speed(attn, mode, profile_to=out / f"profile_{name}.txt")
+            ms, tps = train_speed(attn, mode, profile_to=(out / "profiles.txt", name))
             rows.append(dict(attn=name, mode=mode, fwd=kernels.FWD_TUNING[64], bwd=kernels.BWD_TUNING[64],
                              step_ms=ms, tokens_per_s=tps))
             print(f"{name:<14} step {ms:.2f} ms  {tps / 1e6:.3f}M tokens/s", flush=True)
