@@ -194,9 +194,10 @@ def plot_bits_law(rows, fits, path):
         if points:
             ax.plot(*zip(*points), "o", color=color, label=text)
         if measure in fits:
-            slope, intercept = fits[measure]["line"]
+            fit = fits[measure]
+            slope, intercept = fit["line"]
             ax.plot(bits, np.exp(intercept + slope * bits), "--", color=color, alpha=0.6,
-                    label=f"fit: x{fits[measure]['per_bit']:.2f} per bit, {fits[measure]['at_bf16']:,.0f} at {BF16_BITS}")
+                    label=f"fit: x{fit['per_bit']:.2f} per bit, {fit['at_bf16']:,.0f} at {BF16_BITS}")
     open_runs = [(r["bits"], r["reached"]) for r in rows if not r["collapse"]]
     if open_runs:
         ax.plot(*zip(*open_runs), "^", color="gray", label="no collapse yet (steps reached)")
