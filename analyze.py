@@ -283,18 +283,36 @@ def arm_rates(runs):
                          median_collapse_minute=median([run.summary.get("collapse_minute") for run in collapsed]),
                          **{f"median_{key}": median([getattr(run, key) for run in group])
                             for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")}))
+    reference = next((group for group in arms.values() if all(family(run) == "fp32" for run in group)), None)
+    for row, group in zip(rows, arms.values()):
+        row["val_step"], row["val_loss_vs_fp32"] = val_loss_vs(group, reference) if reference else (None, None)
     return rows
+
+
+def val_loss_vs(group, reference):
+    """Issue 7's yardstick: the median val loss of `group` over the reference arm's (fp32 attention), both at the
+    last step where every run of either logged one; (step, ratio), or (None, None) without such a step."""
+    curves = [(run, run.series("val_loss")) for run in group + reference]
+    if any(curve is None for _, curve in curves):
+        return None, None
+    step = min(curve[0][-1] for _, curve in curves)
+    at_step = {run.path: curve[1][curve[0] == step] for run, curve in curves}
+    if any(len(v) == 0 for v in at_step.values()):
+        return None, None
+    ratio = median([float(at_step[r.path][0]) for r in group]) / median([float(at_step[r.path][0]) for r in reference])
+    return int(step), ratio
 
 
 def rate_table(rates):
     lines = ["| arm | collapsed | median minutes to collapse | median steps | median final val loss "
-             "| median max logit | median tokens/s |",
-             "|---|---|---|---|---|---|---|"]
+             "| median max logit | median tokens/s | val loss / fp32's (at step) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rates:
+        versus = "-" if r["val_loss_vs_fp32"] is None else f"{r['val_loss_vs_fp32']:.4f} ({r['val_step']:,})"
         cells = [f"`{r['arm']}`", f"{r['collapsed']}/{r['runs']}",
                  fmt(r["median_collapse_minute"], ".1f") if r["collapsed"] else "-",
                  fmt(r["median_steps"], ",.0f"), fmt(r["median_final_val_loss"], ".4f"),
-                 fmt(r["median_max_logit"], ".4g"), fmt(r["median_tokens_per_s"], ",.0f")]
+                 fmt(r["median_max_logit"], ".4g"), fmt(r["median_tokens_per_s"], ",.0f"), versus]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -138,8 +138,8 @@ def test_arm_rates(tmp_path):
 
     report = (runs / "figures" / "report.md").read_text()
     minutes = COLLAPSE_STEP * 1.5 / 60
-    assert f"| `b16-off` | 1/3 | {minutes:.1f} | 300 | 2.5000 | {max_logits[1]:.4g} | 5,000 |" in report
-    assert "| `b16-on` | 0/2 | - | 295 | 2.3000 | 25 | 6,500 |" in report
+    assert f"| `b16-off` | 1/3 | {minutes:.1f} | 300 | 2.5000 | {max_logits[1]:.4g} | 5,000 | - |" in report
+    assert "| `b16-on` | 0/2 | - | 295 | 2.3000 | 25 | 6,500 | - |" in report  # no fp32 arm to compare with
     with open(runs / "figures" / "rates.csv", newline="") as f:
         rates = list(csv.DictReader(f))
     assert [(r["arm"], r["collapsed"], r["runs"], r["median_collapse_minute"]) for r in rates] == [
@@ -151,6 +151,23 @@ def test_arm_rates(tmp_path):
     analyze.main([str(runs / "b16-on-s0"), str(runs / "b16-on-s1"), "--out", str(tmp_path / "on")])  # one arm
     with open(tmp_path / "on" / "rates.csv", newline="") as f:
         assert [r["arm"] for r in csv.DictReader(f)] == ["b16-on"]
+
+
+def test_val_loss_against_fp32_at_the_same_step(tmp_path):
+    """Issue 7's yardstick: an arm's median val loss over the fp32 arm's, at the last step every run logged."""
+    def run(name, attn, last, loss_at_300):
+        step = np.arange(100.0, last + 1, 100.0)
+        val = np.where(step == 300, loss_at_300, 3.0)
+        return Run(tmp_path / name, dict(attn=attn, fix="on", seed=0), {}, {"step": step, "val_loss": val})
+    on = [run("on-a", "kernel", 300, 2.0), run("on-b", "kernel", 400, 2.2)]
+    fp32 = [run("fp32-a", "fp32", 500, 2.0)]
+    assert analyze.val_loss_vs(on, fp32) == (300, pytest.approx(2.1 / 2.0))
+    odd = Run(tmp_path / "odd", dict(attn="fp32", seed=0), {}, {"step": np.array([150.0, 450.0]),
+                                                                 "val_loss": np.array([2.0, 2.0])})
+    assert analyze.val_loss_vs(on, [odd]) == (None, None)  # no step that every run logged
+    rows = analyze.arm_rates(on + fp32)
+    assert [(r["arm"], r["val_step"]) for r in rows] == [("on-a", 300), ("on-b", 400), ("fp32-a", 500)]
+    assert rows[2]["val_loss_vs_fp32"] == pytest.approx(1.0)
 
 
 def test_bits_law(tmp_path):
