@@ -7,10 +7,11 @@
    and three benchmark shapes (16k tokens x 2048 channels). Median ms (triton.testing.do_bench) -> tuning.csv.
 2. Training throughput: train.py's model and optimizer (default preset dims, bf16 autocast, torch.compile,
    fused AdamW) with our kernel (current table, then the grid's best for the training shape) and torch SDPA
-   (flash, cuDNN), one after another in this process: median step time of 100 steps -> train_speed.csv, and a
+   (flash, cuDNN), one after another in this process: median over 10 blocks of 10 steps, one host sync per block
+   as in train.py (session 5 synced after every step) -> train_speed.csv, and a
    torch.profiler table of 5 steps per arm (GPU time by kernel) -> profiles.txt (one file: the device returns
    at most 8 files).
-   --modes default reduce-overhead: also with torch.compile's CUDA graphs (the step is CPU-bound, session 5).
+   --modes default reduce-overhead: also with torch.compile's CUDA graphs (launch time, session 5).
 """
 import argparse
 import csv
@@ -85,11 +86,12 @@ def train_speed(attn, mode="default", steps=100, warmup=30, profile_to=None):
         step()
     torch.cuda.synchronize()
     times = []
-    for _ in range(steps):
+    for _ in range(steps // 10):  # like train.py: the host syncs once per 10 steps, so launches overlap the GPU
         t = time.perf_counter()
-        step()
+        for _ in range(10):
+            step()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        times.append((time.perf_counter() - t) / 10)
     if profile_to:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
