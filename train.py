@@ -102,7 +102,8 @@ def parse_args(argv):
     p.add_argument("--out", help="folder of run folders (default runs/)")
     p.add_argument("--name", help="run folder name (default <preset>-<attn>-fix<fix>-s<seed>)")
     p.add_argument("--device", help="default cuda if available, else cpu")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default on cuda only)")
+    p.add_argument("--compile", choices=["off", "default", "reduce-overhead"],
+                   help="torch.compile mode (default: reduce-overhead, i.e. CUDA graphs, on cuda; off on cpu)")
     p.add_argument("--log-interval", type=int)
     p.add_argument("--eval-interval", type=int)
     p.add_argument("--diag-interval", type=int)
@@ -122,7 +123,8 @@ def resolve_config(args):
         saved = json.loads((Path(config["out"]) / config["name"] / "config.json").read_text())
         config = {**COMMON, **saved, **given}
     config.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-    config.setdefault("compile", config["device"].startswith("cuda"))
+    # CUDA graphs: a step of the default preset is half kernel-launch time without them (results/research.md)
+    config.setdefault("compile", "reduce-overhead" if config["device"].startswith("cuda") else "off")
     return config
 
 
@@ -259,7 +261,8 @@ def main(argv=None):
               "(try --preset tiny, or --dtype fp32 --attn sdpa)")
 
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bf16" else nullcontext()
-    train_model = torch.compile(model) if c["compile"] else model  # diagnostics use the plain model (hooks)
+    # diagnostics use the plain model (hooks)
+    train_model = model if c["compile"] == "off" else torch.compile(model, mode=c["compile"])
     diag_x, diag_y = get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
     nan_at = int(os.environ.get("NANOLP_NAN_AT_STEP", -1))  # test hook: poison the loss of this step
 
@@ -275,6 +278,7 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch(train_tokens, B, T, c["seed"], step)
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may now reuse the last step's output buffers
         with ctx:
             _, loss = train_model(x, y)
         if step == nan_at:
@@ -287,7 +291,7 @@ def main(argv=None):
         # bookkeeping on the device: no host sync until the next log row
         loss = loss.detach()
         bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step)
-        state["ema"] = loss if state["ema"] is None else state["ema"].lerp(loss, 1 - EMA_BETA)
+        state["ema"] = loss.clone() if state["ema"] is None else state["ema"].lerp(loss, 1 - EMA_BETA)
         loss_sum += loss
         grad_sum += grad_norm
         n_acc += 1
@@ -322,7 +326,8 @@ def main(argv=None):
                 max_logit = max(row[f"max_logit_L{i}"] for i in range(c["n_layer"]))
         write_rows(run_dir / "log.csv", [row], columns)
         pbar.set_postfix(loss=f"{train_loss:.4f}", max_logit="-" if max_logit is None else f"{max_logit:.1f}")
-        if collapse is None and step % c["ckpt_interval"] == 0:  # only finite, pre-collapse state is saved
+        # only finite, pre-collapse state is saved; also at the end, so that --resume continues from there
+        if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
             state.update(step=step, elapsed=elapsed)
             save_checkpoint(run_dir, model, optimizer, state)
         loss_sum.zero_(), grad_sum.zero_()

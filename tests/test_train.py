@@ -60,16 +60,25 @@ def test_smoke_run_learns_and_writes_its_folder(run):
 
 def test_resume_reproduces_an_uninterrupted_run(run):
     whole = run("whole", "--steps", "40")
-    # stop at 30: the rows after the step-20 checkpoint are written again on resume
     part = run("part", "--steps", "30")
+    assert (part / "ckpt" / "step_0000030.pt").exists()  # a run saves its last step too, to resume from there
     with pytest.raises(FileExistsError, match="--resume"):
         run("part", "--steps", "30")
     run("part", "--steps", "40", "--resume")
+    # the same log, except that the first leg also evaluated and diagnosed its last step, 30
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-    assert strip(read_log(part)) == strip(read_log(whole))
-    a, b = (torch.load(d / "ckpt" / "step_0000040.pt") for d in (whole, part))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bitwise
-    assert torch.equal(a["state"]["ema"], b["state"]["ema"])
+    first_leg_end = lambda rows: [{k: v for k, v in r.items() if r["step"] != "30" or k == "train_loss"} for r in rows]
+    assert first_leg_end(strip(read_log(part))) == first_leg_end(strip(read_log(whole)))
+    assert read_log(part)[2]["val_loss"] and not read_log(whole)[2]["val_loss"]
+    # a run killed after step 30 but before its next checkpoint: resuming from step 20 rewrites row 30
+    killed = run("killed", "--steps", "30")
+    (killed / "ckpt" / "step_0000030.pt").unlink()
+    run("killed", "--steps", "40", "--resume")
+    assert strip(read_log(killed)) == strip(read_log(whole))
+    a, b, c = (torch.load(d / "ckpt" / "step_0000040.pt") for d in (whole, part, killed))
+    assert all(torch.equal(a["model"][k], b["model"][k]) and torch.equal(a["model"][k], c["model"][k])
+               for k in a["model"])  # bitwise
+    assert torch.equal(a["state"]["ema"], b["state"]["ema"]) and torch.equal(a["state"]["ema"], c["state"]["ema"])
 
 
 def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, capsys):
@@ -99,3 +108,15 @@ def test_loss_spike_criterion():
 def test_minutes_budget_stops_the_run(run):
     summary = json.loads((run("budget", "--steps", "1000", "--minutes", "1e-6") / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["final_val_loss"] is not None  # the last row is evaluated
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_train_and_resume(run):
+    """The GPU default: our kernel under torch.compile's CUDA graphs, which reuse their output buffers every
+    step (a loss kept from an earlier step would be overwritten: train.py copies what it keeps)."""
+    flags = ("--device", "cuda", "--attn", "kernel", "--compile", "reduce-overhead")
+    run_dir = run("graphs", *flags, "--steps", "40")
+    run("graphs", *flags, "--steps", "60", "--resume")
+    rows = read_log(run_dir)
+    assert [int(r["step"]) for r in rows] == [10, 20, 30, 40, 50, 60]
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"]) - 0.5 and rows[-1]["val_loss"]
