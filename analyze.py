@@ -148,36 +148,43 @@ def warning_sentence(run, warning, k):
 # -----------------------------------------------------------------------------
 # The bits law: how much later does the failure come for each mantissa bit the amplifier leaves P? If steps to the
 # failure go as one over the bias, a steady factor per bit extrapolated to 7 bits (P in plain bf16, in "fa2") says
-# when plain bf16 would fail, if the same term drove it: an estimate, to be tested by a run that long.
+# when plain bf16 would fail, if the same term drove it. Plain-bf16 runs at the same learning rate are the test:
+# they are drawn at 7 bits but kept out of the fit.
 
 TAKEOFF_LOGIT = 100.0  # a layer's max logit past this marks the take-off (runs that train normally stay below)
 BF16_BITS = 7
 
 
 def takeoff_step(run):
-    """The first logged step where any layer's max logit passes TAKEOFF_LOGIT; None if it never does."""
-    first = []
-    for column in run.columns(r"max_logit_L\d+"):
-        series = run.series(column)
-        if series is not None and (series[1] > TAKEOFF_LOGIT).any():
-            first.append(int(series[0][series[1] > TAKEOFF_LOGIT][0]))
-    return min(first) if first else None
+    """The first logged step where the max logit of the layer that grows most (largest over first value) passes
+    TAKEOFF_LOGIT; None if it never does. (Other layers can sit above the line in normal training.)"""
+    series = [s for s in (run.series(c) for c in run.columns(r"max_logit_L\d+")) if s is not None]
+    if not series:
+        return None
+    step, logit = max(series, key=lambda s: s[1].max() / s[1][0])
+    return int(step[logit > TAKEOFF_LOGIT][0]) if (logit > TAKEOFF_LOGIT).any() else None
 
 
 def bits_law(runs):
     """For runs of our attention with the fix off and P rounded to B bits: per B, the median take-off and
     collapse steps (and the steps reached by runs without one), and for each measure the factor per bit of a
-    least-squares line through log(step) against B, with its value at BF16_BITS. None with fewer than 2 B."""
+    least-squares line through log(step) against B, with its value at BF16_BITS. Plain-bf16 runs at the
+    amplified runs' learning rate are a row at BF16_BITS with measured=True, not fitted. None with fewer than 2 B."""
+    amplified = [r for r in runs if family(r) == "fix off" and amplifier(r).startswith("P")]
+    lrs = {r.setting("lr") for r in amplified}
     by_bits = {}
-    for run in runs:
-        if family(run) == "fix off" and amplifier(run).startswith("P"):
-            by_bits.setdefault(mantissa_bits(run), []).append(run)
+    for run in amplified:
+        by_bits.setdefault(mantissa_bits(run), []).append(run)
+    plain = [r for r in runs if family(r) == "fix off" and not amplifier(r) and len(lrs) == 1
+             and r.setting("lr") in lrs and str(r.setting("precision", "fa2")) == "fa2"]
+    if plain:
+        by_bits[BF16_BITS] = plain
     rows = [dict(bits=b, runs=len(rs), takeoff=median([takeoff_step(r) for r in rs]),
-                 collapse=median([r.collapse_step for r in rs]),
-                 reached=max(r.steps or 0 for r in rs)) for b, rs in sorted(by_bits.items())]
+                 collapse=median([r.collapse_step for r in rs]), reached=max(r.steps or 0 for r in rs),
+                 measured=rs is plain) for b, rs in sorted(by_bits.items())]
     fits = {}
     for measure in ("takeoff", "collapse"):
-        points = [(r["bits"], r[measure]) for r in rows if r[measure]]
+        points = [(r["bits"], r[measure]) for r in rows if r[measure] and not r["measured"]]
         if len({b for b, _ in points}) >= 2:
             slope, intercept = np.polyfit([b for b, _ in points], np.log([s for _, s in points]), 1)
             fits[measure] = dict(per_bit=float(np.exp(slope)), at_bf16=float(np.exp(intercept + slope * BF16_BITS)),
@@ -190,9 +197,12 @@ def plot_bits_law(rows, fits, path):
     bits = np.linspace(min(r["bits"] for r in rows), BF16_BITS, 50)
     for measure, color, text in (("takeoff", "tab:orange", f"max logit > {TAKEOFF_LOGIT:g}"),
                                  ("collapse", "tab:red", "loss collapse")):
-        points = [(r["bits"], r[measure]) for r in rows if r[measure]]
+        points = [(r["bits"], r[measure]) for r in rows if r[measure] and not r["measured"]]
         if points:
             ax.plot(*zip(*points), "o", color=color, label=text)
+        measured = [(r["bits"], r[measure]) for r in rows if r[measure] and r["measured"]]
+        if measured:
+            ax.plot(*zip(*measured), "*", color=color, markersize=13, label=f"{text}, plain bf16 (measured)")
         if measure in fits:
             fit = fits[measure]
             slope, intercept = fit["line"]
@@ -213,11 +223,13 @@ def plot_bits_law(rows, fits, path):
 def bits_law_lines(rows, fits):
     lines = ["| P bits | runs | median take-off step | median collapse step | most steps reached |",
              "|---|---|---|---|---|"]
-    lines += [f"| {r['bits']} | {r['runs']} | {fmt(r['takeoff'], ',.0f')} | {fmt(r['collapse'], ',.0f')} "
-              f"| {r['reached']:,} |" for r in rows]
+    lines += [f"| {r['bits']}{' (plain bf16)' if r['measured'] else ''} | {r['runs']} | {fmt(r['takeoff'], ',.0f')} "
+              f"| {fmt(r['collapse'], ',.0f')} | {r['reached']:,} |" for r in rows]
     names = {"takeoff": f"the take-off (a max logit past {TAKEOFF_LOGIT:g})", "collapse": "the collapse"}
+    measured = {m: next((r[m] for r in rows if r["measured"] and r[m]), None) for m in fits}
     lines += [""] + [f"- {names[m]}: x{f['per_bit']:.2f} later per bit; at {BF16_BITS} bits (plain bf16) "
-                     f"~{f['at_bf16']:,.0f} steps, an extrapolation" for m, f in fits.items()]
+                     f"~{f['at_bf16']:,.0f} steps, an extrapolation"
+                     + (f"; measured: {measured[m]:,.0f}" if measured[m] else "") for m, f in fits.items()]
     return lines
 
 

@@ -172,23 +172,28 @@ def test_val_loss_against_fp32_at_the_same_step(tmp_path):
 
 def test_bits_law(tmp_path):
     """Take-off and collapse 3x later per bit at 2-4 bits: the fit finds 3 and extrapolates to 7 bits; a run that
-    never took off, a fix-on run and a plain bf16 run are left out of the fit."""
-    def run(name, bits, takeoff, collapse, fix="off", steps=None):
+    never took off and a fix-on run are left out; plain bf16 at the same lr is the measured row at 7 bits, not
+    fitted, and plain bf16 at another lr is left out."""
+    def run(name, bits, takeoff, collapse, fix="off", steps=None, lr=1e-3):
         step = np.arange(0, 2 * (collapse or takeoff or 1000) + 1, 50.0)
         logit = np.where(step >= takeoff, 500.0, 20.0) if takeoff else np.full_like(step, 20.0)
         summary = dict(collapsed=collapse is not None, collapse_step=collapse, steps=steps or int(step[-1]))
-        config = dict(fix=fix, attn="kernel", mantissa_bits=bits, amplify="p", seed=0)
-        return Run(tmp_path / name, config, summary, {"step": step, "max_logit_L0": 20.0 + 0 * step,
-                                                      "max_logit_L1": logit})
+        config = dict(fix=fix, attn="kernel", mantissa_bits=bits, amplify="p", seed=0, lr=lr)
+        # layer 1 sits above the take-off line from the start without growing: the take-off is read in layer 0
+        return Run(tmp_path / name, config, summary, {"step": step, "max_logit_L1": 150.0 + 0 * step,
+                                                      "max_logit_L0": logit})
     runs = [run("b2", 2, 1000, 2000), run("b3", 3, 3000, 6000), run("b4", 4, 9000, 18000),
-            run("b5", 5, None, None, steps=25000), run("b3on", 3, 100, 200, fix="on"), run("bf16", 0, 50, 100)]
+            run("b5", 5, None, None, steps=25000), run("b3on", 3, 100, 200, fix="on"), run("bf16", 0, 50, 100),
+            run("bf16lr3", 0, 70, 140, lr=3e-3)]
     assert analyze.takeoff_step(runs[1]) == 3000 and analyze.takeoff_step(runs[3]) is None
     rows, fits = analyze.bits_law(runs)
-    assert [(r["bits"], r["takeoff"], r["collapse"], r["reached"]) for r in rows] == [
-        (2, 1000, 2000, 4000), (3, 3000, 6000, 12000), (4, 9000, 18000, 36000), (5, None, None, 25000)]
+    assert [(r["bits"], r["takeoff"], r["collapse"], r["reached"], r["measured"]) for r in rows] == [
+        (2, 1000, 2000, 4000, False), (3, 3000, 6000, 12000, False), (4, 9000, 18000, 36000, False),
+        (5, None, None, 25000, False), (7, 50, 100, 200, True)]
     assert fits["takeoff"]["per_bit"] == pytest.approx(3.0) and fits["collapse"]["per_bit"] == pytest.approx(3.0)
     assert fits["takeoff"]["at_bf16"] == pytest.approx(1000 * 3.0 ** 5)
     assert fits["collapse"]["at_bf16"] == pytest.approx(2000 * 3.0 ** 5)
+    assert "~486,000 steps, an extrapolation; measured: 100" in "\n".join(analyze.bits_law_lines(rows, fits))
     assert analyze.plot_bits_law(rows, fits, tmp_path / "law.png").stat().st_size > 0
     assert analyze.bits_law(runs[:1] + runs[3:]) is None  # one value of B with a take-off: nothing to fit
 
