@@ -3,7 +3,8 @@
     from kernels import flash_attention
     o = flash_attention(q, k, v, causal=True, fix=True)     # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
 
-Same layout and result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal);
+Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), and like it, O and
+the gradients are stored in q's layout (seq-major when q is a head view of a (batch, seq, channels) tensor);
 differentiable; head_dim 16/32/64/128; any sequence length; works inside torch.compile (it is a custom op).
 
 The paper (Qiu & Yao, arXiv 2510.04212): in bf16, a flash-attention forward makes a *biased* rounding error in
@@ -156,7 +157,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                H, N, qk_scale, beta, tol, lo, hi, span,
+                stride_ob, stride_oh, stride_om, H, N, qk_scale, beta, tol, lo, hi, span,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, P_BITS: tl.constexpr,
                 O_BITS: tl.constexpr):
@@ -192,11 +193,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
     # O = acc / l -> stored in the input dtype (ROUND; to O_BITS first with amplify="vo"); lse = m + log l in fp32
     # (log2 units in "fa2").
     o = _round_bits(acc / l_i[:, None], O_BITS)
-    row = bh * N + offs_m
-    o_ptrs = O + row[:, None] * HEAD_DIM + offs_d[None, :]
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))
-    tl.store(LSE + row, lse, mask=offs_m < N)
+    tl.store(LSE + bh * N + offs_m, lse, mask=offs_m < N)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,14 +209,15 @@ def _fwd_kernel(Q, K, V, O, LSE,
 # and every rounding that went into it, never reaches the gradient.
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
     # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
-    row = tl.program_id(1).to(tl.int64) * N + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_seq = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M) < N
-    offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(O + row[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    do = tl.load(DO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    tl.store(DELTA + row, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_seq)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = (bh // H) * stride_ob + (bh % H) * stride_oh + rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(O + offs, mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + offs, mask=rows[:, None] < N, other=0.0)
+    tl.store(DELTA + bh * N + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
 
 
 @triton.jit
@@ -235,7 +236,7 @@ def _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL: tl.constexpr, PAPER:
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                     stride_vn, H, N, qk_scale, sm_scale,
+                     stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, PAPER: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
@@ -250,11 +251,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     Q_tile = Q + b * stride_qb + h * stride_qh
+    O_tile = b * stride_ob + h * stride_oh          # dO, and dK, dV below, are stored in O's layout
     start = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0     # queries above the diagonal see no key here
     for start_m in range(start, N, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         q = tl.load(Q_tile + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-        do = tl.load(DO + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+        do = tl.load(DO + O_tile + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
         lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
         delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
         p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
@@ -262,16 +264,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         dp = tl.dot(do, vT)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)                # ROUND: dS to bf16
-    out = bh * N + cols
-    tl.store(DK + out[:, None] * HEAD_DIM + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=cols[:, None] < N)
-    tl.store(DV + out[:, None] * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)
+    out = O_tile + cols[:, None] * stride_om + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)
 
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                   stride_vn, H, N, qk_scale, sm_scale,
+                   stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, PAPER: tl.constexpr, DELTA_FROM_P: tl.constexpr):
     # One program per query tile, looping over keys. With DELTA_FROM_P the same pass is the paper's control
@@ -283,7 +284,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
                 mask=rows[:, None] < N, other=0.0)
-    do = tl.load(DO + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    o_rows = b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]   # dO and dQ: O's layout
+    do = tl.load(DO + o_rows, mask=rows[:, None] < N, other=0.0)
     lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
     if DELTA_FROM_P:
         delta = tl.zeros([BLOCK_M], tl.float32)
@@ -307,8 +309,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     if DELTA_FROM_P:
         tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
     else:
-        tl.store(DQ + (bh * N + rows)[:, None] * HEAD_DIM + offs_d[None, :],
-                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)
+        tl.store(DQ + o_rows, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -411,18 +412,29 @@ def qk_scale(head_dim, precision):
     return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
 
 
+def empty_in_layout_of(t):
+    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is: (batch, seq, heads, head_dim) in
+    memory when t's heads sit inside its sequence (q, k, v viewed from a (batch, seq, 3 * channels) projection,
+    as in model.py), else (batch, heads, seq, head_dim). O, and dQ, dK, dV in the backward, get this layout, so
+    the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA."""
+    B, H, N, D = t.shape
+    if t.stride(1) < t.stride(2):
+        return torch.empty((B, N, H, D), dtype=t.dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=t.dtype, device=t.device)
+
+
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
                beta: float, tol: float, delta_from_p: bool, mantissa_bits: int, amplify: str
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns O and lse. delta_from_p is for the backward only (it reaches it through _setup_context)."""
     B, H, N, D = q.shape
-    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    o = empty_in_layout_of(q)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = FWD_TUNING[D]
     p_bits, o_bits = amplified_bits(mantissa_bits, amplify)
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, p_bits),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix, PAPER=precision == "paper",
         P_BITS=p_bits, O_BITS=o_bits, num_warps=warps, num_stages=stages)
@@ -431,32 +443,33 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 @_flash_fwd.register_fake
 def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits, amplify):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(q.shape[:3], dtype=torch.float32))
+    return empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _bwd_launch(q, k, v, causal, precision):
-    """What every backward kernel is launched with: the grid, the strides and qk_scale, the meta-parameters."""
+def _bwd_launch(q, k, v, o, causal, precision):
+    """What every backward kernel is launched with: the grid, the strides (O's for dO, dQ, dK, dV too) and
+    qk_scale, the meta-parameters."""
     B, H, N, D = q.shape
     block, warps, stages = BWD_TUNING[D]
     if N <= SHORT_SEQ:
         stages = 1
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, N, qk_scale(D, precision))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N, qk_scale(D, precision))
     meta = dict(HEAD_DIM=D, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal, PAPER=precision == "paper",
                 num_warps=warps, num_stages=stages)
     return (triton.cdiv(N, block), B * H), strides, meta
 
 
-def _bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p):
+def _bwd_delta(do, q, k, v, o, lse, launch, delta_from_p):
     """The backward's first step: delta = rowsum(dO * O), or with delta_from_p the paper's control, which does
-    not read O. do must be contiguous."""
-    grid, strides, meta = _bwd_launch(q, k, v, causal, precision)
+    not read O. do must be in O's layout."""
+    grid, strides, meta = launch
     delta = torch.empty_like(lse)
     if delta_from_p:
         # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
         _bwd_dq_kernel[grid](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
     else:
-        _bwd_delta_kernel[grid](o, do, delta, q.shape[2], HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
+        _bwd_delta_kernel[grid](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
+                                BLOCK_M=meta["BLOCK_M"])
     return delta
 
 
@@ -464,10 +477,12 @@ def _bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p):
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor, causal: bool, precision: str, delta_from_p: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    do = do.contiguous()
-    grid, strides, meta = _bwd_launch(q, k, v, causal, precision)
-    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p))
-    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+    if do.stride() != o.stride():  # the kernels read dO with O's strides (autograd usually gives it them)
+        do = torch.empty_like(o).copy_(do)
+    launch = _bwd_launch(q, k, v, o, causal, precision)
+    grid, strides, meta = launch
+    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, launch, delta_from_p))
+    dq, dk, dv = (torch.empty_like(o) for _ in range(3))  # o is dense: empty_like keeps its strides
     sm_scale = q.shape[-1] ** -0.5
     _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, sm_scale, **meta)
     _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
@@ -476,7 +491,7 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 @_flash_bwd.register_fake
 def _(do, q, k, v, o, lse, causal, precision, delta_from_p):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return tuple(torch.empty_like(o) for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):
@@ -499,7 +514,8 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
-        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up.
+        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of the
+        same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
     fix: remove the rounding bias (see _shifted_max): ties within a key tile and across tiles. Exact in real
         arithmetic; costs one comparison and one row reduction per tile.
     precision: "fa2" (fp32 statistics and accumulator, the production pattern) or "paper" (the rounding

@@ -122,7 +122,8 @@ def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from_
     """delta itself first: the gradients show its last bits only where they tip a rounding of dS to bf16."""
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     o, lse = kernels._flash_fwd(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL, delta_from_p, 0, "p")
-    delta = kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from_p)
+    launch = kernels._bwd_launch(q, k, v, o, causal, precision)
+    delta = kernels._bwd_delta(do, q, k, v, o, lse, launch, delta_from_p)
     assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from_p))
     kw = dict(causal=causal, precision=precision, delta_from_p=delta_from_p)
     ours = grads(kernels.flash_attention, q, k, v, do, **kw)
@@ -330,13 +331,42 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
         kernels.flash_attention(q, q, q)
 
 
-def test_non_contiguous_heads_layout():
-    """(B, T, H, D) storage viewed as (B, H, T, D), as a GPT produces it: strides are honoured."""
-    x = rand((2, 70, 3, 32))
-    q = x.transpose(1, 2)
-    o = kernels.flash_attention(q, q, q)
-    ref, _ = reference(q, q, q, True)
+@pytest.mark.parametrize("seq_major", [True, False])
+def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, poisoned):
+    """q, k, v viewed from (B, T, H, D) storage, as a GPT produces them, or plain (B, H, T, D): O, dQ, dK, dV come
+    back in the same layout (so the model's reshape to (B, T, C) is free) with the right values, also for a dO
+    in another layout and for an expanded one (the gradient of a sum)."""
+    def inputs(seed):
+        t = rand((2, 70, 3, 32), seed=seed).transpose(1, 2) if seq_major else rand((2, 3, 70, 32), seed=seed)
+        return t.requires_grad_()
+    q, k, v = inputs(0), inputs(1), inputs(2)
+    o = kernels.flash_attention(q, k, v)
+    assert o.transpose(1, 2).is_contiguous() == seq_major and o.is_contiguous() == (not seq_major)
+    do = rand((2, 3, 70, 32), seed=3)
+    o.backward(do if seq_major else do.transpose(1, 2).contiguous().transpose(1, 2))  # dO in the other layout
+    ref, leaves = reference(q, k, v, True)
+    ref.backward(do.double())
     assert rel(o, ref) < 5e-3
+    for t, r in zip((q, k, v), leaves):
+        assert t.grad.stride() == o.stride() and rel(t.grad, r.grad) < 1e-2
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    kernels.flash_attention(q2, k2, v2).float().sum().backward()  # dO expanded from a scalar: stride 0
+    ref2, leaves2 = reference(q2, k2, v2, True)
+    ref2.sum().backward()
+    for t, r in zip((q2, k2, v2), leaves2):
+        assert rel(t.grad, r.grad) < 1e-2
+
+
+@pytest.mark.parametrize("seq_major", [True, False])
+def test_custom_ops_pass_torch_opcheck(seq_major):
+    """torch's own check of a custom op: schema, autograd registration, and fake (meta) outputs whose shapes and
+    strides match the real ones, which torch.compile relies on."""
+    q, k, v = (rand((1, 20, 2, 16), seed=s).transpose(1, 2) if seq_major else rand((1, 2, 20, 16), seed=s)
+               for s in range(3))
+    fwd_args = (q, k, v, True, True, "fa2", 2.0, kernels.TIE_TOL, False, 0, "p")
+    torch.library.opcheck(kernels._flash_fwd, fwd_args)
+    o, lse = kernels._flash_fwd(*fwd_args)
+    torch.library.opcheck(kernels._flash_bwd, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False))
 
 
 @pytest.mark.parametrize("amplify", ["p", "vo"])
