@@ -21,7 +21,7 @@ CUDA_VISIBLE_DEVICES=0 python -m nanolp.sweep --out runs/s7a --arm on="--fix on"
   export CUDA_VISIBLE_DEVICES=1
   if [ ! -d runs/s7b ]; then
     timeout 300 python -m pytest -q tests/test_kernels.py tests/test_train.py > $OUT/gpu_tests.txt 2>&1 || exit 1
-    timeout 240 python results/commands/speed.py --skip-grid --modes reduce-overhead --out $OUT > $OUT/speed.txt 2>&1
+    timeout 300 python results/commands/speed.py --skip-grid --modes reduce-overhead --out $OUT > $OUT/speed.txt 2>&1
   fi
   LEFT=$(python -c "print(round($MIN - ($SECONDS - $START) / 60, 2))")
   python -m nanolp.sweep --out runs/s7b --arm off="--fix off" --seeds 1 2 3 --minutes $LEFT --parallel 1
