@@ -1,4 +1,4 @@
-"""Benchmark: our kernel (fix off / on) against torch SDPA's flash and cuDNN backends, side by side in one run.
+"""Benchmark: our kernel (fix off / on / delta from P) against torch SDPA's flash and cuDNN backends, side by side in one run.
 
     python -m nanolp.bench [--out results/bench.csv] [--seqs 512 1024 2048 4096 8192] [--head-dims 64 128]
 
@@ -30,6 +30,8 @@ def sdpa(backend):
 IMPLS = {
     "ours": lambda q, k, v: flash_attention(q, k, v, causal=True),
     "ours_fix": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=True),
+    # the paper's control, delta = rowsum(dP * P): the one change that prevented every collapse we measured
+    "ours_dp": lambda q, k, v: flash_attention(q, k, v, causal=True, delta_from_p=True),
     "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }

@@ -8,6 +8,8 @@
 #   GPU 1: is the lr 3e-3 collapse reproducible (fix off, seeds 1, 2, 3, up to 90,000 steps each)? And which
 #          rounding fails plain bf16 (results/commands/variants.py, fix off, lr 3e-3, seed 0, up to 70,000
 #          steps): p16 (P 8x finer, O's cast unchanged) and o32 (delta reads O before its cast, P unchanged).
+#          First, in the first call only, the kernel benchmark (issue 6) with delta from P as a column: what the
+#          one change that prevented every collapse costs.
 # Call it three times back to back on one held nvidia-h200-x2, carry ["data"]: `bash results/commands/s8_chain.sh 9`,
 # again with 9, then 9.4 (each call's wall time is about MIN minutes). Each call resumes what is unfinished.
 export OUT=${OUT:-out}; mkdir -p $OUT
@@ -26,6 +28,7 @@ for v in p16 o32; do [ -d /tmp/$v ] || python results/commands/variants.py $v /t
 ) > $OUT/sweep_a.txt 2>&1 &
 (
   export CUDA_VISIBLE_DEVICES=1
+  [ -d runs/s8b ] || timeout 240 python -m nanolp.bench --seqs 1024 4096 16384 --out $OUT/bench_s8.csv > $OUT/bench.txt 2>&1
   python -m nanolp.sweep --out runs/s8b --arm off-lr3="--fix off --lr 3e-3" --seeds 1 --steps 90000 \
     --minutes $(left) --parallel 1
   for v in p16 o32; do

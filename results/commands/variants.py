@@ -45,10 +45,11 @@ def patched_kernels(name):
 
 if __name__ == "__main__":
     name, dest = sys.argv[1], Path(sys.argv[2])
+    src = patched_kernels(name)   # first: a stale patch leaves no half-made copy behind
     dest.mkdir(parents=True, exist_ok=True)
     for f in ("model.py", "train.py"):
         shutil.copy(ROOT / f, dest / f)
     shutil.copytree(ROOT / "nanolp", dest / "nanolp", dirs_exist_ok=True)
-    (dest / "kernels.py").write_text(patched_kernels(name))
+    (dest / "kernels.py").write_text(src)
     if not (dest / "data").exists():
         (dest / "data").symlink_to(ROOT / "data")   # the same text and token cache
