@@ -3,7 +3,7 @@ Train a small character-level GPT and watch for the low-precision attention fail
 
     python train.py --fix off                    # plain bf16: the loss went non-finite at step ~95,000 (~10 min)
     python train.py --fix off --delta-from-p     # the paper's control: the same run trains normally
-    python train.py --fix on                     # the same run with the fix: it collapsed too (step ~70,000)
+    python train.py --fix on                     # the same run with the fix: it collapsed too (2 of 2 seeds)
     python train.py --fix off --mantissa-bits 3 --diag-interval 250   # amplified (P at 3 bits): ~7,000 steps
     python train.py --preset tiny --attn sdpa    # a CPU smoke run, about a minute
     python train.py --fix off --resume           # continue runs/<name> from its latest checkpoint
@@ -54,7 +54,8 @@ PRESETS = {
     # of delta = rowsum(dO * O) grows layer 0's W_Q and logits, and with the fix off the loss went non-finite at
     # step 94,798 (10.3 minutes on one H200 with CUDA graphs; seed 1: 110,503). delta = rowsum(dP * P), the
     # paper's control (--delta-from-p), trained 242,864 steps with layer 0's max logit flat at ~10. The fix
-    # (--fix on) did not prevent it (seed 0: step 69,890): the error that fails it is not only the tie bias.
+    # (--fix on) did not prevent it (seeds 0 and 1: steps 69,890 and 121,201): the error that fails it is not
+    # only the tie bias.
     "default": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, steps=200_000,
                     eval_interval=1000, diag_interval=1000, ckpt_interval=5000),
     # the paper's GPT-2 small shape (124M with GPT-2's vocabulary; ours is the text's characters)

@@ -40,7 +40,11 @@ def patched_kernels(name):
     for old, new in PATCHES[name]:
         assert src.count(old) == 1, f"kernels.py changed: update variant {name} ({old.strip()[:40]}...)"
         src = src.replace(old, new)
-    return src
+    # The ops get their own namespace: torch.compile's caches key a graph by the ops it calls, not by their fake
+    # (shape and dtype) functions, so under the shared name o32 reused a graph compiled for a bf16 O and failed
+    # (session 8: "mat1 and mat2 must have the same dtype" in c_proj).
+    assert src.count('"nanolp::') == 2, "kernels.py changed: update the namespace rename"
+    return src.replace('"nanolp::', f'"nanolp_{name}::')
 
 
 if __name__ == "__main__":
