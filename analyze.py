@@ -355,9 +355,9 @@ def analyze_runs(runs, out, warn_k):
             "tie rate: fraction of rows with >= 2 scores within TIE_TOL of the row max",
             "fraction of rows", out / "tie_rate.png"))
         figures.append(plot_grid(
-            runs, styles, [[f"delta_err_L{i}" for i in layers]],
-            "cumulative signed delta error (sum of delta_err over logged steps)",
-            "cumulative delta error", out / "delta_err.png", transform=np.cumsum))
+            runs, styles, [[f"delta_err_L{i}" for i in layers], [f"delta_push_L{i}" for i in layers]],
+            "cumulative signed delta error (top) and its push on |W_Q|^2 + |W_K|^2 (bottom), summed over logged steps",
+            "cumulative sum", out / "delta_err.png", transform=np.cumsum))
 
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))

@@ -9,6 +9,14 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
                 gradient grows
     delta_err   mean of rowsum(dO * O) - rowsum(dO * O_fp32): the signed error that reaches dQ and dK
                 (O is what the configured attention returned, O_fp32 is float32 attention on the same q, k, v)
+    delta_push  mean of that error times the row's attention-weighted logit E_P[S] = sum_j P_j S_j: how fast
+                the error grows W_Q and W_K. The error changes dS by -P * err, so the gradients of q and of k
+                each change by vectors whose summed inner product with q (with k) is -sum(err * E_P[S]); a
+                plain gradient step then grows |W_Q|^2 and |W_K|^2 (biases included) in proportion to
+                +delta_push (Adam rescales each coordinate: for it, read the sign, not the rate).
+                It is the paper's cycle in one number: positive and steady over steps means the error piles up
+                along the weights' own direction. (delta_err weighs every row alike; in the long bf16 runs of
+                sessions 6-7 it showed no trend before the take-off.)
 
 The names are the column names of log.csv.
 """
@@ -20,12 +28,13 @@ from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # TIE_TOL: e
 
 
 def diag_columns(n_layer, n_head):
-    """log.csv's diagnostic columns, in order: per layer five numbers, then three per head."""
+    """log.csv's diagnostic columns, in order: per layer six numbers, then four per head."""
     columns = []
     for i in range(n_layer):
-        columns += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}", f"delta_err_L{i}"]
+        columns += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}", f"delta_err_L{i}",
+                    f"delta_push_L{i}"]
         for h in range(n_head):
-            columns += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}"]
+            columns += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}", f"delta_push_L{i}_H{h}"]
     return columns
 
 
@@ -48,14 +57,18 @@ def capture_attention(model, x, y, ctx):
 
 @torch.no_grad()
 def attention_stats(q, k, v, O, dO, tol=TIE_TOL):
-    """max_logit, and per head the tie rate (ties within tol nats) and the delta error, of one attention call."""
+    """max_logit, and per head the tie rate (ties within tol nats), the delta error and its push, of one
+    attention call."""
     S = causal_scores(q, k)  # fp32, -inf above the diagonal
     row_max = S.amax(dim=-1, keepdim=True)
     tied = (S >= row_max - tol).sum(dim=-1) >= 2  # -inf entries never count: row_max is finite
-    O_fp32 = S.softmax(dim=-1) @ v.float()
+    P = S.softmax(dim=-1)
+    expected_logit = (P * S.nan_to_num(neginf=0.0)).sum(dim=-1)  # masked entries have P = 0
     delta_lp = (dO.float() * O.float()).sum(dim=-1)
-    delta_fp32 = (dO.float() * O_fp32).sum(dim=-1)
-    return row_max.max(), tied.float().mean(dim=(0, 2)), (delta_lp - delta_fp32).mean(dim=(0, 2))
+    delta_fp32 = (dO.float() * (P @ v.float())).sum(dim=-1)
+    err = delta_lp - delta_fp32
+    return (row_max.max(), tied.float().mean(dim=(0, 2)), err.mean(dim=(0, 2)),
+            (err * expected_logit).mean(dim=(0, 2)))
 
 
 @torch.no_grad()
@@ -80,11 +93,12 @@ def diagnose(model, x, y, ctx):
     p_bits, _ = amplified_bits(c.mantissa_bits, c.amplify)   # the tie band: scores whose P rounds to 1.0
     for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):
         v = amplified_v(v, c.mantissa_bits, c.amplify)       # the V attention read
-        max_logit, tie_rate, delta_err = attention_stats(q, k, v, O, dO, tol=TIE_TOL * widening(p_bits))
+        max_logit, tie_rate, delta_err, delta_push = attention_stats(q, k, v, O, dO, tol=TIE_TOL * widening(p_bits))
         out.update({f"max_logit_L{i}": max_logit, f"tie_rate_L{i}": tie_rate.mean(),
-                    f"delta_err_L{i}": delta_err.mean()})
+                    f"delta_err_L{i}": delta_err.mean(), f"delta_push_L{i}": delta_push.mean()})
         for h in range(len(tie_rate)):
-            out.update({f"tie_rate_L{i}_H{h}": tie_rate[h], f"delta_err_L{i}_H{h}": delta_err[h]})
+            out.update({f"tie_rate_L{i}_H{h}": tie_rate[h], f"delta_err_L{i}_H{h}": delta_err[h],
+                        f"delta_push_L{i}_H{h}": delta_push[h]})
     names = list(out)
     values = torch.stack([out[n] for n in names]).tolist()  # one device-to-host copy for all of them
     return dict(zip(names, values))

@@ -101,6 +101,7 @@ def test_diagnostics_columns_and_values():
     assert out["tie_rate_L0"] == pytest.approx((out["tie_rate_L0_H0"] + out["tie_rate_L0_H1"]) / 2)
     assert out["delta_err_L0"] == pytest.approx((out["delta_err_L0_H0"] + out["delta_err_L0_H1"]) / 2, abs=1e-9)
     assert abs(out["delta_err_L0"]) < 1e-3  # a bf16 rounding of O, not a bug in the probe
+    assert out["delta_push_L1"] == pytest.approx((out["delta_push_L1_H0"] + out["delta_push_L1_H1"]) / 2, abs=1e-9)
     # fp32 attention returns the reference itself (cast to bf16): its delta error is that rounding only
     fp32 = diagnose(small_gpt("fp32"), x, y, BF16)
     assert abs(fp32["delta_err_L1"]) < 1e-3
@@ -113,11 +114,39 @@ def test_tie_rate_counts_near_ties_only():
     q = q.abs()
     k[:, :, :2] = 2.0
     O = reference_attention(q, k, v)
-    _, tie_rate, _ = attention_stats(q, k, v, O, torch.ones_like(O))
+    _, tie_rate, _, _ = attention_stats(q, k, v, O, torch.ones_like(O))
     assert tie_rate.tolist() == [(T - 1) / T] * q.shape[1]   # per head
     q, k, v = qkv(logit_scale=4.0, T=T)
-    _, tie_rate, _ = attention_stats(q, k, v, O, torch.ones_like(O))
+    _, tie_rate, _, _ = attention_stats(q, k, v, O, torch.ones_like(O))
     assert tie_rate.max().item() < 0.05
+
+
+def test_delta_push_is_the_norm_growth_of_the_gradient_error():
+    """delta_push, per head, equals -<dq_err, q> / rows and -<dk_err, k> / rows, where dq_err and dk_err are how
+    much the gradients of q and k change when delta is read from the rounded O instead of the exact one
+    (float64 backward written out: dS = P * (dO V^T - delta), dq = dS k / sqrt(d), dk = dS^T q / sqrt(d))."""
+    q, k, v = qkv(logit_scale=3.0)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)) + 1.0
+    q64, k64, v64, dO64 = (t.double() for t in (q, k, v, dO))
+    S = q64 @ k64.transpose(-2, -1) / math.sqrt(q.size(-1))
+    S = S.masked_fill(torch.ones_like(S, dtype=torch.bool).triu(1), float("-inf"))
+    P = S.softmax(dim=-1)
+    O_exact = P @ v64
+    O_bf16 = O_exact.bfloat16()  # what a bf16 kernel stores
+    rows = q.shape[0] * q.shape[2]
+
+    def grads(O):
+        delta = (dO64 * O).sum(dim=-1, keepdim=True)
+        dS = P * (dO64 @ v64.transpose(-2, -1) - delta)
+        return dS @ k64 / math.sqrt(q.size(-1)), dS.transpose(-2, -1) @ q64 / math.sqrt(q.size(-1))
+
+    (dq_lp, dk_lp), (dq, dk) = grads(O_bf16.double()), grads(O_exact)
+    push_q = -((dq_lp - dq) * q64).sum(dim=(0, 2, 3)) / rows
+    push_k = -((dk_lp - dk) * k64).sum(dim=(0, 2, 3)) / rows
+    *_, delta_push = attention_stats(q, k, v, O_bf16, dO)
+    assert push_q.abs().min() > 1e-4  # the rounding does move the gradients' norms: the check has a size
+    assert delta_push.double().tolist() == pytest.approx(push_q.tolist(), rel=1e-3)
+    assert delta_push.double().tolist() == pytest.approx(push_k.tolist(), rel=1e-3)
 
 
 def test_kernel_backend_on_cpu_is_the_emulation():
