@@ -8,11 +8,11 @@ its text? A prior for session 9's o32 runs (delta read from O before its bf16 ca
 
 For each of `batches` training batches, every layer's q, k, v and dO are captured under bf16 autocast
 (nanolp.diagnostics.capture_attention); the kernel's "fa2" forward (nanolp.emulate, fix off) gives O in bf16 and
-O before its cast (fp32), float64 gives the exact O. delta's error splits into P's rounding (O before the cast
-minus exact) and O's cast (bf16 O minus O before the cast); each term's push (nanolp.diagnostics: the error times
-the row's attention-weighted logit, averaged over rows; positive grows |W_Q|^2 + |W_K|^2) is averaged over the
-batches with its t statistic (mean over its standard error): a term that keeps one sign across batches has
-|t| >> 2. For scale, the exact gradient's own push, -<dq, q> per row, is printed beside them."""
+O before its cast (fp32); nanolp.diagnostics' fp32 attention is the reference. delta's error splits into P's
+rounding (O before the cast minus the reference) and O's cast (bf16 O minus O before the cast); each term's push
+(nanolp.diagnostics' delta_push: positive grows |W_Q|^2 + |W_K|^2) is averaged over the batches with its t
+statistic (mean over its standard error): a term that keeps one sign across batches has |t| >> 2. For scale, the
+exact gradient's own push, -<dq, q> per row, is printed beside them."""
 import json
 import sys
 from pathlib import Path
@@ -25,23 +25,21 @@ from kernels import TIE_TOL  # noqa: E402
 from model import GPT, GPTConfig, causal_scores  # noqa: E402
 from nanolp import emulate  # noqa: E402
 from nanolp.data import get_batch, prepare  # noqa: E402
-from nanolp.diagnostics import capture_attention  # noqa: E402
+from nanolp.diagnostics import attention_stats, capture_attention  # noqa: E402
 
 
 def pushes(q, k, v, dO):
-    """Per head: the push of P's rounding, of O's cast, and the exact gradient's own push (float64)."""
+    """Per head: the push of P's rounding, of O's cast, and the exact gradient's own push. The first two are
+    nanolp.diagnostics' delta_push of O before its cast, and of the bf16 O less that."""
+    o, o32, _ = emulate.forward(q, k, v, True, False, "fa2", 2.0, TIE_TOL)
+    *_, push_p = attention_stats(q, k, v, o32, dO)
+    *_, push_all = attention_stats(q, k, v, o, dO)
     S = causal_scores(q, k).double()
     P = S.softmax(dim=-1)
-    expected_logit = (P * S.nan_to_num(neginf=0.0)).sum(-1)
-    dO = dO.double()
-    O_exact = P @ v.double()
-    o, o32, _ = emulate.forward(q, k, v, True, False, "fa2", 2.0, TIE_TOL)
-    err_p = (dO * (o32.double() - O_exact)).sum(-1)
-    err_cast = (dO * (o.double() - o32.double())).sum(-1)
-    dS = P * (dO @ v.double().transpose(-2, -1) - (dO * O_exact).sum(-1, keepdim=True))
-    true_push = -(dS * S.nan_to_num(neginf=0.0)).sum(-1)  # -<dq, q> per row (= -<dk, k> summed alike)
-    return [(t * w).mean(dim=(0, 2)) for t, w in ((err_p, expected_logit), (err_cast, expected_logit),
-                                                  (true_push, torch.ones_like(true_push)))]
+    dO, v = dO.double(), v.double()
+    dS = P * (dO @ v.transpose(-2, -1) - (dO * (P @ v)).sum(-1, keepdim=True))
+    true_push = -(dS * S.nan_to_num(neginf=0.0)).sum(-1).mean(dim=(0, 2))  # -<dq, q> a row (= -<dk, k>); float64
+    return push_p, push_all - push_p, true_push
 
 
 def main(run_dir, batches=40):

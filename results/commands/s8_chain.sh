@@ -12,13 +12,7 @@
 #          one change that prevented every collapse costs.
 # Call it three times back to back on one held nvidia-h200-x2, carry ["data"]: `bash results/commands/s8_chain.sh 9`,
 # again with 9, then 9.4 (each call's wall time is about MIN minutes). Each call resumes what is unfinished.
-export OUT=${OUT:-out}; mkdir -p $OUT
-export PYTHONUNBUFFERED=1
-MIN=${1:-9}
-START=$SECONDS
-R=$PWD
-mkdir -p runs; sha256sum kernels.py model.py train.py nanolp/*.py results/commands/variants.py > runs/code.sha256
-left() { python -c "print(round($MIN - ($SECONDS - $START) / 60, 2))"; }
+. results/commands/chain_setup.sh "$@"
 for v in p16 o32; do [ -d /tmp/$v ] || python results/commands/variants.py $v /tmp/$v; done
 (
   export CUDA_VISIBLE_DEVICES=0

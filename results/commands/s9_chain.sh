@@ -13,13 +13,7 @@
 #          139,000 and 35,000 characters of TinyShakespeare, four side by side.
 # Call it three times back to back on one held nvidia-h200-x2, carry ["data"]: `bash results/commands/s9_chain.sh 9`,
 # again with 9, then 9.4 (each call's wall time is about MIN minutes). Each call resumes what is unfinished.
-export OUT=${OUT:-out}; mkdir -p $OUT
-export PYTHONUNBUFFERED=1
-MIN=${1:-9}
-START=$SECONDS
-R=$PWD
-mkdir -p runs; sha256sum kernels.py model.py train.py nanolp/*.py results/commands/variants.py > runs/code.sha256
-left() { python -c "print(round($MIN - ($SECONDS - $START) / 60, 2))"; }
+. results/commands/chain_setup.sh "$@"
 [ -d /tmp/o32 ] || python results/commands/variants.py o32 /tmp/o32
 for n in 8 32; do
   mkdir -p data/ts$n; [ -f data/ts$n/input.txt ] || head -c $((1115394 / n)) data/tinyshakespeare/input.txt > data/ts$n/input.txt
