@@ -54,8 +54,8 @@ PRESETS = {
     # of delta = rowsum(dO * O) grows layer 0's W_Q and logits, and with the fix off the loss went non-finite at
     # step 94,798 (10.3 minutes on one H200 with CUDA graphs; seed 1: 110,503). delta = rowsum(dP * P), the
     # paper's control (--delta-from-p), trained 242,864 steps with layer 0's max logit flat at ~10. The fix
-    # (--fix on) did not prevent it (seeds 0 and 1: steps 69,890 and 121,201): the error that fails it is not
-    # only the tie bias.
+    # (--fix on) did not prevent it (seeds 0 and 1: steps 69,890 and 121,201): the error that fails it is O's
+    # final bf16 cast (delta read from an fp32 O trained 123,000+ steps on both seeds), not the tie bias.
     "default": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, steps=200_000,
                     eval_interval=1000, diag_interval=1000, ckpt_interval=5000),
     # the paper's GPT-2 small shape (124M with GPT-2's vocabulary; ours is the text's characters)

@@ -103,7 +103,8 @@ def run_styles(runs):
         shade = [v for v in variants if v[0] == kind].index(variant(run))
         palette = PALETTE[kind]
         twin = (variant(run), str(run.setting("seed", 0)))
-        dash = seeds.index(str(run.setting("seed", 0))) + shade // len(palette) + seen.count(twin)
+        # twins (same label and seed) skip past every seed's dash, so they never borrow another seed's
+        dash = seeds.index(str(run.setting("seed", 0))) + len(seeds) * (shade // len(palette) + seen.count(twin))
         seen.append(twin)
         styles[run.path] = dict(
             color=palette[shade % len(palette)],

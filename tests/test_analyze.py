@@ -229,6 +229,18 @@ def test_labels_and_colours(tmp_path):
     assert style["p3-again"]["linestyle"] != style["p3"]["linestyle"]  # same colour, so another dash
 
 
+def test_twin_runs_over_two_seeds_all_look_different(tmp_path):
+    """Two arms the config cannot tell apart (a patched kernel copy, e.g. o32, next to the plain one), each
+    over seeds 0 and 1: four runs, one colour, so four different line styles."""
+    rng = np.random.default_rng(0)
+    for name in ("off", "o32"):
+        for seed in (0, 1):
+            write_run(tmp_path, f"{name}-s{seed}", "off", "kernel", seed, False, rng)
+    runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
+    looks = {(s["color"], s["linestyle"]) for s in run_styles(runs).values()}
+    assert len(looks) == 4
+
+
 def test_mechanism_worked_example():
     example = mechanism.worked_example()
     assert example["bf16"] == -4.71875  # bit-exact: the fp32 sum rounds away from zero
