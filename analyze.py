@@ -350,9 +350,11 @@ def analyze_runs(runs, out, warn_k):
             f"spectral norm of W_Q per head in layer {layer}, where sn_q grows most",
             "spectral norm", out / "spectral_norm_heads.png"))
     if n_layer:
+        sharp = [[f"sharp_rate_L{i}" for i in layers]] if any(run.columns(r"sharp_rate_L\d+") for run in runs) else []
         figures.append(plot_grid(
-            runs, styles, [[f"tie_rate_L{i}" for i in layers]],
-            "tie rate: fraction of rows with >= 2 scores within TIE_TOL of the row max",
+            runs, styles, [[f"tie_rate_L{i}" for i in layers]] + sharp,
+            "tie rate: rows with >= 2 scores within TIE_TOL of the row max"
+            + ("; below, sharp rate: rows whose largest P exceeds 1 - 1e-3" if sharp else ""),
             "fraction of rows", out / "tie_rate.png"))
         figures.append(plot_grid(
             runs, styles, [[f"delta_err_L{i}" for i in layers], [f"delta_push_L{i}" for i in layers]],

@@ -5,6 +5,10 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
                 (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits); also per head,
                 since the paper's failure starts in a few heads
+    sharp_rate  fraction of causal rows (the first query, with its one key, left out) whose largest probability
+                exceeds 1 - SHARP_EPS: where O's bf16 cast rounds O back to that key's V and delta's error
+                becomes a copy of the dominant logit's gradient (session 9; results/commands/snap_cpu.py);
+                per layer and per head
     sn_q, sn_k  spectral norms of W_Q and W_K (and of each head's slice of W_Q): the direction the biased
                 gradient grows
     delta_err   mean of rowsum(dO * O) - rowsum(dO * O_fp32): the signed error that reaches dQ and dK
@@ -26,15 +30,18 @@ import torch
 from model import causal_scores
 from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # TIE_TOL: exp(-x) rounds to 1.0 in bf16 below it
 
+SHARP_EPS = 1e-3  # snap_cpu.py: below it, delta's error from O's cast tracks the dominant logit's gradient (corr +1.000)
+
 
 def diag_columns(n_layer, n_head):
-    """log.csv's diagnostic columns, in order: per layer six numbers, then four per head."""
+    """log.csv's diagnostic columns, in order: per layer seven numbers, then five per head."""
     columns = []
     for i in range(n_layer):
-        columns += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}", f"delta_err_L{i}",
-                    f"delta_push_L{i}"]
+        columns += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sharp_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}",
+                    f"delta_err_L{i}", f"delta_push_L{i}"]
         for h in range(n_head):
-            columns += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}", f"delta_push_L{i}_H{h}"]
+            columns += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"sharp_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}",
+                        f"delta_push_L{i}_H{h}"]
     return columns
 
 
@@ -57,17 +64,18 @@ def capture_attention(model, x, y, ctx):
 
 @torch.no_grad()
 def attention_stats(q, k, v, O, dO, tol=TIE_TOL):
-    """max_logit, and per head the tie rate (ties within tol nats), the delta error and its push, of one
-    attention call."""
+    """max_logit, and per head the tie rate (ties within tol nats), the sharp rate, the delta error and its push,
+    of one attention call."""
     S = causal_scores(q, k)  # fp32, -inf above the diagonal
     row_max = S.amax(dim=-1, keepdim=True)
     tied = (S >= row_max - tol).sum(dim=-1) >= 2  # -inf entries never count: row_max is finite
     P = S.softmax(dim=-1)
+    sharp = P[:, :, 1:].amax(dim=-1) > 1 - SHARP_EPS  # query 0 has one key: P = 1 exactly, O = V, nothing to round
     expected_logit = (P * S.nan_to_num(neginf=0.0)).sum(dim=-1)  # masked entries have P = 0
     delta_lp = (dO.float() * O.float()).sum(dim=-1)
     delta_fp32 = (dO.float() * (P @ v.float())).sum(dim=-1)
     err = delta_lp - delta_fp32
-    return (row_max.max(), tied.float().mean(dim=(0, 2)), err.mean(dim=(0, 2)),
+    return (row_max.max(), tied.float().mean(dim=(0, 2)), sharp.float().mean(dim=(0, 2)), err.mean(dim=(0, 2)),
             (err * expected_logit).mean(dim=(0, 2)))
 
 
@@ -93,12 +101,11 @@ def diagnose(model, x, y, ctx):
     p_bits, _ = amplified_bits(c.mantissa_bits, c.amplify)   # the tie band: scores whose P rounds to 1.0
     for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):
         v = amplified_v(v, c.mantissa_bits, c.amplify)       # the V attention read
-        max_logit, tie_rate, delta_err, delta_push = attention_stats(q, k, v, O, dO, tol=TIE_TOL * widening(p_bits))
-        out.update({f"max_logit_L{i}": max_logit, f"tie_rate_L{i}": tie_rate.mean(),
-                    f"delta_err_L{i}": delta_err.mean(), f"delta_push_L{i}": delta_push.mean()})
-        for h in range(len(tie_rate)):
-            out.update({f"tie_rate_L{i}_H{h}": tie_rate[h], f"delta_err_L{i}_H{h}": delta_err[h],
-                        f"delta_push_L{i}_H{h}": delta_push[h]})
+        max_logit, *per_head = attention_stats(q, k, v, O, dO, tol=TIE_TOL * widening(p_bits))
+        out[f"max_logit_L{i}"] = max_logit
+        for name, values in zip(("tie_rate", "sharp_rate", "delta_err", "delta_push"), per_head):
+            out[f"{name}_L{i}"] = values.mean()
+            out.update({f"{name}_L{i}_H{h}": value for h, value in enumerate(values)})
     names = list(out)
     values = torch.stack([out[n] for n in names]).tolist()  # one device-to-host copy for all of them
     return dict(zip(names, values))

@@ -8,6 +8,7 @@ import pytest
 
 import analyze
 from nanolp import mechanism
+from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, label, run_styles
 from nanolp.runs import Run, load_run
 
@@ -17,13 +18,8 @@ COLLAPSE_STEP = 300
 
 
 def columns():
-    cols = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
-    for i in range(N_LAYER):
-        cols += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}", f"delta_err_L{i}",
-                 f"delta_push_L{i}"]
-        for h in range(N_HEAD):
-            cols += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}", f"delta_push_L{i}_H{h}"]
-    return cols
+    return (["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
+            + diag_columns(N_LAYER, N_HEAD))
 
 
 def synthetic_log(collapse, rng):
@@ -41,7 +37,7 @@ def synthetic_log(collapse, rng):
             grow = 1 + (step / 100 if collapse and i == 1 else step / 1000)
             row |= {f"max_logit_L{i}": 10 * grow, f"tie_rate_L{i}": (0.1 if late else 0.01) + 0.001 * rng.random(),
                     f"sn_q_L{i}": grow, f"sn_k_L{i}": grow, f"delta_err_L{i}": -1e-3 if collapse else 1e-4,
-                    f"delta_push_L{i}": 1e-3 if collapse else 0.0}
+                    f"delta_push_L{i}": 1e-3 if collapse else 0.0, f"sharp_rate_L{i}": 0.3 if late else 0.02}
             row |= {f"sn_q_L{i}_H{h}": grow * (h + 1) for h in range(N_HEAD)}
             row |= {f"delta_err_L{i}_H{h}": -1e-3 for h in range(N_HEAD)}
             row |= {f"tie_rate_L{i}_H{h}": row[f"tie_rate_L{i}"] * (2 if (i, h) == (1, 1) else 1) for h in range(N_HEAD)}

@@ -99,6 +99,7 @@ def test_diagnostics_columns_and_values():
     assert out["sn_q_L0"] >= max(out["sn_q_L0_H0"], out["sn_q_L0_H1"])  # a slice cannot have a larger norm
     assert 0.0 <= out["tie_rate_L0"] <= 1.0 and out["max_logit_L1"] > 0
     assert out["tie_rate_L0"] == pytest.approx((out["tie_rate_L0_H0"] + out["tie_rate_L0_H1"]) / 2)
+    assert out["sharp_rate_L1"] == pytest.approx((out["sharp_rate_L1_H0"] + out["sharp_rate_L1_H1"]) / 2)
     assert out["delta_err_L0"] == pytest.approx((out["delta_err_L0_H0"] + out["delta_err_L0_H1"]) / 2, abs=1e-9)
     assert abs(out["delta_err_L0"]) < 1e-3  # a bf16 rounding of O, not a bug in the probe
     assert out["delta_push_L1"] == pytest.approx((out["delta_push_L1_H0"] + out["delta_push_L1_H1"]) / 2, abs=1e-9)
@@ -114,11 +115,27 @@ def test_tie_rate_counts_near_ties_only():
     q = q.abs()
     k[:, :, :2] = 2.0
     O = reference_attention(q, k, v)
-    _, tie_rate, _, _ = attention_stats(q, k, v, O, torch.ones_like(O))
+    _, tie_rate, *_ = attention_stats(q, k, v, O, torch.ones_like(O))
     assert tie_rate.tolist() == [(T - 1) / T] * q.shape[1]   # per head
     q, k, v = qkv(logit_scale=4.0, T=T)
-    _, tie_rate, _, _ = attention_stats(q, k, v, O, torch.ones_like(O))
+    _, tie_rate, *_ = attention_stats(q, k, v, O, torch.ones_like(O))
     assert tie_rate.max().item() < 0.05
+
+
+def test_sharp_rate_counts_rows_with_one_dominant_key():
+    """Key 0 ~20 nats above every other key: every row puts more than 1 - 1e-3 on it. Drop the gap to ~4.6
+    nats (P ~ 0.99 at most) and no row is sharp; the first row (one key, P = 1, nothing to round) never counts."""
+    T = 16
+    q, k, v = qkv(T=T)
+    q = torch.ones_like(q)
+    k = torch.zeros_like(k)
+    k[:, :, 0] = 20.0 * q.shape[-1] ** 0.5 / q.shape[-1]   # q.k0/sqrt(d) = 20
+    O = reference_attention(q, k, v)
+    _, _, sharp, *_ = attention_stats(q, k, v, O, torch.ones_like(O))
+    assert sharp.tolist() == [1.0] * q.shape[1]   # per head
+    k[:, :, 0] = 4.6 * q.shape[-1] ** 0.5 / q.shape[-1]
+    _, _, sharp, *_ = attention_stats(q, k, v, O, torch.ones_like(O))
+    assert sharp.max().item() == 0.0   # not 1/T: query 0 (P = 1 exactly) is not counted
 
 
 def test_delta_push_is_the_norm_growth_of_the_gradient_error():
