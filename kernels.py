@@ -528,8 +528,8 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
     delta_from_p: the paper's localisation control: the backward computes delta = rowsum(dP * P) from P
         recomputed in fp32, never reading the forward's rounded O (the paper reports that with it the failure
         disappears). Costs one more pass over the keys in the backward. In our small GPTs (README.md) this, not
-        the fix, is what prevented the bf16 collapse: the fix removes the tie bias, but not the rest of O's
-        rounding error that delta = rowsum(dO * O) carries.
+        the fix, is what prevented the bf16 collapse: the fix removes the tie bias, but not the error of O's
+        final cast to bf16 that delta = rowsum(dO * O) carries (an fp32 copy of O for delta cured it too).
     mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
         mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
         The fix's tol and shift range widen to match (fix_constants).
