@@ -1,5 +1,6 @@
 #!/bin/bash
-# Plan for session 7 (not yet run): criterion 2 of issue 5 for the new default (plain bf16, lr 1e-3), issue 6's
+# Session 7 (run as planned; results in results/research.md, session 7):
+# criterion 2 of issue 5 for the new default (plain bf16, lr 1e-3), issue 6's
 # training throughput under CUDA graphs, and the first seeds of issue 7. Session 6's default run, seed 0, went
 # non-finite at step 94,798 with the fix off and trained 242,864 steps with delta from P; the fix has not been
 # run. Call it three times back to back on one held nvidia-h200-x2 (runs/ survives between calls only while the

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Plan for session 8 (not yet run). Session 7 found that in plain bf16 the fix does not cure the default run
+# Session 8 (run as planned; results in results/research.md, session 8).
+# Session 7 found that in plain bf16 the fix does not cure the default run
 # (lr 1e-3, seed 0: fix on collapsed at step 69,890, fix off at 94,798 and, seed 1, 110,503), while delta from P
 # does; at lr 3e-3 fix off collapsed at 30,909 (3.2 minutes) and the fix on had not collapsed at 59,237, its
 # layer-0 logits growing (6,600), delta from P flat (233). This plan asks three questions:

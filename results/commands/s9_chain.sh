@@ -1,5 +1,6 @@
 #!/bin/bash
-# Plan for session 9 (not yet run). Session 8 found: at the default (lr 1e-3) the fix on collapses on both seeds,
+# Session 9 (run as planned; results in results/research.md, session 9).
+# Session 8 found: at the default (lr 1e-3) the fix on collapses on both seeds,
 # with the same head and nearly the same timing as the fix off (seed 1: 121,201 vs 110,503 steps); lr 3e-3 is not a
 # reliable shortcut (fix off: 1 of 3 seeds collapsed within ~90,000 steps); p16 (P 8x finer) at lr 3e-3 did not
 # collapse in 70,000 steps but its layer-0 logits grew (5,950) where delta from P stays flat (233), and o32 failed
