@@ -242,7 +242,7 @@ def fmt(value, spec):
 
 
 def run_table(runs):
-    lines = ["| run | fix | backend | precision | amplifier | delta from P | seed | collapsed | final val loss "
+    lines = ["| run | fix | backend | precision | amplifier | delta from | seed | collapsed | final val loss "
              "| tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -256,7 +256,7 @@ def run_table(runs):
         known = bool(run.config or run.summary)  # a run in progress may have neither file yet
         cells = [f"`{run.name}`", fix_word(run) if known else None, run.setting("attn"),
                  run.setting("precision"), (amplifier(run) or "-") if known else None,
-                 ("yes" if flag(run, "delta_from_p") else "no") if known else None,
+                 ("P" if flag(run, "delta_from_p") else "fp32 O" if flag(run, "delta_fp32") else "O") if known else None,
                  run.setting("seed"), collapsed, fmt(run.final_val_loss, ".4f"),
                  fmt(run.tokens_per_s, ",.0f")]
         lines.append("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")

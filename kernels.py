@@ -333,7 +333,8 @@ if INTERPRET:
     BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
 
 
-def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amplify="p"):
+def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amplify="p", delta_from_p=False,
+                 delta_fp32=False):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -362,6 +363,8 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amp
         raise ValueError(f"mantissa_bits must be 0 (off) or 1-6, got {mantissa_bits}")
     if amplify not in ("p", "vo"):
         raise ValueError(f'amplify must be "p" or "vo", got {amplify!r}')
+    if delta_from_p and delta_fp32:
+        raise ValueError("delta_from_p and delta_fp32 are two ways of computing delta: choose one")
 
 
 def fix_constants(precision, tol, mantissa_bits=0):
@@ -412,24 +415,26 @@ def qk_scale(head_dim, precision):
     return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
 
 
-def empty_in_layout_of(t):
+def empty_in_layout_of(t, dtype=None):
     """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is: (batch, seq, heads, head_dim) in
     memory when t's heads sit inside its sequence (q, k, v viewed from a (batch, seq, 3 * channels) projection,
     as in model.py), else (batch, heads, seq, head_dim). O, and dQ, dK, dV in the backward, get this layout, so
-    the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA."""
+    the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA. dtype: t's by default."""
     B, H, N, D = t.shape
+    dtype = dtype or t.dtype
     if t.stride(1) < t.stride(2):
-        return torch.empty((B, N, H, D), dtype=t.dtype, device=t.device).transpose(1, 2)
-    return torch.empty((B, H, N, D), dtype=t.dtype, device=t.device)
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
 
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
-               beta: float, tol: float, delta_from_p: bool, mantissa_bits: int, amplify: str
+               beta: float, tol: float, delta_from_p: bool, delta_fp32: bool, mantissa_bits: int, amplify: str
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns O and lse. delta_from_p is for the backward only (it reaches it through _setup_context)."""
+    """Returns O and lse; O in fp32 with delta_fp32 (the kernel then skips its final cast, and flash_attention
+    makes it). delta_from_p is for the backward only (it reaches it through _setup_context)."""
     B, H, N, D = q.shape
-    o = empty_in_layout_of(q)
+    o = empty_in_layout_of(q, torch.float32 if delta_fp32 else None)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = FWD_TUNING[D]
     p_bits, o_bits = amplified_bits(mantissa_bits, amplify)
@@ -442,8 +447,8 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits, amplify):
-    return empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify):
+    return empty_in_layout_of(q, torch.float32 if delta_fp32 else None), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _bwd_launch(q, k, v, o, causal, precision):
@@ -477,12 +482,12 @@ def _bwd_delta(do, q, k, v, o, lse, launch, delta_from_p):
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor, causal: bool, precision: str, delta_from_p: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if do.stride() != o.stride():  # the kernels read dO with O's strides (autograd usually gives it them)
-        do = torch.empty_like(o).copy_(do)
+    if do.stride() != o.stride() or do.dtype != q.dtype:  # the kernels read dO with O's strides, in q's dtype
+        do = torch.empty_like(o, dtype=q.dtype).copy_(do)  # (exact: an fp32 dO from the cast holds bf16 values)
     launch = _bwd_launch(q, k, v, o, causal, precision)
     grid, strides, meta = launch
     args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, launch, delta_from_p))
-    dq, dk, dv = (torch.empty_like(o) for _ in range(3))  # o is dense: empty_like keeps its strides
+    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))  # o is dense: empty_like keeps its strides
     sm_scale = q.shape[-1] ** -0.5
     _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, sm_scale, **meta)
     _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
@@ -491,11 +496,11 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 @_flash_bwd.register_fake
 def _(do, q, k, v, o, lse, causal, precision, delta_from_p):
-    return tuple(torch.empty_like(o) for _ in range(3))
+    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, fix, precision, beta, tol, delta_from_p, _, _ = inputs
+    q, k, v, causal, fix, precision, beta, tol, delta_from_p, _, _, _ = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.causal, ctx.precision, ctx.delta_from_p = causal, precision, delta_from_p
 
@@ -503,14 +508,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.delta_from_p)
-    return dq, dk, dv, *[None] * 8
+    return dq, dk, dv, *[None] * 9
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                    mantissa_bits=0, amplify="p"):
+                    delta_fp32=False, mantissa_bits=0, amplify="p"):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
@@ -529,7 +534,12 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         recomputed in fp32, never reading the forward's rounded O (the paper reports that with it the failure
         disappears). Costs one more pass over the keys in the backward. In our small GPTs (README.md) this, not
         the fix, is what prevented the bf16 collapse: the fix removes the tie bias, but not the error of O's
-        final cast to bf16 that delta = rowsum(dO * O) carries (an fp32 copy of O for delta cured it too).
+        final cast to bf16 that delta = rowsum(dO * O) carries (delta_fp32 cured it too).
+    delta_fp32: the paper's localisation experiment, and the cheaper remedy: the forward keeps O in fp32 for the
+        backward and returns it cast to q's dtype (the same O as without it), so delta = rowsum(dO * O) reads O
+        before its final rounding; P's rounding inside O stays. Costs an fp32 O in memory (saved for the backward) and one
+        cast, no extra pass. In our small GPTs the error of that final cast is what fails plain bf16 training
+        (README.md, results/research.md session 9): with it the default run trained on past its collapse.
     mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
         mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
         The fix's tol and shift range widen to match (fix_constants).
@@ -538,7 +548,7 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         of V's format, so this amplifies the paper's own bias (by 2^(7 - bits) over bf16); rounding O to few
         bits is biased on other rows too (results/research.md, session 4, points 7-8).
     """
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32)
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"flash_attention needs CUDA tensors (got {q.device}); on CPU run with TRITON_INTERPRET=1 "
                          "or use nanolp.emulate.emulate_attention, which computes the same numbers")
@@ -546,5 +556,6 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
     v = amplified_v(v, mantissa_bits, amplify)
-    return _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p, mantissa_bits,
-                      amplify)[0]
+    o = _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p, delta_fp32,
+                   mantissa_bits, amplify)[0]
+    return o.to(q.dtype)  # a no-op unless delta_fp32; then autograd hands the backward an fp32 dO of bf16 values

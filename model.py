@@ -37,6 +37,7 @@ class GPTConfig:
     fix: bool = False         # the paper's forward fix (kernel and emulate only)
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
+    delta_fp32: bool = False  # kernel/emulate: delta from an fp32 copy of O, before its final cast (the remedy)
     mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
     amplify: str = "p"        # what the amplifier rounds: "p", or "vo" (V and O: amplifies the paper's tie bias)
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
@@ -70,7 +71,8 @@ def attention(q, k, v, config):
         else:  # the emulation has the kernel's numerics and runs anywhere
             from nanolp.emulate import emulate_attention as fn
         return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision,
-                  delta_from_p=config.delta_from_p, mantissa_bits=config.mantissa_bits, amplify=config.amplify)
+                  delta_from_p=config.delta_from_p, delta_fp32=config.delta_fp32, mantissa_bits=config.mantissa_bits,
+                  amplify=config.amplify)
     if config.attn == "fp32":
         return reference_attention(q, k, v)
     if config.attn == "sdpa":
@@ -142,6 +144,10 @@ class GPT(nn.Module):
         super().__init__()
         assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
         assert config.pos in ("learned", "none"), f'pos must be "learned" or "none", got {config.pos!r}'
+        kernel_only = {name: getattr(config, name) for name in ("fix", "delta_from_p", "delta_fp32", "mantissa_bits")}
+        if config.attn not in ("kernel", "emulate") and any(kernel_only.values()):
+            on = ", ".join(name for name, value in kernel_only.items() if value)
+            raise ValueError(f"{on}: only our kernel (attn kernel or emulate) has it, not attn {config.attn!r}")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),

@@ -3,6 +3,7 @@ Train a small character-level GPT and watch for the low-precision attention fail
 
     python train.py --fix off                    # plain bf16: the loss went non-finite at step ~95,000 (~10 min)
     python train.py --fix off --delta-from-p     # the paper's control: the same run trains normally
+    python train.py --fix off --delta-fp32       # delta from an fp32 copy of O: trains normally too (2 of 2 seeds)
     python train.py --fix on                     # the same run with the fix: it collapsed too (2 of 2 seeds)
     python train.py --fix off --mantissa-bits 3 --diag-interval 250   # amplified (P at 3 bits): ~7,000 steps
     python train.py --preset tiny --attn sdpa    # a CPU smoke run, about a minute
@@ -41,7 +42,8 @@ from nanolp.data import get_batch, prepare
 from nanolp.diagnostics import diag_columns, diagnose
 
 COMMON = dict(
-    fix="off", attn="kernel", precision="fa2", delta_from_p=False, mantissa_bits=0, amplify="p", pos="learned",
+    fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, mantissa_bits=0, amplify="p",
+    pos="learned",
     seed=0,
     lr=1e-3, warmup=100, schedule="constant", beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
     steps=5000, minutes=None, dtype="bf16",
@@ -81,6 +83,8 @@ def parse_args(argv):
     p.add_argument("--precision", choices=["fa2", "paper"])
     p.add_argument("--delta-from-p", action=argparse.BooleanOptionalAction,
                    help="kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the paper's control)")
+    p.add_argument("--delta-fp32", action=argparse.BooleanOptionalAction,
+                   help="kernel/emulate: delta from an fp32 copy of O, before its final bf16 cast (cures the default)")
     p.add_argument("--mantissa-bits", type=int, help="kernel/emulate: amplifier, P rounded to 1-6 mantissa bits before P V")
     p.add_argument("--amplify", choices=["p", "vo"],
                    help="what --mantissa-bits rounds: P (default) or V and O (amplifies the paper's tie bias)")
@@ -233,7 +237,8 @@ def main(argv=None):
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
                           n_embd=c["n_embd"], attn=c["attn"], fix=c["fix"] == "on", precision=c["precision"],
-                          delta_from_p=c["delta_from_p"], mantissa_bits=c["mantissa_bits"], amplify=c["amplify"], pos=c["pos"])).to(device)
+                          delta_from_p=c["delta_from_p"], delta_fp32=c["delta_fp32"], mantissa_bits=c["mantissa_bits"],
+                          amplify=c["amplify"], pos=c["pos"])).to(device)
     c["vocab_size"], c["flops_per_token"] = data.vocab_size, model.flops_per_token()
     # weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2
     params = list(model.parameters())

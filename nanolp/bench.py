@@ -32,6 +32,8 @@ IMPLS = {
     "ours_fix": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=True),
     # the paper's control, delta = rowsum(dP * P): the one change that prevented every collapse we measured
     "ours_dp": lambda q, k, v: flash_attention(q, k, v, causal=True, delta_from_p=True),
+    # delta from an fp32 copy of O: the cheaper remedy (one fp32 O kept for the backward, one cast)
+    "ours_dfp32": lambda q, k, v: flash_attention(q, k, v, causal=True, delta_fp32=True),
     "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }

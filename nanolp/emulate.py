@@ -102,8 +102,8 @@ def _mask(S, col0, n_keys, causal):
 
 
 def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0, amplify="p"):
-    """Returns (O in the input dtype, O before its last rounding in fp32, lse in the kernel's units). The kernel
-    keeps no fp32 O; the mechanism tests use it to show what it would and would not carry."""
+    """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units). The
+    kernel keeps the fp32 O only with delta_fp32; the mechanism tests use it to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
     p_bits, o_bits = amplified_bits(mantissa_bits, amplify)                                   # the amplifier
@@ -133,8 +133,10 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0, amplify
             acc = _round(_round(acc * alpha.unsqueeze(-1), dtype) + _round(_dot(P, vt), dtype), dtype)
         m = m_new
     o32 = acc / l.unsqueeze(-1)
+    if o_bits:  # the "vo" amplifier rounds O before it is stored
+        o32 = round_mantissa(o32, o_bits)
     lse = m + (_log2(l) if precision == "fa2" else _log(l))
-    return (round_mantissa(o32, o_bits) if o_bits else o32).to(dtype), o32, lse
+    return o32.to(dtype), o32, lse
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -179,9 +181,9 @@ def backward(q, k, v, o, lse, do, causal, precision, delta_from_p=False):
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_from_p, mantissa_bits, amplify):
-        o, _, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits, amplify)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify):
+        o, o32, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits, amplify)
+        ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)   # the O that delta will read
         ctx.args = (causal, precision, delta_from_p)
         return o
 
@@ -189,14 +191,14 @@ class _EmulatedAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 8)
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 9)
 
 
 def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                      mantissa_bits=0, amplify="p"):
+                      delta_fp32=False, mantissa_bits=0, amplify="p"):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32)
     v = amplified_v(v, mantissa_bits, amplify)
     with torch.autocast(q.device.type, enabled=False):
         return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p,
-                                        mantissa_bits, amplify)
+                                        delta_fp32, mantissa_bits, amplify)

@@ -3,7 +3,7 @@
 Colour says what kind of attention a run used, the same in every figure: our flash attention
 with the fix off is red, with the fix on blue, torch SDPA grey. The mechanism controls are green:
 fp32 attention in pure greens, delta = rowsum(dP * P) instead of rowsum(dO * O) (delta_from_p, the
-paper's control) in olive greens. Shades within a colour separate variants (precision "fa2" / "paper", the
+paper's control) in olive greens, delta from an fp32 copy of O (delta_fp32) in purples. Shades within a colour separate variants (precision "fa2" / "paper", the
 amplifier's mantissa_bits); line style is the seed, and also cycles once a family runs out of shades.
 A config key missing from an older run reads as 0 / False.
 """
@@ -20,6 +20,7 @@ PALETTE = {
     "fix on": ["tab:blue", "navy", "lightskyblue", "tab:cyan", "royalblue", "steelblue"],
     "fp32": ["tab:green", "darkgreen", "seagreen"],
     "delta from P": ["olivedrab", "yellowgreen", "darkolivegreen"],
+    "delta from fp32 O": ["tab:purple", "indigo", "orchid"],
     "sdpa": ["dimgray", "black", "darkgray", "tab:brown"],
 }
 LINESTYLES = ["-", "--", ":", "-."]
@@ -55,6 +56,8 @@ def family(run):
         return "sdpa"
     if flag(run, "delta_from_p"):
         return "delta from P"
+    if flag(run, "delta_fp32"):
+        return "delta from fp32 O"
     return "fix on" if str(run.setting("fix", "off")).lower() == "on" else "fix off"
 
 
@@ -64,8 +67,8 @@ def fix_word(run):
 
 
 def label(run):
-    """"<attn> <precision> fix <off|on>[ P<bits>b or VO<bits>b][ no-pos][ delta-from-p] seed <s>" ("fp32 seed 0" for the
-    fp32 reference, which has no fix and no amplifier)."""
+    """"<attn> <precision> fix <off|on>[ P<bits>b or VO<bits>b][ no-pos][ delta-from-p or delta-fp32] seed <s>"
+    ("fp32 seed 0" for the fp32 reference, which has no fix and no amplifier)."""
     parts = [str(run.setting("attn", "?"))]
     if family(run) != "fp32":
         parts += [str(run.setting("precision", "?")), f"fix {fix_word(run)}"]
@@ -75,13 +78,15 @@ def label(run):
             parts.append("no-pos")
         if flag(run, "delta_from_p"):
             parts.append("delta-from-p")
+        if flag(run, "delta_fp32"):
+            parts.append("delta-fp32")
     return " ".join(parts + [f"seed {run.setting('seed', 0)}"])
 
 
 def variant(run):
     """What separates runs of one family by shade: everything in the label but the seed."""
     return (family(run), str(run.setting("attn")), str(run.setting("precision")), fix_word(run),
-            amplifier(run), str(run.setting("pos", "learned")), flag(run, "delta_from_p"))
+            amplifier(run), str(run.setting("pos", "learned")), flag(run, "delta_from_p"), flag(run, "delta_fp32"))
 
 
 def run_styles(runs):

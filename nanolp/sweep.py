@@ -44,8 +44,8 @@ OWNED_FLAGS = ("--name", "--out", "--seed", "--minutes", "--resume")  # the swee
 # (early training triples every norm from its initial value, so the first rows are no baseline)
 GROWTH = 3.0
 
-COLUMNS = ["name", "arm", "seed", "attn", "precision", "fix", "delta_from_p", "mantissa_bits", "amplify", "lr",
-           "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step",
+COLUMNS = ["name", "arm", "seed", "attn", "precision", "fix", "delta_from_p", "delta_fp32", "mantissa_bits", "amplify",
+           "lr", "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step",
            "collapse_minute", "reason", "max_logit", "tie_rate_final", "tie_rate_head_peak", "final_val_loss",
            "final_train_loss", "tokens_per_s", "peak_mem_gb", "first_growth_layer", "first_growth_head",
            "first_growth_step"]
@@ -236,7 +236,8 @@ def collect_row(path):
     return dict(
         name=run.name, arm=run.arm, seed=run.setting("seed"),
         **{key: run.setting(key) for key in ("attn", "precision", "fix")},
-        delta_from_p=run.setting("delta_from_p", False), mantissa_bits=run.setting("mantissa_bits", 0),
+        delta_from_p=run.setting("delta_from_p", False), delta_fp32=run.setting("delta_fp32", False),
+        mantissa_bits=run.setting("mantissa_bits", 0),
         amplify=run.setting("amplify", "p"),
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
         # a run without summary.json (in progress, or killed) still has its log

@@ -86,6 +86,7 @@ def test_runs_report_and_figures(tmp_path):
     write_run(runs, "sdpa-s1", "off", "sdpa", 1, False, rng)
     write_run(runs, "kernel-off-p3", "off", "kernel", 0, False, rng, delta_from_p=False, mantissa_bits=3)
     write_run(runs, "kernel-off-p3-dp", "off", "kernel", 0, False, rng, delta_from_p=True, mantissa_bits=3)
+    write_run(runs, "kernel-off-dfp32", "off", "kernel", 0, False, rng, delta_fp32=True)
     # a run still in progress: no summary.json, no val loss, no diagnostics at all
     partial = runs / "partial"
     partial.mkdir()
@@ -103,8 +104,9 @@ def test_runs_report_and_figures(tmp_path):
     final_val = [r["val_loss"] for r in collapsed if r["val_loss"] != ""][-1]
     assert f"{final_val:.4f}" in row
     assert "| `partial` | n/a | n/a | n/a | n/a | n/a | n/a | n/a (no summary.json) | n/a | n/a |" in report
-    assert "| `kernel-off-p3-dp` | off | kernel | paper | P3b | yes | 0 | no |" in report
-    assert "| `kernel-off-s0` | off | kernel | paper | - | no | 0 |" in report
+    assert "| `kernel-off-p3-dp` | off | kernel | paper | P3b | P | 0 | no |" in report
+    assert "| `kernel-off-s0` | off | kernel | paper | - | O | 0 |" in report
+    assert "| `kernel-off-dfp32` | off | kernel | paper | - | fp32 O | 0 |" in report
     assert "**layer 1**" in report  # the synthetic collapsing run grows W_Q in layer 1
     assert "- `kernel-off-s0`: layer 1, head 1: 0.2" in report  # and ties most in its head 1
     lead = expected_lead(collapsed)
@@ -205,6 +207,7 @@ def test_labels_and_colours(tmp_path):
                         ("p3-on", dict(mantissa_bits=3, delta_from_p=False))):
         write_run(tmp_path, name, "on" if name.endswith("on") else "off", "kernel", 0, False, rng, **extra)
     write_run(tmp_path, "fp32", "off", "fp32", 0, False, rng)
+    write_run(tmp_path, "dfp32", "off", "kernel", 0, False, rng, delta_fp32=True)
     write_run(tmp_path, "p3-again", "off", "kernel", 0, False, rng, mantissa_bits=3)  # same label as p3
     write_run(tmp_path, "p3-lr", "off", "kernel", 0, False, rng, mantissa_bits=3, lr=3e-3)  # others: no lr
     runs = {p.name: load_run(p) for p in sorted(tmp_path.iterdir())}
@@ -215,6 +218,8 @@ def test_labels_and_colours(tmp_path):
     assert label(runs["p3-dp"]) == "kernel paper fix off P3b delta-from-p seed 0"
     assert label(runs["p3-on"]) == "kernel paper fix on P3b seed 0"
     assert label(runs["fp32"]) == "fp32 seed 0"
+    assert label(runs["dfp32"]) == "kernel paper fix off delta-fp32 seed 0"
+    assert style["dfp32"]["color"] in PALETTE["delta from fp32 O"]
     assert style["p3-lr"]["label"] == "kernel paper fix off P3b seed 0 lr 0.003"  # the unusual lr shown
     assert style["p3"]["label"] == "kernel paper fix off P3b seed 0 (p3)"  # a duplicate label: name added
     assert len({s["label"] for s in style.values()}) == len(style)

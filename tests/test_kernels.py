@@ -70,7 +70,7 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
-    o, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, 0, "p")
+    o, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, False, 0, "p")
     o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
@@ -83,7 +83,7 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     monkeypatch.setitem(kernels.FWD_TUNING, 64, (128, 4, 1))
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in (False, True):
-        o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 0, "p")
+        o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, False, 0, "p")
         o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
 
@@ -97,7 +97,7 @@ def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     is emulated exactly."""
     q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 9, :]
-    o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, 3, amplify)
+    o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, False, 3, amplify)
     o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3, amplify)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
     o_bf16, _, _ = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
@@ -105,7 +105,9 @@ def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
 
 
 # -------------------------------------------------------------------------------------------------------
-# Gradients: bit for bit against the emulation, with delta from O or (the paper's control) from P
+# Gradients: bit for bit against the emulation, with delta from O, from P (the paper's control) or from an fp32 O
+
+DELTAS = {"O": {}, "P": dict(delta_from_p=True), "fp32 O": dict(delta_fp32=True)}
 
 def grads(attention, q, k, v, do, **kw):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -117,21 +119,27 @@ def grads(attention, q, k, v, do, **kw):
 @pytest.mark.parametrize("shape", [(1, 2, 100, 64), (2, 1, 130, 32)])
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("delta_from_p", [False, True])
-def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from_p, poisoned):
+@pytest.mark.parametrize("delta_from", list(DELTAS))
+def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from, poisoned):
     """delta itself first: the gradients show its last bits only where they tip a rounding of dS to bf16."""
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    o, lse = kernels._flash_fwd(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL, delta_from_p, 0, "p")
+    flags = DELTAS[delta_from]
+    from_p, fp32 = flags.get("delta_from_p", False), flags.get("delta_fp32", False)
+    o, lse = kernels._flash_fwd(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL, from_p, fp32, 0, "p")
+    o_want, o32_want, _ = emulate.forward(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL)
+    assert torch.equal(o, o32_want if fp32 else o_want)   # delta_fp32 stores O before its cast, and only that
     launch = kernels._bwd_launch(q, k, v, o, causal, precision)
-    delta = kernels._bwd_delta(do, q, k, v, o, lse, launch, delta_from_p)
-    assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from_p))
-    kw = dict(causal=causal, precision=precision, delta_from_p=delta_from_p)
+    delta = kernels._bwd_delta(do, q, k, v, o, lse, launch, from_p)
+    assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, from_p))
+    kw = dict(causal=causal, precision=precision, **flags)
     ours = grads(kernels.flash_attention, q, k, v, do, **kw)
     want = grads(emulate.emulate_attention, q, k, v, do, **kw)
     for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs from the emulation"
-    other = grads(emulate.emulate_attention, q, k, v, do, **{**kw, "delta_from_p": not delta_from_p})
-    assert not torch.equal(ours[0], other[0]), "the two ways of computing delta must give different bits here"
+        assert a.dtype == q.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+            f"{name} differs from the emulation"
+    other = grads(emulate.emulate_attention, q, k, v, do, causal=causal, precision=precision,
+                  **DELTAS["P" if delta_from == "O" else "O"])
+    assert not torch.equal(ours[0], other[0]), "two ways of computing delta must give different bits here"
 
 
 def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through():
@@ -219,11 +227,21 @@ def test_emulation_gradients_against_float64():
         check_against_float64(q, k, v, True, precision, True, attention=emulate.emulate_attention)
 
 
-def test_delta_from_p_control():
+@pytest.mark.parametrize("delta_from", ["P", "fp32 O"])
+def test_delta_controls_against_float64(delta_from):
     q, k, v = (rand((1, 2, 80, 64)) for _ in range(3))
     for precision in ("fa2", "paper"):
         check_against_float64(q, k, v, True, precision,
-                              attention=lambda *a, **kw: kernels.flash_attention(*a, **kw, delta_from_p=True))
+                              attention=lambda *a, **kw: kernels.flash_attention(*a, **kw, **DELTAS[delta_from]))
+
+
+def test_delta_fp32_returns_the_plain_forward_in_q_layout():
+    """delta_fp32 changes only what the backward reads: the O it returns is the plain kernel's, bit for bit, in
+    q's dtype and layout."""
+    q, k, v = (rand((1, 37, 2, 32), seed=s).transpose(1, 2) for s in range(3))   # heads inside the sequence
+    plain = kernels.flash_attention(q, k, v, fix=True)
+    o = kernels.flash_attention(q, k, v, fix=True, delta_fp32=True)
+    assert o.dtype == q.dtype and o.stride() == plain.stride() and torch.equal(o, plain)
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -320,6 +338,8 @@ def test_bad_input():
         kernels.flash_attention(q, q, q, mantissa_bits=7)
     with pytest.raises(ValueError, match="amplify"):
         kernels.flash_attention(q, q, q, mantissa_bits=3, amplify="o")
+    with pytest.raises(ValueError, match="choose one"):
+        kernels.flash_attention(q, q, q, delta_from_p=True, delta_fp32=True)
     with pytest.raises(TypeError, match="torch.Tensor"):
         kernels.flash_attention(q.tolist(), q, q)
 
@@ -358,24 +378,25 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, poisoned):
 
 
 @pytest.mark.parametrize("seq_major", [True, False])
-def test_custom_ops_pass_torch_opcheck(seq_major):
-    """torch's own check of a custom op: schema, autograd registration, and fake (meta) outputs whose shapes and
-    strides match the real ones, which torch.compile relies on."""
+@pytest.mark.parametrize("delta_fp32", [False, True])
+def test_custom_ops_pass_torch_opcheck(seq_major, delta_fp32):
+    """torch's own check of a custom op: schema, autograd registration, and fake (meta) outputs whose shapes,
+    strides and dtypes match the real ones, which torch.compile relies on."""
     q, k, v = (rand((1, 20, 2, 16), seed=s).transpose(1, 2) if seq_major else rand((1, 2, 20, 16), seed=s)
                for s in range(3))
-    fwd_args = (q, k, v, True, True, "fa2", 2.0, kernels.TIE_TOL, False, 0, "p")
+    fwd_args = (q, k, v, True, True, "fa2", 2.0, kernels.TIE_TOL, False, delta_fp32, 0, "p")
     torch.library.opcheck(kernels._flash_fwd, fwd_args)
     o, lse = kernels._flash_fwd(*fwd_args)
     torch.library.opcheck(kernels._flash_bwd, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False))
 
 
-@pytest.mark.parametrize("amplify", ["p", "vo"])
-def test_torch_compile_traces_through_the_op(amplify):
+@pytest.mark.parametrize("amplify, delta_fp32", [("p", False), ("vo", False), ("p", True)])
+def test_torch_compile_traces_through_the_op(amplify, delta_fp32):
     """train.py compiles the model: the custom ops' fake implementations must accept exactly what the ops do,
     or dynamo logs an error, breaks the graph and runs that part eagerly (at half the speed, silently)."""
     q, k, v = (rand((1, 2, 70, 32), seed=s).requires_grad_() for s in range(3))
     def f(q, k, v):
-        return kernels.flash_attention(q, k, v, fix=True, mantissa_bits=3, amplify=amplify)
+        return kernels.flash_attention(q, k, v, fix=True, mantissa_bits=3, amplify=amplify, delta_fp32=delta_fp32)
     torch._dynamo.reset()
     o = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
     o.float().square().sum().backward()

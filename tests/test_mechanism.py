@@ -76,7 +76,7 @@ def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys
     q, k, v, do = inputs(n_tied, seed, tie_gap, n_keys, copies)
     v = kernels.amplified_v(v, mantissa_bits, amplify)     # "vo": the float64 reference gets the rounded V too
     o, _ = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix, precision, 2.0,
-                              kernels.TIE_TOL, False, mantissa_bits, amplify)
+                              kernels.TIE_TOL, False, False, mantissa_bits, amplify)
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
         want = emulate.forward(q, k, v, False, fix, precision, 2.0, kernels.TIE_TOL, mantissa_bits, amplify)[0]

@@ -108,6 +108,31 @@ def test_diagnostics_columns_and_values():
     assert abs(fp32["delta_err_L1"]) < 1e-3
 
 
+def test_delta_options_reach_the_backward_only():
+    """delta_fp32 and delta_from_p change the gradients the model gets (in their last bits), never the loss."""
+    x, y = batch(2)
+    results = []
+    for option in ({}, dict(delta_fp32=True), dict(delta_from_p=True)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL, attn="emulate", **option))
+        with BF16:
+            _, loss = model(x, y)
+        loss.backward()
+        results.append((loss.item(), model.transformer.h[0].attn.c_attn.weight.grad))
+    (loss, grad), *others = results
+    for other_loss, other_grad in others:
+        assert other_loss == loss and not torch.equal(other_grad, grad)
+        assert torch.allclose(other_grad, grad, rtol=0.05, atol=1e-4)
+
+
+def test_kernel_options_need_our_kernel():
+    """--fix on with torch's SDPA would silently train without the fix: refuse it, naming the option."""
+    for option in (dict(fix=True), dict(delta_fp32=True), dict(mantissa_bits=3)):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}: only our kernel"):
+            GPT(GPTConfig(**SMALL, attn="sdpa", **option))
+    GPT(GPTConfig(**SMALL, attn="emulate", delta_fp32=True))   # fine
+
+
 def test_tie_rate_counts_near_ties_only():
     """Keys 0 and 1 equal and far above the rest: every row but the first (which sees only key 0) is tied."""
     T = 16

@@ -58,6 +58,13 @@ def test_smoke_run_learns_and_writes_its_folder(run):
                                                                      "step_0000060.pt"]
 
 
+def test_delta_fp32_flag_reaches_the_config(run):
+    run_dir = run("dfp32", "--attn", "emulate", "--delta-fp32", "--steps", "20")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["delta_fp32"] is True and config["delta_from_p"] is False
+    assert float(read_log(run_dir)[-1]["train_loss"]) < 4.0   # it trains
+
+
 def test_resume_reproduces_an_uninterrupted_run(run):
     whole = run("whole", "--steps", "40")
     part = run("part", "--steps", "30")

@@ -15,14 +15,14 @@
 # Call it three times back to back on one held nvidia-h200-x2, carry ["data"]: `bash results/commands/s9_chain.sh 9`,
 # again with 9, then 9.4 (each call's wall time is about MIN minutes). Each call resumes what is unfinished.
 . results/commands/chain_setup.sh "$@"
-[ -d /tmp/o32 ] || python results/commands/variants.py o32 /tmp/o32
 for n in 8 32; do
   mkdir -p data/ts$n; [ -f data/ts$n/input.txt ] || head -c $((1115394 / n)) data/tinyshakespeare/input.txt > data/ts$n/input.txt
   python -c "from nanolp.data import prepare; prepare('data/ts$n/input.txt')"   # once, before two runs share it
 done
 (
   export CUDA_VISIBLE_DEVICES=0
-  cd /tmp/o32 && python -m nanolp.sweep --out $R/runs/s9a --arm o32="--fix off" --seeds 0 1 --minutes $(left)
+  # session 9 ran o32 as a patched copy (variants.py o32, since removed); --delta-fp32 is the same computation
+  python -m nanolp.sweep --out runs/s9a --arm o32="--fix off --delta-fp32" --seeds 0 1 --minutes $(left)
 ) > $OUT/sweep_a.txt 2>&1 &
 (
   export CUDA_VISIBLE_DEVICES=1

@@ -1,4 +1,4 @@
-"""train.py with one of two experimental kernel variants that split delta's error into its two roundings.
+"""train.py with an experimental kernel variant that makes P's rounding 8x finer.
 
     python results/commands/variants.py p16 /tmp/p16     # a copy of the checkout with kernels.py patched
     (cd /tmp/p16 && python -m nanolp.sweep --out $PWD/runs/x --arm p16="--fix off --lr 3e-3" --seeds 0)
@@ -7,13 +7,10 @@ An experiment for issue 5 (session 8), not a feature. In "fa2", delta = rowsum(d
 rowsum(dP * P) by two roundings: P's, before P V, inside O; and O's final cast to bf16.
   p16: P (and V) go into P V as fp16 instead of bf16: P's rounding 8x finer, O's cast unchanged.
        (V's bf16 values are exact in fp16 from 2^-14 to 65504; smaller ones lose bits.)
-  o32: O is stored in fp32, so delta reads O before any cast; P's rounding unchanged. The model's next
-       matmul (c_proj, under autocast) casts O to bf16 as the kernel would have, so the forward is unchanged;
-       dO comes back in fp32 holding bf16 values and is cast back, exactly.
-If the plain bf16 collapse (fix off, lr 3e-3: step 30,909 in session 7) moves with one and not the other, that
-rounding is what fails it. Checked on the CPU (Triton's interpreter, patched for bf16; 2 x 2 heads x 130 x 64, q scaled 3x, gradients
-through an autocast linear as in model.py): p16 leaves O's cast-free error 8x smaller; o32 returns O in fp32
-with max error 6.5e-4 (bf16 O: 2.0e-3) and bf16 gradients with the same accuracy as the kernel's."""
+The other half, delta read from O before its cast with P's rounding unchanged, was the variant o32 here in
+sessions 8-9; it is `--delta-fp32` (kernels.flash_attention(delta_fp32=True)) since, the same computation.
+Checked on the CPU (Triton's interpreter, patched for bf16; 2 x 2 heads x 130 x 64, q scaled 3x, gradients
+through an autocast linear as in model.py): p16 leaves O's cast-free error 8x smaller."""
 import shutil
 import sys
 from pathlib import Path
@@ -22,16 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PATCHES = {
     "p16": [("acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)",
              "acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)")],
-    "o32": [("    o = empty_in_layout_of(q)\n",
-             "    o = torch.empty_like(empty_in_layout_of(q), dtype=torch.float32)\n"),
-            ("    return empty_in_layout_of(q), q.new_empty(",
-             "    return torch.empty_like(empty_in_layout_of(q), dtype=torch.float32), q.new_empty("),
-            ("        do = torch.empty_like(o).copy_(do)\n",
-             "        do = torch.empty_like(o).copy_(do)\n    do = do.to(q.dtype)\n"),
-            ("    dq, dk, dv = (torch.empty_like(o) for _ in range(3))",
-             "    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))"),
-            ("    return tuple(torch.empty_like(o) for _ in range(3))",
-             "    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))")],
 }
 
 
@@ -41,8 +28,8 @@ def patched_kernels(name):
         assert src.count(old) == 1, f"kernels.py changed: update variant {name} ({old.strip()[:40]}...)"
         src = src.replace(old, new)
     # The ops get their own namespace: torch.compile's caches key a graph by the ops it calls, not by their fake
-    # (shape and dtype) functions, so under the shared name o32 reused a graph compiled for a bf16 O and failed
-    # (session 8: "mat1 and mat2 must have the same dtype" in c_proj).
+    # (shape and dtype) functions, so under a shared name a variant with an fp32 O reused a graph compiled for a
+    # bf16 O and failed (session 8: "mat1 and mat2 must have the same dtype" in c_proj).
     assert src.count('"nanolp::') == 2, "kernels.py changed: update the namespace rename"
     return src.replace('"nanolp::', f'"nanolp_{name}::')
 
