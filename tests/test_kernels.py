@@ -94,7 +94,7 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
 @pytest.mark.parametrize("amplify", ["p", "vo"])
 def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     """The amplifier (P rounded to 3 mantissa bits before P V, as in FP8 e4m3 attention; or O before its store)
-    is emulated exactly."""
+    is emulated exactly, and so is the fp32 O that delta_fp32 keeps (rounded to O_BITS with "vo", not cast)."""
     q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 9, :]
     o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, False, 3, amplify)
@@ -102,6 +102,8 @@ def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
     o_bf16, _, _ = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
     assert not torch.equal(o, o_bf16), "the amplifier must change the result"
+    o32, _ = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, True, 3, amplify)
+    assert torch.equal(o32, emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3, amplify)[1])
 
 
 # -------------------------------------------------------------------------------------------------------
