@@ -16,7 +16,7 @@
   export CUDA_VISIBLE_DEVICES=0
   if [ ! -d runs/s10a ]; then
     timeout 150 python -m pytest -q tests/test_kernels.py -k "delta or opcheck or compile" > $OUT/gpu_tests.txt 2>&1
-    timeout 150 python -m nanolp.bench --seqs 1024 4096 16384 --out $OUT/bench_s10.csv > $OUT/bench.txt 2>&1
+    timeout 200 python -m nanolp.bench --seqs 1024 4096 16384 --out $OUT/bench_s10.csv > $OUT/bench.txt 2>&1
   fi
   python -m nanolp.sweep --out runs/s10a --arm flash="--attn sdpa-flash" --seeds 0 1 --minutes $(left)
 ) > $OUT/sweep_a.txt 2>&1 &
