@@ -241,6 +241,11 @@ def fmt(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
+def delta_source(run):
+    """What the backward's delta read: the forward's O, P (delta_from_p) or an fp32 copy of O (delta_fp32)."""
+    return "P" if flag(run, "delta_from_p") else "fp32 O" if flag(run, "delta_fp32") else "O"
+
+
 def run_table(runs):
     lines = ["| run | fix | backend | precision | amplifier | delta from | seed | collapsed | final val loss "
              "| tokens/s |",
@@ -256,7 +261,7 @@ def run_table(runs):
         known = bool(run.config or run.summary)  # a run in progress may have neither file yet
         cells = [f"`{run.name}`", fix_word(run) if known else None, run.setting("attn"),
                  run.setting("precision"), (amplifier(run) or "-") if known else None,
-                 ("P" if flag(run, "delta_from_p") else "fp32 O" if flag(run, "delta_fp32") else "O") if known else None,
+                 delta_source(run) if known else None,
                  run.setting("seed"), collapsed, fmt(run.final_val_loss, ".4f"),
                  fmt(run.tokens_per_s, ",.0f")]
         lines.append("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")

@@ -206,7 +206,8 @@ def _fwd_kernel(Q, K, V, O, LSE,
 #     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
 # The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real arithmetic
 # (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's rounded O,
-# and every rounding that went into it, never reaches the gradient.
+# and every rounding that went into it, never reaches the gradient. With delta_fp32 the O read here is the
+# forward's fp32 O, before its final cast: P's rounding reaches the gradient, the cast's does not.
 
 @triton.jit
 def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
@@ -448,7 +449,8 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 @_flash_fwd.register_fake
 def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify):
-    return empty_in_layout_of(q, torch.float32 if delta_fp32 else None), q.new_empty(q.shape[:3], dtype=torch.float32)
+    o = empty_in_layout_of(q, torch.float32 if delta_fp32 else None)
+    return o, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _bwd_launch(q, k, v, o, causal, precision):
@@ -537,9 +539,10 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         final cast to bf16 that delta = rowsum(dO * O) carries (delta_fp32 cured it too).
     delta_fp32: the paper's localisation experiment, and the cheaper remedy: the forward keeps O in fp32 for the
         backward and returns it cast to q's dtype (the same O as without it), so delta = rowsum(dO * O) reads O
-        before its final rounding; P's rounding inside O stays. Costs an fp32 O in memory (saved for the backward) and one
-        cast, no extra pass. In our small GPTs the error of that final cast is what fails plain bf16 training
-        (README.md, results/research.md session 9): with it the default run trained on past its collapse.
+        before its final rounding; P's rounding inside O stays. Costs an fp32 O in memory (saved for the
+        backward) and one cast, no extra pass. In our small GPTs the error of that final cast is what fails
+        plain bf16 training (README.md, results/research.md session 9): with it the default run trained on past
+        its collapse.
     mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
         mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
         The fix's tol and shift range widen to match (fix_constants).

@@ -30,7 +30,7 @@ import torch
 from model import causal_scores
 from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # TIE_TOL: exp(-x) rounds to 1.0 in bf16 below it
 
-SHARP_EPS = 1e-3  # snap_cpu.py: below it, delta's error from O's cast tracks the dominant logit's gradient (corr +1.000)
+SHARP_EPS = 1e-3  # snap_cpu.py: below it, delta's error from O's cast copies the dominant logit's gradient
 
 
 def diag_columns(n_layer, n_head):

@@ -3,8 +3,9 @@
 Colour says what kind of attention a run used, the same in every figure: our flash attention
 with the fix off is red, with the fix on blue, torch SDPA grey. The mechanism controls are green:
 fp32 attention in pure greens, delta = rowsum(dP * P) instead of rowsum(dO * O) (delta_from_p, the
-paper's control) in olive greens, delta from an fp32 copy of O (delta_fp32) in purples. Shades within a colour separate variants (precision "fa2" / "paper", the
-amplifier's mantissa_bits); line style is the seed, and also cycles once a family runs out of shades.
+paper's control) in olive greens, delta from an fp32 copy of O (delta_fp32) in purples. Shades within a colour
+separate variants (precision "fa2" / "paper", the amplifier's mantissa_bits); line style is the seed, and also
+cycles once a family runs out of shades.
 A config key missing from an older run reads as 0 / False.
 """
 
