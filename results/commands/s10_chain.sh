@@ -2,7 +2,7 @@
 # Plan for session 10 (not yet run): the first installment of issue 7's seed study at the default. Session 9
 # closed issue 5: plain bf16 at lr 1e-3 collapses (2 of 2 seeds, 94,798 and 110,503 steps), the issue's control
 # o32 cures it (2 of 2, 123,000+ steps), the paper's fix does not (2 of 2 collapse). Runs cannot cross sessions,
-# and two side by side reach ~148,000 steps each in a session, so each GPU carries two seeds:
+# and two side by side reach ~145,000 steps each in a session, so each GPU carries two seeds:
 #   GPU 0: torch SDPA with the flash backend forced, seeds 0 and 1 (never run past 7,800 steps; does torch's own
 #          flash kernel, which also casts O to bf16, collapse too?)
 #   GPU 1: our kernel, fix off, seeds 2 and 3 (the rate).
