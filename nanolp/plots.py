@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # figures go to files; never needs a display
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 PALETTE = {
     "fix off": ["tab:red", "darkred", "lightcoral", "orangered", "firebrick", "salmon"],
@@ -158,6 +159,7 @@ def plot_grid(runs, styles, panels, title, ylabel, path, transform=None):
             if not plotted:
                 ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             auto_log_scale(ax, plotted)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # six-digit step labels overlap in a narrow panel
             ax.set_title(column, fontsize=9)
             ax.grid(alpha=0.3)
         for ax in row_axes[len(row):]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import analyze
-from nanolp import mechanism
+from nanolp import mechanism, plots
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, label, run_styles
 from nanolp.runs import Run, load_run
@@ -240,6 +240,20 @@ def test_twin_runs_over_two_seeds_all_look_different(tmp_path):
     runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
     looks = {(s["color"], s["linestyle"]) for s in run_styles(runs).values()}
     assert len(looks) == 4
+
+
+def test_grid_panels_keep_step_labels_apart(tmp_path, monkeypatch):
+    """Runs 120,000 steps long in a narrow panel: at most 5 step labels, so six-digit numbers do not run together."""
+    rng = np.random.default_rng(0)
+    write_run(tmp_path, "long", "off", "kernel", 0, False, rng)
+    run = load_run(tmp_path / "long")
+    run.log["step"] = run.log["step"] * 300  # 0 .. 117,000
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig))
+    plots.plot_grid([run], run_styles([run]), [["sn_q_L0", "sn_q_L1"]], "t", "y", tmp_path / "g.png")
+    for ax in figures[0].axes:
+        lo, hi = ax.get_xlim()
+        assert 2 <= sum(lo <= t <= hi for t in ax.get_xticks()) <= 5
 
 
 def test_mechanism_worked_example():

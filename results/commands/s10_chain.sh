@@ -1,5 +1,5 @@
 #!/bin/bash
-# Plan for session 10 (not yet run): the first installment of issue 7's seed study at the default. Session 9
+# Session 10 (run as planned; results in results/research.md, session 10): the first installment of issue 7's seed study at the default. Session 9
 # closed issue 5: plain bf16 at lr 1e-3 collapses (2 of 2 seeds, 94,798 and 110,503 steps), the issue's control
 # o32 cures it (2 of 2, 123,000+ steps), the paper's fix does not (2 of 2 collapse). Runs cannot cross sessions,
 # and two side by side reach ~145,000 steps each in a session, so each GPU carries two seeds:
