@@ -223,6 +223,35 @@ def test_gradients_autocast_large_logits(precision):
         check_against_float64(q, k, v, True, precision, fix, autocast=True)
 
 
+
+@pytest.mark.parametrize("logit", [1e6, 1e9])
+def test_runaway_logits_stay_finite_and_exact(logit):
+    """Logits as large as the collapsing runs reach (layer 0 at 1e6-1e9 before the loss goes non-finite): every row
+    is one-hot, so O is the top key's V and the exact gradients of Q and K are ~0. The kernel gives that, with and
+    without the fix, and no inf or NaN even where rows hold exactly tied maxima (key 5 copied, value included, to
+    key 9): a non-finite loss at those logits is not the kernel overflowing.
+    Tied rows are finite but not exact there, so they are checked for finiteness only: lse = m + log2(l) is fp32,
+    whose spacing passes 1 at 2^24 (logits ~1.2e7), so at 1e9 a tie's log2(2) is lost and the backward recomputes
+    P = 1 for both keys instead of 1/2 (their dV 1.8-2.0x the exact one at 1e8 and 1e9, exact at 1e6 and 1e7); and
+    with the fix P_max < 1 is rounded to bf16, so O carries that rounding (~2^-9) where P = 1 would carry none."""
+    q, k, v = (rand((1, 2, 128, 64), seed=40 + i) for i in range(3))
+    q = (q.float() * (logit / (q.float() @ k.float().transpose(-1, -2) / 8).amax())).to(torch.bfloat16)
+    tied_k, tied_v = k.clone(), v.clone()
+    tied_k[:, :, 9], tied_v[:, :, 9] = k[:, :, 5], v[:, :, 5]  # rows >= 9 that pick key 5 see it twice
+    do = rand(q.shape, seed=43)
+    ref, ref_inputs = reference(q, k, v, True)
+    ref.backward(do.double())
+    for fix in (False, True):
+        for keys, values, exact in ((k, v, True), (tied_k, tied_v, False)):
+            inputs = [t.clone().requires_grad_() for t in (q, keys, values)]
+            o = kernels.flash_attention(*inputs, causal=True, fix=fix)
+            o.backward(do)
+            for name, a, r in zip(("O", "dQ", "dK", "dV"), [o] + [t.grad for t in inputs],
+                                  [ref] + [t.grad for t in ref_inputs]):
+                assert torch.isfinite(a).all(), f"{name} not finite (fix={fix}, tied={not exact})"
+                if exact:
+                    assert (a.double() - r).abs().max() <= 1e-2 * r.abs().max() + 1e-30, f"{name} (fix={fix})"
+
 def test_emulation_gradients_against_float64():
     q, k, v = (rand((2, 2, 70, 32)) for _ in range(3))
     for precision in ("fa2", "paper"):
