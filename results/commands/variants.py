@@ -1,9 +1,14 @@
-"""train.py with an experimental kernel variant that makes P's rounding 8x finer.
+"""train.py with an experimental kernel variant: P's rounding 8x finer (p16), or an fp64 lse (lse64).
 
     python results/commands/variants.py p16 /tmp/p16     # a copy of the checkout with kernels.py patched
     (cd /tmp/p16 && python -m nanolp.sweep --out $PWD/runs/x --arm p16="--fix off --lr 3e-3" --seeds 0)
 
-An experiment for issue 5 (session 8), not a feature. In "fa2", delta = rowsum(dO * O) differs from the exact
+Experiments, not features. lse64 (session 10, for session 11): the forward stores lse = m + log2(l) in fp64 and
+the backward computes S - lse in fp64 before exp2, so that past logits of ~1.2e7, where fp32 drops a tie's
+log2(l) and the backward recomputes P = 1 for each tied key, P stays exact ("fa2" only;
+`python results/commands/lse64_cpu.py`, results/lse64_cpu_s10.txt). The question: does the default's final loss
+blow-up, which always came after the max logit passed 1e8, need that limit?
+p16 (issue 5, session 8): in "fa2", delta = rowsum(dO * O) differs from the exact
 rowsum(dP * P) by two roundings: P's, before P V, inside O; and O's final cast to bf16.
   p16: P (and V) go into P V as fp16 instead of bf16: P's rounding 8x finer, O's cast unchanged.
        (V's bf16 values are exact in fp16 from 2^-14 to 65504; smaller ones lose bits.)
@@ -19,6 +24,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PATCHES = {
     "p16": [("acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)",
              "acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)")],
+    "lse64": [("lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))",
+               "lse = m_i.to(tl.float64) + (tl.log(l_i) if PAPER else tl.math.log2(l_i)).to(tl.float64)"),
+              ("    return tl.math.exp2(s - lse[:, None])",
+               "    return tl.math.exp2((s.to(tl.float64) - lse[:, None]).to(tl.float32))"),
+              ("lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)",
+               "lse = torch.empty((B, H, N), dtype=torch.float64, device=q.device)"),
+              ("return o, q.new_empty(q.shape[:3], dtype=torch.float32)",
+               "return o, q.new_empty(q.shape[:3], dtype=torch.float64)"),
+              ("delta = torch.empty_like(lse)", "delta = torch.empty_like(lse, dtype=torch.float32)")],
 }
 
 
