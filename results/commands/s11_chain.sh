@@ -8,7 +8,7 @@
 #   GPU 1: does the loss blow-up need the fp32 lse? Every collapse came after the max logit passed 1e8, where the
 #          kernel's fp32 lse loses a tie's log2(l) (research.md, session 10, point 5); torch flash stopped at 3.2e7
 #          without one. lse64 (results/commands/variants.py: lse in fp64, the backward's S - lse in fp64; checked on
-#          the CPU, results/lse64_cpu_s10.txt), fix off, seeds 2 and 3 (plain: collapsed at 70,391 and 64,890).
+#          the CPU, results/variants_cpu_s10.txt), fix off, seeds 2 and 3 (plain: collapsed at 70,391 and 64,890).
 #          A 300-step smoke run of it comes first; if it fails (fp64 in a compiled kernel is new here), GPU 1 runs
 #          the fix on, seeds 2 and 3, instead, and lse64_smoke.txt says why.
 # Call it three times back to back on one held nvidia-h200-x2, carry ["data"]: `bash results/commands/s11_chain.sh 9`,

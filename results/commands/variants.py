@@ -1,4 +1,4 @@
-"""train.py with an experimental kernel variant: P's rounding 8x finer (p16), or an fp64 lse (lse64).
+"""train.py with an experimental kernel variant: P 8x finer (p16), an fp64 lse (lse64), or o32 in some rows.
 
     python results/commands/variants.py p16 /tmp/p16     # a copy of the checkout with kernels.py patched
     (cd /tmp/p16 && python -m nanolp.sweep --out $PWD/runs/x --arm p16="--fix off --lr 3e-3" --seeds 0)
@@ -6,8 +6,12 @@
 Experiments, not features. lse64 (session 10, for session 11): the forward stores lse = m + log2(l) in fp64 and
 the backward computes S - lse in fp64 before exp2, so that past logits of ~1.2e7, where fp32 drops a tie's
 log2(l) and the backward recomputes P = 1 for each tied key, P stays exact ("fa2" only;
-`python results/commands/lse64_cpu.py`, results/lse64_cpu_s10.txt). The question: does the default's final loss
-blow-up, which always came after the max logit passed 1e8, need that limit?
+`python results/commands/variants_cpu.py`, results/variants_cpu_s10.txt). The question: does the default's final
+loss blow-up, which always came after the max logit passed 1e8, need that limit?
+o32-notsharp and o32-sharponly (session 10, run with `--fix off --delta-fp32`): delta reads the fp32 O only in
+rows that are not sharp (largest P at most 1 - 1e-3), or only in sharp rows, and the bf16 O elsewhere; the
+forward's O is unchanged (checked bit for bit, same script). The question: o32 cures the default; in which rows
+does the error it removes start the growth? Session 10 found sharp rows only after the take-off.
 p16 (issue 5, session 8): in "fa2", delta = rowsum(dO * O) differs from the exact
 rowsum(dP * P) by two roundings: P's, before P V, inside O; and O's final cast to bf16.
   p16: P (and V) go into P V as fp16 instead of bf16: P's rounding 8x finer, O's cast unchanged.
@@ -34,6 +38,12 @@ PATCHES = {
                "return o, q.new_empty(q.shape[:3], dtype=torch.float64)"),
               ("delta = torch.empty_like(lse)", "delta = torch.empty_like(lse, dtype=torch.float32)")],
 }
+# o32 split by row (run with --delta-fp32 --fix off): delta reads the fp32 O in some rows and the bf16 O in the
+# others; a row is sharp when its largest P = 1/l (fix off, "fa2") exceeds 1 - 1e-3, as in diagnostics' sharp_rate.
+STORE_O = "    o = _round_bits(acc / l_i[:, None], O_BITS)\n"
+for name, bf16_rows in (("o32-notsharp", "l_i * (1 - 1e-3) < 1"), ("o32-sharponly", "l_i * (1 - 1e-3) >= 1")):
+    PATCHES[name] = [(STORE_O, STORE_O + f"    o = tl.where(({bf16_rows})[:, None], o.to(q.dtype).to(tl.float32), o)"
+                               "  # variant: delta reads the bf16 O in these rows\n")]
 
 
 def patched_kernels(name):
@@ -45,7 +55,7 @@ def patched_kernels(name):
     # (shape and dtype) functions, so under a shared name a variant with an fp32 O reused a graph compiled for a
     # bf16 O and failed (session 8: "mat1 and mat2 must have the same dtype" in c_proj).
     assert src.count('"nanolp::') == 2, "kernels.py changed: update the namespace rename"
-    return src.replace('"nanolp::', f'"nanolp_{name}::')
+    return src.replace('"nanolp::', f'"nanolp_{name.replace("-", "_")}::')
 
 
 if __name__ == "__main__":
