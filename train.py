@@ -43,8 +43,7 @@ from nanolp.diagnostics import diag_columns, diagnose
 
 COMMON = dict(
     fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, mantissa_bits=0, amplify="p",
-    pos="learned",
-    seed=0,
+    pos="learned", seed=0,
     lr=1e-3, warmup=100, schedule="constant", beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
     steps=5000, minutes=None, dtype="bf16",
     log_interval=10, eval_interval=250, eval_iters=20, diag_interval=250, ckpt_interval=250,
