@@ -312,10 +312,11 @@ def val_loss_vs(group, reference):
     curves = [(run, run.series("val_loss")) for run in group + reference]
     if any(curve is None for _, curve in curves):
         return None, None
-    step = min(curve[0][-1] for _, curve in curves)
-    at_step = {run.path: curve[1][curve[0] == step] for run, curve in curves}
-    if any(len(v) == 0 for v in at_step.values()):
+    common = set.intersection(*(set(curve[0].tolist()) for _, curve in curves))
+    if not common:
         return None, None
+    step = max(common)  # a run's final evaluation falls between the others' regular ones
+    at_step = {run.path: curve[1][curve[0] == step] for run, curve in curves}
     ratio = median([float(at_step[r.path][0]) for r in group]) / median([float(at_step[r.path][0]) for r in reference])
     return int(step), ratio
 

@@ -165,6 +165,9 @@ def test_val_loss_against_fp32_at_the_same_step(tmp_path):
     odd = Run(tmp_path / "odd", dict(attn="fp32", seed=0), {}, {"step": np.array([150.0, 450.0]),
                                                                  "val_loss": np.array([2.0, 2.0])})
     assert analyze.val_loss_vs(on, [odd]) == (None, None)  # no step that every run logged
+    short = Run(tmp_path / "short", dict(attn="fp32", seed=0), {}, {"step": np.array([100.0, 200.0, 250.0]),
+                                                                     "val_loss": np.array([2.0, 2.5, 2.0])})
+    assert analyze.val_loss_vs(on, [short]) == (200, pytest.approx(3.0 / 2.5))  # its final step 250 is its own
     rows = analyze.arm_rates(on + fp32)
     assert [(r["arm"], r["val_step"]) for r in rows] == [("on-a", 300), ("on-b", 400), ("fp32-a", 500)]
     assert rows[2]["val_loss_vs_fp32"] == pytest.approx(1.0)

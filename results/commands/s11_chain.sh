@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11 (run as below): the second installment of issue 7's seed study at the default. Only one-GPU machines
+# Session 11 (run as below; results in results/research.md, session 11): the second installment of issue 7's seed study at the default. Only one-GPU machines
 # were lent this session, so the planned fp32 arm (seeds 0-1) waits and the one GPU answers the sharper question.
 # After session 10: fix off 4 of 4 seeds collapsed (64,890-110,503 steps), fix on 2 of 2, o32 0 of 2, delta from P
 # 0 of 1; torch SDPA flash 0 of 2 by the loss, but its layer-0 logits ran away like ours (1.4e6 and 3.2e7).
@@ -11,7 +11,12 @@
 #   fix on, seeds 2 and 3, instead, and lse64_smoke.txt says why. Beside the smoke run, 300 steps of fp32 reference
 #   attention (`--attn fp32`) measure its speed under CUDA graphs for planning (fp32_smoke.txt).
 # Call it three times back to back on one held nvidia-h200, carry ["data"]: `bash results/commands/s11_chain.sh 9`,
-# again with 9, then 9.4. Each call resumes what is unfinished.
+# again with 9, then 9.4. Each call resumes what is unfinished. (Run: 9, 9, then 9.3, which found both runs done
+# in 9 s; the remaining ~9 device-minutes went to fp32 reference attention, seed 0, alone, with this command:
+#   . results/commands/chain_setup.sh 8.7; python -m nanolp.sweep --out runs/s11c --arm fp32="--attn fp32" \
+#     --seeds 0 --minutes $(left) > $OUT/sweep_c.txt 2>&1; python -m nanolp.sweep --collect runs/s11c \
+#     --csv $OUT/s11c.csv; tar czf $OUT/logs_c.tgz --exclude=ckpt runs/s11c runs/code.sha256
+# results/seeds.csv calls it s11c4.)
 . results/commands/chain_setup.sh "$@"
 [ -d /tmp/lse64 ] || python results/commands/variants.py lse64 /tmp/lse64
 if [ ! -f runs/s11.arm ]; then   # the first call decides the session's arm
