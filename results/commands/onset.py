@@ -1,15 +1,25 @@
 """When does layer 0 take off, and how common are tied and sharp rows in layer 0 before it? (session 10, point 3)
+Which of its heads runs away, and what did that head look like before? (--heads; session 12, point 4)
 
     python results/commands/onset.py RUN_DIR [RUN_DIR ...]
+    python results/commands/onset.py --heads RUN_DIR [RUN_DIR ...]
 
 Per run, from log.csv: layer 0's max logit at step 10,000 (the base), the first logged step where it exceeds
 twice the base and 100, the sharp rate (rows whose largest P exceeds 1 - 1e-3) up to the doubling, the first step
 where the sharp rate passes 1% and the logit then, and the tie rate's range over steps 5,000-30,000.
+
+With --heads, per run that logs per-head W_Q norms (sessions 9 on): at the first step where layer 0's max logit
+passes 100 (its take-off), the head whose W_Q spectral norm has grown the most over its value at step 20,000
+(the lead head); in runs that never take off, the head that grew the most over the whole run. Then, at step
+20,000, before any run took off, that head's norm and its rank among layer 0's six heads (1 = largest), and its
+tie rate (rows whose top two scores are within tol), mean over steps 2,000-25,000, with that rate's rank.
 """
 
 import csv
 import sys
 from pathlib import Path
+
+HEADS = 6  # of layer 0, in the default model
 
 
 def onset(run):
@@ -30,6 +40,29 @@ def onset(run):
             f"tie rate 5k-30k {min(ties):.4f}-{max(ties):.4f}")
 
 
+def heads(run):
+    rows = [r for r in csv.DictReader(open(Path(run) / "log.csv")) if r.get("sn_q_L0_H0")]
+    if not rows:
+        return f"{Path(run).name:9s} no per-head diagnostics"
+    norm = lambda r, h: float(r[f"sn_q_L0_H{h}"])
+    at20k = next(r for r in rows if int(r["step"]) == 20000)
+    takeoff = next((r for r in rows if float(r["max_logit_L0"]) > 100), None)
+    until = [takeoff] if takeoff else rows
+    growth = [max(norm(r, h) for r in until) / norm(at20k, h) for h in range(HEADS)]
+    lead = max(range(HEADS), key=lambda h: growth[h])
+    when = f"at take-off (step {int(takeoff['step']):,})" if takeoff else "no take-off, whole run"
+    early = [r for r in rows if 2000 <= int(r["step"]) <= 25000]
+    tie = [sum(float(r[f"tie_rate_L0_H{h}"]) for r in early) / len(early) for h in range(HEADS)]
+    rank = lambda values, h: sorted(values, reverse=True).index(values[h]) + 1
+    norms = [norm(at20k, h) for h in range(HEADS)]
+    return (f"{Path(run).name:9s} {when}: lead head {lead}, W_Q norm x{growth[lead]:.1f} over step 20,000 "
+            f"(the other heads x{min(g for h, g in enumerate(growth) if h != lead):.1f}-"
+            f"{max(g for h, g in enumerate(growth) if h != lead):.1f}); at 20,000 its norm {norms[lead]:.1f}, "
+            f"rank {rank(norms, lead)} (largest {max(norms):.1f}); tie rate 2k-25k {tie[lead]:.4f}, "
+            f"rank {rank(tie, lead)} (largest {max(tie):.4f})")
+
+
 if __name__ == "__main__":
-    for run in sys.argv[1:]:
-        print(onset(run))
+    report = heads if sys.argv[1:2] == ["--heads"] else onset
+    for run in sys.argv[1 + (report is heads):]:
+        print(report(run))
