@@ -19,12 +19,4 @@
 JOBS=("off|--fix off|4 5" "fp32|--attn fp32|1 2" "on|--fix on|2 3" "sdpa|--attn sdpa|0 1"
       "paper|--precision paper --fix off|0 1" "off|--fix off|6 7" "flash|--attn sdpa-flash|2 3"
       "o32|--fix off --delta-fp32|2 3")
-GPUS=$(nvidia-smi -L | wc -l)
-for ((i = 0; i < GPUS && i < ${#JOBS[@]}; i++)); do
-  IFS='|' read -r arm flags seeds <<< "${JOBS[$i]}"
-  CUDA_VISIBLE_DEVICES=$i python -m nanolp.sweep --out runs/s12-$i --arm "$arm=$flags" --seeds $seeds \
-    --minutes $(left) > $OUT/sweep_$i.txt 2>&1 &
-done
-wait
-python -m nanolp.sweep --collect runs/s12-* --csv $OUT/s12.csv
-tar czf $OUT/logs.tgz --exclude=ckpt runs
+run_jobs s12

@@ -23,12 +23,4 @@ PY
 JOBS=("off|--fix off|6 7" "paper|--precision paper --fix off|0 1" "sdpa|--attn sdpa|0 1"
       "flash|--attn sdpa-flash|2 3" "fp32|--attn fp32|3 4" "on|--fix on|2 3" "sdpa|--attn sdpa|2 3"
       "paper|--precision paper --fix off|2 3")
-GPUS=$(nvidia-smi -L | wc -l)
-for ((i = 0; i < GPUS && i < ${#JOBS[@]}; i++)); do
-  IFS='|' read -r arm flags seeds <<< "${JOBS[$i]}"
-  CUDA_VISIBLE_DEVICES=$i python -m nanolp.sweep --out runs/s13-$i --arm "$arm=$flags" --seeds $seeds \
-    --minutes $(left) > $OUT/sweep_$i.txt 2>&1 &
-done
-wait
-python -m nanolp.sweep --collect runs/s13-* --csv $OUT/s13.csv
-tar czf $OUT/logs.tgz --exclude=ckpt runs
+run_jobs s13
