@@ -9,10 +9,12 @@ twice the base and 100, the sharp rate (rows whose largest P exceeds 1 - 1e-3) u
 where the sharp rate passes 1% and the logit then, and the tie rate's range over steps 5,000-30,000.
 
 With --heads, per run that logs per-head W_Q norms (sessions 9 on): at the first step where layer 0's max logit
-passes 100 (its take-off), the head whose W_Q spectral norm has grown the most over its value at step 20,000
-(the lead head); in runs that never take off, the head that grew the most over the whole run. Then, at step
-20,000, before any run took off, that head's norm and its rank among layer 0's six heads (1 = largest), and its
-tie rate (rows whose top two scores are within tol), mean over steps 2,000-25,000, with that rate's rank.
+passes 100 (its take-off), the head whose W_Q spectral norm has grown the most over its value at the reference step
+(the lead head); in runs that never take off, the head that grew the most over the whole run. The reference step is
+20,000, or half the take-off step (of the run's length, without one) where that is before step 20,000 (the "paper"
+mode takes off by step 12,000). At the reference step, that head's norm and its rank among layer 0's six heads (1 =
+largest), and its tie rate (rows whose top two scores are within tol), mean over steps 2,000 to the reference +
+5,000, with that rate's rank.
 """
 
 import csv
@@ -45,20 +47,22 @@ def heads(run):
     if not rows:
         return f"{Path(run).name:9s} no per-head diagnostics"
     norm = lambda r, h: float(r[f"sn_q_L0_H{h}"])
-    at20k = next(r for r in rows if int(r["step"]) == 20000)
     takeoff = next((r for r in rows if float(r["max_logit_L0"]) > 100), None)
+    end = int((takeoff or rows[-1])["step"])
+    ref = 20000 if end > 20000 else end // 2000 * 1000
+    at_ref = next(r for r in rows if int(r["step"]) == ref)
     until = [takeoff] if takeoff else rows
-    growth = [max(norm(r, h) for r in until) / norm(at20k, h) for h in range(HEADS)]
+    growth = [max(norm(r, h) for r in until) / norm(at_ref, h) for h in range(HEADS)]
     lead = max(range(HEADS), key=lambda h: growth[h])
     when = f"at take-off (step {int(takeoff['step']):,})" if takeoff else "no take-off, whole run"
-    early = [r for r in rows if 2000 <= int(r["step"]) <= 25000]
+    early = [r for r in rows if 2000 <= int(r["step"]) <= ref + 5000]
     tie = [sum(float(r[f"tie_rate_L0_H{h}"]) for r in early) / len(early) for h in range(HEADS)]
     rank = lambda values, h: sorted(values, reverse=True).index(values[h]) + 1
-    norms = [norm(at20k, h) for h in range(HEADS)]
-    return (f"{Path(run).name:9s} {when}: lead head {lead}, W_Q norm x{growth[lead]:.1f} over step 20,000 "
+    norms = [norm(at_ref, h) for h in range(HEADS)]
+    return (f"{Path(run).name:9s} {when}: lead head {lead}, W_Q norm x{growth[lead]:.1f} over step {ref:,} "
             f"(the other heads x{min(g for h, g in enumerate(growth) if h != lead):.1f}-"
-            f"{max(g for h, g in enumerate(growth) if h != lead):.1f}); at 20,000 its norm {norms[lead]:.1f}, "
-            f"rank {rank(norms, lead)} (largest {max(norms):.1f}); tie rate 2k-25k {tie[lead]:.4f}, "
+            f"{max(g for h, g in enumerate(growth) if h != lead):.1f}); at {ref:,} its norm {norms[lead]:.1f}, "
+            f"rank {rank(norms, lead)} (largest {max(norms):.1f}); tie rate 2k-{(ref + 5000) // 1000}k {tie[lead]:.4f}, "
             f"rank {rank(tie, lead)} (largest {max(tie):.4f})")
 
 

@@ -1,8 +1,9 @@
 #!/bin/bash
-# Plan for session 13 (not yet run): the fourth installment of issue 7's seed study at the default. After session
-# 12: fix off 6 of 6 seeds collapsed (64,890-141,554 steps), lse64 2 of 2, fix on 2 of 2; fp32 reference
-# attention 0 of 3 (61,191-91,457 steps, layer 0 at most 1.65x its step-10,000 value), o32 0 of 2, delta from P
-# 0 of 1; torch SDPA flash 0 of 2 by the loss, its layer-0 logits running away like ours.
+# Session 13, as run (9, 9 and 9.3 minutes on nvidia-h200-x2: jobs 1 and 2 ran; research.md, session 13): the
+# fourth installment of issue 7's seed study at the default. After session 12: fix off 6 of 6 seeds collapsed
+# (64,890-141,554 steps), lse64 2 of 2, fix on 2 of 2; fp32 reference attention 0 of 3 (61,191-91,457 steps, layer
+# 0 at most 1.65x its step-10,000 value), o32 0 of 2, delta from P 0 of 1; torch SDPA flash 0 of 2 by the loss, its
+# layer-0 logits running away like ours.
 # Jobs in order of priority, one per GPU, two seeds side by side on each (two to a GPU reach ~90,000-145,000
 # steps each in three calls): with one GPU only the first runs, with two the first two, and so on (device time is
 # counted per machine, not per GPU, so take the largest kind `status` lists).
