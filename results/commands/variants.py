@@ -1,4 +1,5 @@
-"""train.py with an experimental kernel variant: P 8x finer (p16), an fp64 lse (lse64), or o32 in some rows.
+"""train.py with an experimental kernel variant: P 8x finer (p16), an fp64 lse (lse64), o32 in some rows, or the
+"paper" mode with one group of roundings in fp32 (paper-s32, paper-sm32, paper-acc32; see PATCHES).
 
     python results/commands/variants.py p16 /tmp/p16     # a copy of the checkout with kernels.py patched
     (cd /tmp/p16 && python -m nanolp.sweep --out $PWD/runs/x --arm p16="--fix off --lr 3e-3" --seeds 0)
@@ -38,6 +39,22 @@ PATCHES = {
                "return o, q.new_empty(q.shape[:3], dtype=torch.float64)"),
               ("delta = torch.empty_like(lse)", "delta = torch.empty_like(lse, dtype=torch.float32)")],
 }
+# The "paper" precision mode with one group of its rounding points taken back to fp32 (session 13, for session 14;
+# run with --precision paper --fix off). The paper mode's layer 0 takes off by step 12,000 through delta (delta from
+# P stops it, the fix does not); which of its roundings makes O's error grow it that much sooner than "fa2"?
+#   paper-s32: scores S = Q K^T * scale kept in fp32 (forward and backward; session 4's question)
+#   paper-sm32: S - m' in fp32 before exp (in bf16 its rounding moves P by up to ~3% at S - m' ~ -10, and the
+#               backward's P = exp(S - lse) never sees it)
+#   paper-acc32: P V and the accumulator in fp32 (P, l and m still rounded as in the paper mode)
+PATCHES.update({
+    "paper-s32": [("s = s.to(q.dtype).to(tl.float32)", "s = s  # variant: scores kept in fp32"),
+                  ("(s * qk_scale).to(q.dtype).to(tl.float32)", "s * qk_scale")],
+    "paper-sm32": [("p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))",
+                    "p = tl.exp(s - m_new[:, None])  # variant: S - m' in fp32")],
+    "paper-acc32": [("pv = tl.dot(p, v).to(q.dtype).to(tl.float32)", "pv = tl.dot(p, v)  # variant: fp32"),
+                    ("acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)", "acc = acc * alpha[:, None]"),
+                    ("acc = (acc + pv).to(q.dtype).to(tl.float32)", "acc = acc + pv")],
+})
 # o32 split by row (run with --delta-fp32 --fix off): delta reads the fp32 O in some rows and the bf16 O in the
 # others; a row is sharp when its largest P = 1/l (fix off, "fa2") exceeds 1 - 1e-3, as in diagnostics' sharp_rate.
 STORE_O = "    o = _round_bits(acc / l_i[:, None], O_BITS)\n"

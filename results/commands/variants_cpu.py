@@ -1,12 +1,17 @@
-"""CPU checks of variants.py's lse64 and o32 row splits (session 10), on Triton's interpreter patched for bf16.
+"""CPU checks of variants.py's lse64, o32 row splits (session 10) and paper-mode variants (session 13), on Triton's
+interpreter patched for bf16.
 
-    python results/commands/variants_cpu.py      # ~20 s; output as in results/variants_cpu_s10.txt
+    python results/commands/variants_cpu.py      # ~40 s; output as in results/variants_cpu_s13.txt
 
 lse64. The plain kernel stores lse = m + log2(l) in fp32; past logits of ~1.2e7 (2^24 in log2 units) a tie's
 log2(l) is lost, and the backward recomputes P = 1 for each tied key instead of 1/2. lse64 stores it in fp64 and
 computes S - lse there. Checked: (1) the dV of two exactly tied keys (key 5 copied, value included, to key 9)
 against float64 at logits 1e6, 1e8, 1e9; (2) on ordinary inputs lse64 stays within twice plain bf16 attention's
 error against float64, as tests/test_kernels.py asks of the kernel.
+
+paper-s32 / paper-sm32 / paper-acc32 (session 13; "paper" precision, each with one group of roundings in fp32).
+Each must change the paper mode's O (else the patch missed) and bring O closer to float64, and its O, dQ, dK, dV
+must stay within twice plain bf16 attention's error, on rows with logits from soft to ~40.
 
 o32-notsharp / o32-sharponly (with delta_fp32=True). Row i of dQ depends on row i's delta alone, so each row of
 dQ must equal, bit for bit, --delta-fp32's where delta reads the fp32 O and the plain kernel's where it reads the
@@ -25,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "results" / "commands"))
 from tests import conftest  # noqa: E402,F401  (TRITON_INTERPRET and the bf16 patch of the interpreter)
 import kernels  # noqa: E402
-from tests.test_kernels import check_against_float64, rand, reference  # noqa: E402
+from tests.test_kernels import check_against_float64, rand, reference, rel  # noqa: E402
 from variants import patched_kernels  # noqa: E402
 
 
@@ -78,6 +83,25 @@ def split_rows(name, module):
             f"--delta-fp32's where delta reads the fp32 O and the plain kernel's elsewhere; O equals the plain one")
 
 
+def paper_variant(name, module):
+    """O error against float64 of the plain "paper" mode and of the variant; asserts the variant changed O and
+    did not make it worse, and the float64 bounds for O and the gradients."""
+    errors = {"paper": [], name: []}
+    for seed, shape in enumerate([(2, 2, 130, 64), (1, 3, 200, 64)]):
+        q, k, v = (rand(shape, seed=90 + seed * 3 + i) for i in range(3))
+        q = (q.float() * torch.linspace(1, 8, shape[2])[:, None]).to(torch.bfloat16)  # rows from soft to sharp
+        ref, _ = reference(q, k, v, True)
+        outs = {label: attention.flash_attention(q, k, v, causal=True, precision="paper")
+                for label, attention in (("paper", kernels), (name, module))}
+        assert not torch.equal(outs["paper"], outs[name]), f"{name} left the paper mode's O unchanged"
+        for label, o in outs.items():
+            errors[label].append(rel(o, ref))
+        check_against_float64(q, k, v, True, precision="paper", attention=module.flash_attention)
+    assert sum(errors[name]) <= sum(errors["paper"]), f"{name}: O further from float64 than the paper mode's"
+    return (f"{name}: O's error against float64 {', '.join(f'{e:.2e}' for e in errors[name])} (paper mode "
+            f"{', '.join(f'{e:.2e}' for e in errors['paper'])}); O, dQ, dK, dV within twice plain bf16's")
+
+
 if __name__ == "__main__":
     lse64 = load_variant("lse64")
     for logit in (1e6, 1e8, 1e9):
@@ -89,3 +113,5 @@ if __name__ == "__main__":
     print("lse64: O, dQ, dK, dV within twice plain bf16 attention's error of float64 (3 shapes x 2 logit scales)")
     for name in ("o32-notsharp", "o32-sharponly"):
         print(split_rows(name, load_variant(name)))
+    for name in ("paper-s32", "paper-sm32", "paper-acc32"):
+        print(paper_variant(name, load_variant(name)))

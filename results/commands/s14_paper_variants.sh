@@ -1,0 +1,29 @@
+#!/bin/bash
+# Plan for session 14 (not yet run), after two calls of s14_chain.sh on the same held machine: which of the "paper"
+# mode's roundings makes its layer 0 take off by step 12,000 (research.md, session 13, point 2)? In the paper mode,
+# fix off, layer 0's max logit passed 100 at step 12,000 on seeds 0 and 1 (292 / 2,047 at 14,000), while delta from
+# P kept it at 14-21 through 14,600 steps: the growth runs through delta. Four arms, each taking one group of the
+# paper mode's roundings out of what delta reads, fix off, the four side by side on each GPU (GPU i: seed i),
+# ~20,000 steps each (four to a GPU, ~0.75M tokens/s each):
+#   paper-o32    --delta-fp32: delta reads O before its final cast (the cure of the fa2 mode, session 9)
+#   paper-s32    scores kept in fp32          (variants.py; forward and backward)
+#   paper-sm32   S - m' in fp32 before exp    (variants.py)
+#   paper-acc32  P V and the accumulator in fp32 (variants.py)
+# An arm whose layer 0 stays near 20 past step 15,000 removed the rounding that matters. Checked on the CPU:
+# `python results/commands/variants_cpu.py` (each variant changes the paper mode's O, brings it closer to float64
+# and keeps O and the gradients within twice plain bf16's error). Run as `bash results/commands/s14_paper_variants.sh
+# 9` on nvidia-h200-x2 (with one GPU, seed 0 only), carry ["data"].
+. results/commands/chain_setup.sh "$@"
+for v in paper-s32 paper-sm32 paper-acc32; do [ -d /tmp/$v ] || python results/commands/variants.py $v /tmp/$v; done
+for ((gpu = 0; gpu < $(nvidia-smi -L | wc -l) && gpu < 2; gpu++)); do
+  export CUDA_VISIBLE_DEVICES=$gpu
+  python -m nanolp.sweep --out runs/pv-o32-$gpu --arm paper-o32="--precision paper --fix off --delta-fp32" \
+    --seeds $gpu --minutes $(left) > runs/pv-o32-$gpu.txt 2>&1 &
+  for v in paper-s32 paper-sm32 paper-acc32; do
+    (cd /tmp/$v && python -m nanolp.sweep --out $R/runs/pv-${v#paper-}-$gpu --arm $v="--precision paper --fix off" \
+      --seeds $gpu --minutes $(left)) > runs/pv-${v#paper-}-$gpu.txt 2>&1 &
+  done
+done
+wait
+python -m nanolp.sweep --collect runs/pv-*/ --csv $OUT/pv.csv
+tar czf $OUT/logs.tgz --exclude=ckpt runs/pv-* runs/code.sha256
