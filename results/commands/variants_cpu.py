@@ -9,9 +9,12 @@ computes S - lse there. Checked: (1) the dV of two exactly tied keys (key 5 copi
 against float64 at logits 1e6, 1e8, 1e9; (2) on ordinary inputs lse64 stays within twice plain bf16 attention's
 error against float64, as tests/test_kernels.py asks of the kernel.
 
-paper-s32 / paper-sm32 / paper-acc32 (session 13; "paper" precision, each with one group of roundings in fp32).
+paper-s32 / paper-acc32 (session 13; "paper" precision, each with one group of roundings in fp32).
 Each must change the paper mode's O (else the patch missed) and bring O closer to float64, and its O, dQ, dK, dV
-must stay within twice plain bf16 attention's error, on rows with logits from soft to ~40.
+must stay within twice plain bf16 attention's error, on rows with logits from soft to ~40. Then the rms of the
+error O brings into delta (rowsum(dO * O) less the rowsum(dP * P) of --delta-from-p) for each arm of
+s14_paper_variants.sh, with fa2 and the plain paper mode beside them. (A third variant, S - m' in fp32 before exp,
+changed nothing measurable: S and m' are both bf16, and their difference mostly is too.)
 
 o32-notsharp / o32-sharponly (with delta_fp32=True). Row i of dQ depends on row i's delta alone, so each row of
 dQ must equal, bit for bit, --delta-fp32's where delta reads the fp32 O and the plain kernel's where it reads the
@@ -83,23 +86,34 @@ def split_rows(name, module):
             f"--delta-fp32's where delta reads the fp32 O and the plain kernel's elsewhere; O equals the plain one")
 
 
+def delta_error(module, q, k, v, do, fp32_o=False, precision="paper"):
+    """delta = rowsum(dO * O) as the backward computes it, less rowsum(dP * P) from the backward's own P (what
+    --delta-from-p computes): the error the forward's O brings into dS, all rows flattened."""
+    o, lse = module._flash_fwd(q, k, v, True, False, precision, 2.0, module.TIE_TOL, False, fp32_o, 0, "p")
+    launch = module._bwd_launch(q, k, v, o, True, precision)
+    from_o, from_p = (module._bwd_delta(do, q, k, v, o, lse, launch, p) for p in (False, True))
+    return (from_o.double() - from_p.double()).flatten()
+
+
 def paper_variant(name, module):
-    """O error against float64 of the plain "paper" mode and of the variant; asserts the variant changed O and
-    did not make it worse, and the float64 bounds for O and the gradients."""
-    errors = {"paper": [], name: []}
+    """O error against float64 of the plain "paper" mode and of the variant, and the rms of delta's error (above);
+    asserts the variant changed O and did not make it worse, and the float64 bounds for O and the gradients."""
+    errors, delta_errors = {"paper": [], name: []}, {"paper": [], name: []}
     for seed, shape in enumerate([(2, 2, 130, 64), (1, 3, 200, 64)]):
         q, k, v = (rand(shape, seed=90 + seed * 3 + i) for i in range(3))
         q = (q.float() * torch.linspace(1, 8, shape[2])[:, None]).to(torch.bfloat16)  # rows from soft to sharp
+        do = rand(shape, seed=99 + seed)
         ref, _ = reference(q, k, v, True)
-        outs = {label: attention.flash_attention(q, k, v, causal=True, precision="paper")
-                for label, attention in (("paper", kernels), (name, module))}
-        assert not torch.equal(outs["paper"], outs[name]), f"{name} left the paper mode's O unchanged"
-        for label, o in outs.items():
-            errors[label].append(rel(o, ref))
+        for label, attention in (("paper", kernels), (name, module)):
+            errors[label].append(rel(attention.flash_attention(q, k, v, causal=True, precision="paper"), ref))
+            delta_errors[label].append(delta_error(attention, q, k, v, do))
+        assert errors[name][-1] != errors["paper"][-1], f"{name} left the paper mode's O unchanged"
         check_against_float64(q, k, v, True, precision="paper", attention=module.flash_attention)
     assert sum(errors[name]) <= sum(errors["paper"]), f"{name}: O further from float64 than the paper mode's"
+    rms = {label: torch.cat(e).pow(2).mean().sqrt().item() for label, e in delta_errors.items()}
     return (f"{name}: O's error against float64 {', '.join(f'{e:.2e}' for e in errors[name])} (paper mode "
-            f"{', '.join(f'{e:.2e}' for e in errors['paper'])}); O, dQ, dK, dV within twice plain bf16's")
+            f"{', '.join(f'{e:.2e}' for e in errors['paper'])}); O, dQ, dK, dV within twice plain bf16's; "
+            f"delta's error rms {rms[name]:.2e} (paper mode {rms['paper']:.2e})")
 
 
 if __name__ == "__main__":
@@ -113,5 +127,19 @@ if __name__ == "__main__":
     print("lse64: O, dQ, dK, dV within twice plain bf16 attention's error of float64 (3 shapes x 2 logit scales)")
     for name in ("o32-notsharp", "o32-sharponly"):
         print(split_rows(name, load_variant(name)))
-    for name in ("paper-s32", "paper-sm32", "paper-acc32"):
-        print(paper_variant(name, load_variant(name)))
+    modules = {name: load_variant(name) for name in ("paper-s32", "paper-acc32")}
+    for name, module in modules.items():
+        print(paper_variant(name, module))
+    print("rms of delta's error (rowsum(dO * O) less rowsum(dP * P)), 3 x 2 heads x 256 rows, q scaled by 1 / 3 / 8:")
+    arms = {"fa2": (kernels, False, "fa2"), "paper": (kernels, False, "paper"),
+            "paper --delta-fp32": (kernels, True, "paper"), "paper-s32": (modules["paper-s32"], False, "paper"),
+            "paper-acc32": (modules["paper-acc32"], False, "paper"),
+            "paper-acc32 --delta-fp32": (modules["paper-acc32"], True, "paper")}
+    for arm, (module, fp32_o, precision) in arms.items():
+        rms = []
+        for scale in (1, 3, 8):
+            inputs = [[rand((1, 2, 256, 64), seed=200 + 10 * seed + i) for i in range(4)] for seed in range(3)]
+            errors = [delta_error(module, (q.float() * scale).to(torch.bfloat16), k, v, do, fp32_o, precision)
+                      for q, k, v, do in inputs]
+            rms.append(torch.cat(errors).pow(2).mean().sqrt().item())
+        print(f"  {arm:25s} " + " / ".join(f"{r:.2e}" for r in rms))
