@@ -3,7 +3,8 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
 
     max_logit   largest scaled score q.k/sqrt(d) in a layer: the logits grow before a collapse
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
-                (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits); also per head,
+                (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits; the scores rounded
+                to bf16 as the kernel rounds them in the "paper" precision, since session 13); also per head,
                 since the paper's failure starts in a few heads
     sharp_rate  fraction of causal rows (the first query, with its one key, left out) whose largest probability
                 exceeds 1 - SHARP_EPS: where O's bf16 cast rounds O back to that key's V and delta's error
@@ -25,9 +26,12 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
 The names are the column names of log.csv.
 """
 
+import math
+
 import torch
 
 from model import causal_scores
+from nanolp.emulate import scores
 from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # TIE_TOL: exp(-x) rounds to 1.0 in bf16 below it
 
 SHARP_EPS = 1e-3  # snap_cpu.py: below it, delta's error from O's cast copies the dominant logit's gradient
@@ -63,19 +67,21 @@ def capture_attention(model, x, y, ctx):
 
 
 @torch.no_grad()
-def attention_stats(q, k, v, O, dO, tol=TIE_TOL):
+def attention_stats(q, k, v, O, dO, tol=TIE_TOL, precision="fa2"):
     """max_logit, and per head the tie rate (ties within tol nats), the sharp rate, the delta error and its push,
-    of one attention call."""
+    of one attention call. Ties are counted in the scores the kernel exponentiates: in the "paper" precision they
+    are rounded to bf16, which ties keys whose fp32 scores differ by up to half a bf16 step (1/32 at logits 8-16)."""
     S = causal_scores(q, k)  # fp32, -inf above the diagonal
-    row_max = S.amax(dim=-1, keepdim=True)
-    tied = (S >= row_max - tol).sum(dim=-1) >= 2  # -inf entries never count: row_max is finite
+    S_kernel = S if precision == "fa2" else scores(q, k, precision, q.dtype).masked_fill(S.isneginf(), -math.inf)
+    kernel_max = S_kernel.amax(dim=-1, keepdim=True)
+    tied = (S_kernel >= kernel_max - tol).sum(dim=-1) >= 2  # -inf entries never count: the row max is finite
     P = S.softmax(dim=-1)
     sharp = P[:, :, 1:].amax(dim=-1) > 1 - SHARP_EPS  # query 0 has one key: P = 1 exactly, O = V, nothing to round
     expected_logit = (P * S.nan_to_num(neginf=0.0)).sum(dim=-1)  # masked entries have P = 0
     delta_lp = (dO.float() * O.float()).sum(dim=-1)
     delta_fp32 = (dO.float() * (P @ v.float())).sum(dim=-1)
     err = delta_lp - delta_fp32
-    return (row_max.max(), tied.float().mean(dim=(0, 2)), sharp.float().mean(dim=(0, 2)), err.mean(dim=(0, 2)),
+    return (S.amax(), tied.float().mean(dim=(0, 2)), sharp.float().mean(dim=(0, 2)), err.mean(dim=(0, 2)),
             (err * expected_logit).mean(dim=(0, 2)))
 
 
@@ -101,7 +107,7 @@ def diagnose(model, x, y, ctx):
     p_bits, _ = amplified_bits(c.mantissa_bits, c.amplify)   # the tie band: scores whose P rounds to 1.0
     for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):
         v = amplified_v(v, c.mantissa_bits, c.amplify)       # the V attention read
-        max_logit, *per_head = attention_stats(q, k, v, O, dO, tol=TIE_TOL * widening(p_bits))
+        max_logit, *per_head = attention_stats(q, k, v, O, dO, TIE_TOL * widening(p_bits), c.precision)
         out[f"max_logit_L{i}"] = max_logit
         for name, values in zip(("tie_rate", "sharp_rate", "delta_err", "delta_push"), per_head):
             out[f"{name}_L{i}"] = values.mean()

@@ -83,7 +83,7 @@ def shifted_max(S, r, t, beta, tol, lo, hi, span):
 # ---------------------------------------------------------------------------------------------------------
 # Forward: FlashAttention-2, one key tile at a time, all query rows at once (rows are independent).
 
-def _scores(q, kt, precision, dtype):
+def scores(q, kt, precision, dtype):
     """S for one key tile, exactly as kernels._scores (fa2: fp32, log2 units; paper: nats, rounded twice)."""
     S = _dot(q, kt.transpose(-1, -2))
     scale = torch.tensor(qk_scale(q.shape[-1], precision), dtype=torch.float32)
@@ -115,7 +115,7 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0, amplify
     acc = torch.zeros((B, H, N, D), device=q.device)
     for col0 in range(0, N, TILE_N):
         kt, vt = k[:, :, col0:col0 + TILE_N], v[:, :, col0:col0 + TILE_N]
-        S = _mask(_scores(q, kt, precision, dtype), col0, N, causal)
+        S = _mask(scores(q, kt, precision, dtype), col0, N, causal)
         r = S.amax(-1)
         if fix:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
             r, t = shifted_max(S, r, t, beta, *fix_constants(precision, tol, p_bits))
@@ -151,7 +151,7 @@ def _tiles(n, head_dim):
 
 def _probs_and_dp(q, k, v, lse, do, causal, precision):
     """P = exp(S - lse) (exp2 in "fa2"), S rounded exactly as in the forward, and dP = dO V^T, in fp32."""
-    S = _mask(_scores(q, k, precision, q.dtype), 0, q.shape[-2], causal)
+    S = _mask(scores(q, k, precision, q.dtype), 0, q.shape[-2], causal)
     P = (_exp2 if precision == "fa2" else _exp)(S - lse.unsqueeze(-1))
     return P, _dot(do, v.transpose(-1, -2))
 

@@ -14,7 +14,8 @@ Each must change the paper mode's O (else the patch missed) and bring O closer t
 must stay within twice plain bf16 attention's error, on rows with logits from soft to ~40. Then the rms of the
 error O brings into delta (rowsum(dO * O) less the rowsum(dP * P) of --delta-from-p) for each arm of
 s14_paper_variants.sh, with fa2 and the plain paper mode beside them. (A third variant, S - m' in fp32 before exp,
-changed nothing measurable: S and m' are both bf16, and their difference mostly is too.)
+changed nothing measurable: S and m' are both bf16, and their difference mostly is too.) Last, how much more often
+the top two scores of a row tie once the scores are rounded to bf16, as in the paper mode.
 
 o32-notsharp / o32-sharponly (with delta_fp32=True). Row i of dQ depends on row i's delta alone, so each row of
 dQ must equal, bit for bit, --delta-fp32's where delta reads the fp32 O and the plain kernel's where it reads the
@@ -143,3 +144,12 @@ if __name__ == "__main__":
                       for q, k, v, do in inputs]
             rms.append(torch.cat(errors).pow(2).mean().sqrt().item())
         print(f"  {arm:25s} " + " / ".join(f"{r:.2e}" for r in rms))
+    print("rows whose top two scores tie (within TIE_TOL), 4,000 causal rows of up to 256 N(0, std) scores:")
+    g = torch.Generator().manual_seed(0)
+    for std in (1, 3, 5, 10):
+        S = torch.randn(4000, 256, generator=g) * std
+        S = S.masked_fill(torch.arange(256) >= torch.randint(1, 257, (4000, 1), generator=g), -torch.inf)
+        tied = {p: (S_p >= S_p.amax(-1, keepdim=True) - kernels.TIE_TOL).sum(-1).ge(2).float().mean().item()
+                for p, S_p in (("fp32", S), ("bf16", S.bfloat16().float()))}
+        print(f"  std {std:2d} (max ~{S.amax(-1).median():4.1f}): fp32 scores {tied['fp32']:.4f}, "
+              f"rounded to bf16 {tied['bf16']:.4f}")
