@@ -97,24 +97,20 @@ def delta_error(module, q, k, v, do, fp32_o=False, precision="paper"):
 
 
 def paper_variant(name, module):
-    """O error against float64 of the plain "paper" mode and of the variant, and the rms of delta's error (above);
-    asserts the variant changed O and did not make it worse, and the float64 bounds for O and the gradients."""
-    errors, delta_errors = {"paper": [], name: []}, {"paper": [], name: []}
+    """O error against float64 of the plain "paper" mode and of the variant; asserts the variant changed O and did
+    not make it worse, and the float64 bounds for O and the gradients."""
+    errors = {"paper": [], name: []}
     for seed, shape in enumerate([(2, 2, 130, 64), (1, 3, 200, 64)]):
         q, k, v = (rand(shape, seed=90 + seed * 3 + i) for i in range(3))
         q = (q.float() * torch.linspace(1, 8, shape[2])[:, None]).to(torch.bfloat16)  # rows from soft to sharp
-        do = rand(shape, seed=99 + seed)
         ref, _ = reference(q, k, v, True)
         for label, attention in (("paper", kernels), (name, module)):
             errors[label].append(rel(attention.flash_attention(q, k, v, causal=True, precision="paper"), ref))
-            delta_errors[label].append(delta_error(attention, q, k, v, do))
         assert errors[name][-1] != errors["paper"][-1], f"{name} left the paper mode's O unchanged"
         check_against_float64(q, k, v, True, precision="paper", attention=module.flash_attention)
     assert sum(errors[name]) <= sum(errors["paper"]), f"{name}: O further from float64 than the paper mode's"
-    rms = {label: torch.cat(e).pow(2).mean().sqrt().item() for label, e in delta_errors.items()}
     return (f"{name}: O's error against float64 {', '.join(f'{e:.2e}' for e in errors[name])} (paper mode "
-            f"{', '.join(f'{e:.2e}' for e in errors['paper'])}); O, dQ, dK, dV within twice plain bf16's; "
-            f"delta's error rms {rms[name]:.2e} (paper mode {rms['paper']:.2e})")
+            f"{', '.join(f'{e:.2e}' for e in errors['paper'])}); O, dQ, dK, dV within twice plain bf16's")
 
 
 if __name__ == "__main__":
