@@ -1,9 +1,10 @@
 #!/bin/bash
-# Plan for session 14 (not yet run): the fifth installment of issue 7's seed study at the default. After session
-# 13: fix off 8 of 8 seeds collapsed (64,890-141,554 steps), lse64 2 of 2, fix on 2 of 2; the "paper" precision
-# mode 2 of 2 (35,630 / 86,880), its layer 0 taking off by step 12,000, which delta from P prevented and the fix
-# did not (14,600 steps, seeds 0-1); fp32 reference attention 0 of 3, o32 0 of 2, delta from P 0 of 1; torch SDPA
-# flash 0 of 2 by the loss; SDPA's default backend at this shape is cuDNN (session 13), never run at the default.
+# Session 14, as run (twice, 9 and 9 minutes, on nvidia-h200-x2: jobs 1 and 2 only; research.md, session 14): the
+# fifth installment of issue 7's seed study at the default. After session 13: fix off 8 of 8 seeds collapsed
+# (64,890-141,554 steps), lse64 2 of 2, fix on 2 of 2; the "paper" precision mode 2 of 2 (35,630 / 86,880), its layer
+# 0 taking off by step 12,000, which delta from P prevented and the fix did not (14,600 steps, seeds 0-1); fp32
+# reference attention 0 of 3, o32 0 of 2, delta from P 0 of 1; torch SDPA flash 0 of 2 by the loss; SDPA's default
+# backend at this shape is cuDNN (session 13), never run at the default.
 # Jobs in order of priority, one per GPU, two seeds side by side on each: with one GPU only the first runs, with
 # two the first two, and so on (device time is counted per machine, not per GPU).
 #   1. the paper mode with delta from P, seeds 0 and 1, whole runs (does it keep the paper mode from collapsing?)

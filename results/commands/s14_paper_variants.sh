@@ -1,10 +1,10 @@
 #!/bin/bash
-# Plan for session 14 (not yet run), after two calls of s14_chain.sh on the same held machine: which of the "paper"
-# mode's roundings makes its layer 0 take off by step 12,000 (research.md, session 13, point 2)? In the paper mode,
-# fix off, layer 0's max logit passed 100 at step 12,000 on seeds 0 and 1 (292 / 2,047 at 14,000), while delta from
-# P kept it at 14-21 through 14,600 steps: the growth runs through delta. Four arms, each taking one group of the
-# paper mode's roundings out of what delta reads, fix off, the four side by side on each GPU (GPU i: seed i),
-# ~20,000 steps each (four to a GPU, ~0.75M tokens/s each):
+# Session 14, as run (once, 9 minutes, on nvidia-h200-x2, right after the two calls of s14_chain.sh on the same held
+# machine; research.md, session 14): which of the "paper" mode's roundings makes its layer 0 take off by step 12,000
+# (research.md, session 13, point 2)? In the paper mode, fix off, layer 0's max logit passed 100 at step 12,000 on
+# seeds 0 and 1 (292 / 2,047 at 14,000), while delta from P kept it at 14-21 through 14,600 steps: the growth runs
+# through delta. Four arms, each taking one group of the paper mode's roundings out of what delta reads, fix off, the
+# four side by side on each GPU (GPU i: seed i), ~20,000 steps each (four to a GPU, ~0.75M tokens/s each):
 #   paper-o32         --delta-fp32: delta reads O before its final cast (the cure of the fa2 mode, session 9)
 #   paper-s32         scores kept in fp32, forward and backward (variants.py)
 #   paper-acc32       P V and the accumulator in fp32 (variants.py)
