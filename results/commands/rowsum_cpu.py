@@ -1,0 +1,81 @@
+"""Does the "paper" mode's backward have an error in dS that delta from P does not remove? (session 14, Next 4)
+
+    python results/commands/rowsum_cpu.py      # ~15 s on the CPU; output as in results/rowsum_cpu_s14.txt
+
+An exact softmax backward gives dS = P * (dP - delta) whose rows sum to zero; whatever a kernel's dS sums to per
+row is an error of the one kind the paper's mechanism is about (it changes dS by a multiple of P, as an error in
+delta does; nanolp/diagnostics.py, delta_push). Session 14 saw the paper mode take off with delta = rowsum(dP * P)
+(23,000-26,000 steps), which removes O's error from delta, while the fa2 mode with it stays flat. The candidate:
+in the paper mode l is summed in bf16, so the backward's P = exp(S - lse) sums to 1 / (1 + eps) per row, not 1,
+and with delta from P a row's dS sums to delta * (1 - rowsum(P)). This measures, with the PyTorch emulation of
+the kernel (bit for bit the kernel's numerics, tests/test_emulate.py), per arm the rms over rows of rowsum(dS)
+before dS's cast, and for each precision the mean and spread of 1 - rowsum(P). Random bf16 inputs as in
+variants_cpu.py (3 x 2 heads x 256 rows, q scaled by 1 / 3 / 8 for soft to sharp rows).
+
+Last, variants.py's paper-dpn (delta from P divided by rowsum(P)), run as a kernel on Triton's interpreter patched
+for bf16: its delta must equal, bit for bit, the emulation's delta from P over the emulation's rowsum(P) (both
+summed per key tile), its rows of dS must then sum to ~0, and its O, dQ, dK, dV must stay within twice plain bf16
+attention's error of float64 (tests/test_kernels.py's bound).
+"""
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants_cpu import ROOT, load_variant  # noqa: E402  (sets up the patched interpreter)
+sys.path.insert(0, str(ROOT))
+from kernels import TIE_TOL  # noqa: E402
+from nanolp import emulate  # noqa: E402
+from tests.test_kernels import check_against_float64  # noqa: E402
+
+
+def rand(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, dpn=None):
+    """(rowsum(dS) before its cast, 1 - rowsum(P)) per row, as the kernel's backward computes them; with dpn (the
+    paper-dpn kernel module) delta is that kernel's, checked against the emulation first."""
+    o, o32, lse = emulate.forward(q, k, v, True, False, precision, 2.0, TIE_TOL)
+    P, dP = emulate._probs_and_dp(q, k, v, lse, do, True, precision)
+    delta = emulate.delta(q, k, v, o32 if delta_fp32 else o, lse, do, True, precision, delta_from_p)
+    if dpn:
+        p_sum = sum(emulate._rowsum(P[..., cols]) for cols in emulate._tiles(*q.shape[-2:]))
+        o, lse_kernel = dpn._flash_fwd(q, k, v, True, False, precision, 2.0, TIE_TOL, True, False, 0, "p")
+        assert torch.equal(lse_kernel, lse), "the kernel's lse differs from the emulation's"
+        delta_kernel = dpn._bwd_delta(do, q, k, v, o, lse, dpn._bwd_launch(q, k, v, o, True, precision), True)
+        assert torch.equal(delta_kernel, delta / p_sum), "paper-dpn's delta is not delta from P / rowsum(P)"
+        delta = delta_kernel
+    dS = P * (dP - delta.unsqueeze(-1))
+    return dS.double().sum(-1).flatten(), 1 - P.double().sum(-1).flatten()
+
+
+if __name__ == "__main__":
+    dpn = load_variant("paper-dpn")
+    arms = {"fa2": ("fa2", False, False, None), "fa2, delta from P": ("fa2", True, False, None),
+            "paper": ("paper", False, False, None), "paper, --delta-fp32": ("paper", False, True, None),
+            "paper, delta from P": ("paper", True, False, None), "paper-dpn": ("paper", True, False, dpn)}
+    print("rms over rows of rowsum(dS) (an exact backward: 0), x fa2's, by q scale 1 / 3 / 8; and 1 - rowsum(P)")
+    base = None
+    for arm, args in arms.items():
+        rms, gap = [], []
+        for scale in (1, 3, 8):
+            sums, gaps = zip(*(row_sums((rand((1, 2, 256, 64), 200 + 10 * s).float() * scale).to(torch.bfloat16),
+                                        *(rand((1, 2, 256, 64), 200 + 10 * s + i) for i in (1, 2, 3)), *args)
+                               for s in range(3)))
+            rms.append(torch.cat(sums).pow(2).mean().sqrt().item())
+            gap.append(torch.cat(gaps))
+        base = base or rms
+        gap = torch.cat(gap)
+        print(f"{arm:22s} rms {' / '.join(f'{r:.2e}' for r in rms)}  (x fa2 "
+              f"{' / '.join(f'{r / b:.2f}' for r, b in zip(rms, base))});  1 - rowsum(P): mean {gap.mean():+.1e}, "
+              f"rms {gap.pow(2).mean().sqrt():.1e}, > 0 in {(gap > 0).double().mean():.0%} of rows")
+    print("paper-dpn: delta equals the emulation's delta from P / rowsum(P) bit for bit (9 inputs above)")
+    for seed, shape in enumerate([(2, 2, 130, 64), (1, 3, 77, 32), (1, 1, 200, 128)]):
+        for scale in (1, 4):
+            q, k, v = (rand(shape, 300 + 10 * seed + i) for i in range(3))
+            check_against_float64((q.float() * scale).to(torch.bfloat16), k, v, True, precision="paper",
+                                  attention=functools.partial(dpn.flash_attention, delta_from_p=True))
+    print("paper-dpn: O, dQ, dK, dV within twice plain bf16 attention's error of float64 (3 shapes x 2 logit scales)")
