@@ -5,12 +5,12 @@
 An exact softmax backward gives dS = P * (dP - delta) whose rows sum to zero; whatever a kernel's dS sums to per
 row is an error of the one kind the paper's mechanism is about (it changes dS by a multiple of P, as an error in
 delta does; nanolp/diagnostics.py, delta_push). Session 14 saw the paper mode take off with delta = rowsum(dP * P)
-(23,000-26,000 steps), which removes O's error from delta, while the fa2 mode with it stays flat. The candidate:
-in the paper mode l is summed in bf16, so the backward's P = exp(S - lse) sums to 1 / (1 + eps) per row, not 1,
-and with delta from P a row's dS sums to delta * (1 - rowsum(P)). This measures, with the PyTorch emulation of
-the kernel (bit for bit the kernel's numerics, tests/test_emulate.py), per arm the rms over rows of rowsum(dS)
-before dS's cast, and for each precision the mean and spread of 1 - rowsum(P). Random bf16 inputs as in
-variants_cpu.py (3 x 2 heads x 256 rows, q scaled by 1 / 3 / 8 for soft to sharp rows).
+(23,000-26,000 steps), which removes O's error from delta, while the fa2 mode with it stays flat. The candidate: in
+the paper mode l is summed in bf16, so the backward's P = exp(S - lse) sums to 1 / (1 + eps) per row, not 1, and
+with delta from P a row's dS sums to delta * (1 - rowsum(P)). This measures, with the PyTorch emulation of the
+kernel (bit for bit the kernel's numerics, tests/test_kernels.py), per arm the rms over rows of rowsum(dS) before
+dS's cast, and for each precision the mean and spread of 1 - rowsum(P), also by how sharp the row is. Random bf16
+inputs as in variants_cpu.py (3 x 2 heads x 256 rows, q scaled by 1 / 3 / 8 for soft to sharp rows).
 
 Last, variants.py's paper-dpn (delta from P divided by rowsum(P)), run as a kernel on Triton's interpreter patched
 for bf16: its delta must equal, bit for bit, the emulation's delta from P over the emulation's rowsum(P) (both
@@ -49,7 +49,8 @@ def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, dpn=N
         assert torch.equal(delta_kernel, delta / p_sum), "paper-dpn's delta is not delta from P / rowsum(P)"
         delta = delta_kernel
     dS = P * (dP - delta.unsqueeze(-1))
-    return dS.double().sum(-1).flatten(), 1 - P.double().sum(-1).flatten()
+    exact = torch.softmax(emulate._mask(q.double() @ k.double().mT * q.shape[-1] ** -0.5, 0, q.shape[-2], True), -1)
+    return dS.double().sum(-1).flatten(), 1 - P.double().sum(-1).flatten(), exact.amax(-1).flatten()
 
 
 if __name__ == "__main__":
@@ -58,20 +59,26 @@ if __name__ == "__main__":
             "paper": ("paper", False, False, None), "paper, --delta-fp32": ("paper", False, True, None),
             "paper, delta from P": ("paper", True, False, None), "paper-dpn": ("paper", True, False, dpn)}
     print("rms over rows of rowsum(dS) (an exact backward: 0), x fa2's, by q scale 1 / 3 / 8; and 1 - rowsum(P)")
-    base = None
+    base, gaps = None, {}
     for arm, args in arms.items():
-        rms, gap = [], []
+        rms, gap, max_p = [], [], []
         for scale in (1, 3, 8):
-            sums, gaps = zip(*(row_sums((rand((1, 2, 256, 64), 200 + 10 * s).float() * scale).to(torch.bfloat16),
+            sums, g, m = zip(*(row_sums((rand((1, 2, 256, 64), 200 + 10 * s).float() * scale).to(torch.bfloat16),
                                         *(rand((1, 2, 256, 64), 200 + 10 * s + i) for i in (1, 2, 3)), *args)
                                for s in range(3)))
             rms.append(torch.cat(sums).pow(2).mean().sqrt().item())
-            gap.append(torch.cat(gaps))
+            gap, max_p = gap + list(g), max_p + list(m)
         base = base or rms
-        gap = torch.cat(gap)
+        gaps[args[0]] = gap, max_p = torch.cat(gap), torch.cat(max_p)
         print(f"{arm:22s} rms {' / '.join(f'{r:.2e}' for r in rms)}  (x fa2 "
               f"{' / '.join(f'{r / b:.2f}' for r, b in zip(rms, base))});  1 - rowsum(P): mean {gap.mean():+.1e}, "
               f"rms {gap.pow(2).mean().sqrt():.1e}, > 0 in {(gap > 0).double().mean():.0%} of rows")
+    print("1 - rowsum(P) by the row's largest probability (float64), the rows above")
+    for precision, (gap, max_p) in gaps.items():
+        for lo, hi in ((0, 0.9), (0.9, 0.99), (0.99, 0.999), (0.999, 1)):
+            rows = (max_p > lo) & (max_p <= hi)
+            print(f"{precision:5s} max P in ({lo}, {hi}]: {int(rows.sum()):4d} rows, mean {gap[rows].mean():+.1e} "
+                  f"(1 - max P: {(1 - max_p[rows]).mean():.1e}), < 0 in {(gap[rows] < 0).double().mean():.0%}")
     print("paper-dpn: delta equals the emulation's delta from P / rowsum(P) bit for bit (9 inputs above)")
     for seed, shape in enumerate([(2, 2, 130, 64), (1, 3, 77, 32), (1, 1, 200, 128)]):
         for scale in (1, 4):
