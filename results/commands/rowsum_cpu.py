@@ -28,11 +28,7 @@ from variants_cpu import ROOT, load_variant  # noqa: E402  (sets up the patched 
 sys.path.insert(0, str(ROOT))
 from kernels import TIE_TOL  # noqa: E402
 from nanolp import emulate  # noqa: E402
-from tests.test_kernels import check_against_float64  # noqa: E402
-
-
-def rand(shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+from tests.test_kernels import check_against_float64, rand  # noqa: E402
 
 
 def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, dpn=None):
@@ -59,13 +55,14 @@ if __name__ == "__main__":
             "paper": ("paper", False, False, None), "paper, --delta-fp32": ("paper", False, True, None),
             "paper, delta from P": ("paper", True, False, None), "paper-dpn": ("paper", True, False, dpn)}
     print("rms over rows of rowsum(dS) (an exact backward: 0), x fa2's, by q scale 1 / 3 / 8; and 1 - rowsum(P)")
-    base, gaps = None, {}
+    inputs = {scale: [((rand((1, 2, 256, 64), seed=200 + 10 * s).float() * scale).to(torch.bfloat16),
+                       *(rand((1, 2, 256, 64), seed=200 + 10 * s + i) for i in (1, 2, 3))) for s in range(3)]
+              for scale in (1, 3, 8)}
+    base, gaps = None, {}   # gaps: 1 - rowsum(P) and max P, per precision (the same in each of its arms)
     for arm, args in arms.items():
         rms, gap, max_p = [], [], []
-        for scale in (1, 3, 8):
-            sums, g, m = zip(*(row_sums((rand((1, 2, 256, 64), 200 + 10 * s).float() * scale).to(torch.bfloat16),
-                                        *(rand((1, 2, 256, 64), 200 + 10 * s + i) for i in (1, 2, 3)), *args)
-                               for s in range(3)))
+        for scale, batch in inputs.items():
+            sums, g, m = zip(*(row_sums(*qkvdo, *args) for qkvdo in batch))
             rms.append(torch.cat(sums).pow(2).mean().sqrt().item())
             gap, max_p = gap + list(g), max_p + list(m)
         base = base or rms
@@ -82,7 +79,7 @@ if __name__ == "__main__":
     print("paper-dpn: delta equals the emulation's delta from P / rowsum(P) bit for bit (9 inputs above)")
     for seed, shape in enumerate([(2, 2, 130, 64), (1, 3, 77, 32), (1, 1, 200, 128)]):
         for scale in (1, 4):
-            q, k, v = (rand(shape, 300 + 10 * seed + i) for i in range(3))
+            q, k, v = (rand(shape, seed=300 + 10 * seed + i) for i in range(3))
             check_against_float64((q.float() * scale).to(torch.bfloat16), k, v, True, precision="paper",
                                   attention=functools.partial(dpn.flash_attention, delta_from_p=True))
     print("paper-dpn: O, dQ, dK, dV within twice plain bf16 attention's error of float64 (3 shapes x 2 logit scales)")
