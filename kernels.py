@@ -206,8 +206,11 @@ def _fwd_kernel(Q, K, V, O, LSE,
 #     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
 # The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real arithmetic
 # (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's rounded O,
-# and every rounding that went into it, never reaches the gradient. With delta_fp32 the O read here is the
-# forward's fp32 O, before its final cast: P's rounding reaches the gradient, the cast's does not.
+# and every rounding that went into it, never reaches the gradient. In "paper" it is divided by rowsum(P): there
+# lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to zero, an error that
+# grew W_Q by itself (results/research.md, session 15). In "fa2" P sums to 1 to fp32 rounding; dividing there
+# would only add a rounding of rowsum(P) near 1. With delta_fp32 the O read here is the forward's fp32 O, before
+# its final cast: P's rounding reaches the gradient, the cast's does not.
 
 @triton.jit
 def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
@@ -277,7 +280,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, PAPER: tl.constexpr, DELTA_FROM_P: tl.constexpr):
     # One program per query tile, looping over keys. With DELTA_FROM_P the same pass is the paper's control
-    # instead: it accumulates delta = rowsum(dP * P) and stores it (O is never read); run before dK/dV and dQ.
+    # instead: it accumulates delta = rowsum(dP * P) (over rowsum(P) in "paper") and stores it (O is never read);
+    # run before dK/dV and dQ.
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     start_m = tl.program_id(0) * BLOCK_M
@@ -290,6 +294,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
     if DELTA_FROM_P:
         delta = tl.zeros([BLOCK_M], tl.float32)
+        p_sum = tl.zeros([BLOCK_M], tl.float32)
     else:
         delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
     K_tile = K + b * stride_kb + h * stride_kh
@@ -304,10 +309,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         dp = tl.dot(do, vT)
         if DELTA_FROM_P:
             delta += tl.sum(p * dp, 1)
+            p_sum += tl.sum(p, 1)
         else:
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
     if DELTA_FROM_P:
+        if PAPER:                   # (rows past N, never stored, have no keys: p_sum = 0)
+            delta = delta / tl.where(rows < N, p_sum, 1.0)
         tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
     else:
         tl.store(DQ + o_rows, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)
@@ -534,7 +542,8 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         (The official code uses 1e-3; both catch exact ties, this one also every score whose P rounds to 1.)
     delta_from_p: the paper's localisation control: the backward computes delta = rowsum(dP * P) from P
         recomputed in fp32, never reading the forward's rounded O (the paper reports that with it the failure
-        disappears). Costs one more pass over the keys in the backward. In our small GPTs (README.md) this, not
+        disappears); in "paper" over rowsum(P), whose bf16 l leaves P summing to 1 + O(2^-9). Costs one more pass
+        over the keys in the backward. In our small GPTs (README.md) this, not
         the fix, is what prevented the bf16 collapse: the fix removes the tie bias, but not the error of O's
         final cast to bf16 that delta = rowsum(dO * O) carries (delta_fp32 cured it too).
     delta_fp32: the paper's localisation experiment, and the cheaper remedy: the forward keeps O in fp32 for the

@@ -158,12 +158,17 @@ def _probs_and_dp(q, k, v, lse, do, causal, precision):
 
 def delta(q, k, v, o, lse, do, causal, precision, from_p=False):
     """The backward's delta. rowsum(dO * O) from the stored O, the paper's channel (kernels._bwd_delta_kernel);
-    from_p: the paper's localisation control rowsum(dP * P), P recomputed in fp32 and O never read, summed per
-    key tile as kernels._bwd_dq_kernel does in its DELTA_FROM_P pass (one more pass over the keys)."""
+    from_p: the paper's localisation control rowsum(dP * P), divided by rowsum(P) in "paper", P recomputed in fp32
+    and O never read, both sums accumulated per key tile as kernels._bwd_dq_kernel does in its DELTA_FROM_P pass
+    (one more pass over the keys)."""
     if not from_p:
         return _rowsum(do.float() * o.float())
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
-    return sum(_rowsum((P * dP)[..., cols]) for cols in _tiles(*q.shape[-2:]))
+    tiles = _tiles(*q.shape[-2:])
+    delta = sum(_rowsum((P * dP)[..., cols]) for cols in tiles)
+    if precision == "paper":
+        delta = delta / sum(_rowsum(P[..., cols]) for cols in tiles)
+    return delta
 
 
 def backward(q, k, v, o, lse, do, causal, precision, delta_from_p=False):

@@ -172,7 +172,7 @@ def delta_errors(precision, seed=0, mantissa_bits=0, tie_gap=0.0):
     """(mean, s.e.) of the error of delta against float64, fix off, k = 2, computed three ways (emulation, which
     under the interpreter is the kernel's backward bit for bit): rowsum(dO * O) from the bf16 O; the same from O
     before its final cast (an fp32 copy of O, the control this repo used before); rowsum(dP * P), P recomputed
-    from lse (delta_from_p, the paper's control)."""
+    from lse (delta_from_p, the paper's control; in "paper" divided by rowsum(P))."""
     q, k, v, do = inputs(2, seed, tie_gap)
     o, o32, lse = emulate.forward(q, k, v, False, False, precision, 2.0, kernels.TIE_TOL, mantissa_bits)
     want = (do.double() * reference(q, k, v)).sum(-1)
@@ -194,24 +194,26 @@ def test_delta_from_p_removes_the_bias_an_fp32_o_keeps(precision, mantissa_bits,
                                   (1.2e-3)                     (6e-4)                       (1.4e-7)
       fa2, P at 3 bits, 2^-5      -0.504, -0.492, -0.512       -0.505, -0.494, -0.513       +4e-8, +8e-8, -2.0e-7
                                   (9.5e-3)                     (9.5e-3)                     (1.2e-7)
-      paper, exact ties           -6.71e-2, -6.61e-2, -6.69e-2 the same to 3 digits         -2.00e-3, -2.01e-3, -2.03e-3
-                                  (4.9e-4)                     (4.9e-4)                     (1.3e-5)
+      paper, exact ties           -6.71e-2, -6.61e-2, -6.69e-2 the same to 3 digits         -2.8e-7, -2.1e-7, -2.8e-7
+                                  (4.9e-4)                     (4.9e-4)                     (1.1e-7)
       fa2, exact ties (no test)   +2.45e-2, +2.45e-2, +2.47e-2 -3.5e-7, -1.6e-7, -3.5e-7    -3.4e-7, +3.5e-7, -1.1e-6
                                   (5.6e-4)                     (9e-8)                       (3.7e-7)
 
     So an fp32 O removes the bias only where all of it comes from the final cast (fa2, exact ties). With near-ties
     in fa2 it keeps a bias the size of fix off's: with bf16 P of the other sign (fix off adds a positive final-cast
     part to this negative P-rounding part), with P at 3 bits the same. In paper mode it changes nothing.
-    rowsum(dP * P) is within 3 s.e. (1.1e-6) of zero in fa2 mode. In paper mode it keeps -2.0e-3 (+5.5e-3 to
-    +6.1e-3 with near-ties 2^-9), all of it from lse = m + log l, l and m rounded to bf16 in the forward: with an
-    exact lse it is 4e-7 or less.
+    rowsum(dP * P) is within 3 s.e. (1.1e-6) of zero in fa2 mode. In paper mode, undivided, it kept -2.0e-3
+    (+5.5e-3 to +6.1e-3 with near-ties 2^-9), all of it from lse = m + log l, l and m rounded to bf16 in the forward,
+    which makes rowsum(P) = 1 + 3e-5 here; divided by rowsum(P) it is -2.8e-7 (4e-9 of delta, ~64 here).
     Over 30 seeds (worst seed in brackets): the fp32-O error stays > 5 s.e. from zero [t = 11.9, 51, 122] and
-    rowsum(dP * P) at least 3x below fix off [26,000x, 1.7e6x, 32x]. Fix off's own t is not asserted: in the first
-    case its two parts nearly cancel for some seeds (worst t = 5.3).
+    rowsum(dP * P) at least 3x below fix off [26,000x, 1.7e6x, 190,000x] and below one float32 ulp of delta, 2^-17
+    [at most 2.6e-7, 2.9e-7, 3.5e-7]. Fix off's own t is not asserted: in the first case its two parts nearly
+    cancel for some seeds (worst t = 5.3).
     """
     (m_off, _), (m_o32, se_o32), (m_p, _) = delta_errors(precision, 0, mantissa_bits, tie_gap)
     assert abs(m_o32) > T_MIN * se_o32, f"fp32 O: mean {m_o32:.2e}, s.e. {se_o32:.1e}: the bias is gone after all"
     assert abs(m_p) * FACTOR < abs(m_off), f"rowsum(dP * P): mean {m_p:.2e} not {FACTOR}x below fix off {m_off:.2e}"
+    assert abs(m_p) < 2 ** -17, f"rowsum(dP * P): mean {m_p:.2e}, more than float32 rounding of delta"
 
 
 @functools.lru_cache(maxsize=None)

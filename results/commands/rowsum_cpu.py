@@ -1,6 +1,6 @@
 """Does the "paper" mode's backward have an error in dS that delta from P does not remove? (session 14, Next 4)
 
-    python results/commands/rowsum_cpu.py      # ~15 s on the CPU; output as in results/rowsum_cpu_s14.txt
+    python results/commands/rowsum_cpu.py      # ~5 s on the CPU; output as in results/rowsum_cpu_s15.txt
 
 An exact softmax backward gives dS = P * (dP - delta) whose rows sum to zero; whatever a kernel's dS sums to per
 row is an error of the one kind the paper's mechanism is about (it changes dS by a multiple of P, as an error in
@@ -12,48 +12,40 @@ kernel (bit for bit the kernel's numerics, tests/test_kernels.py), per arm the r
 dS's cast, and for each precision the mean and spread of 1 - rowsum(P), also by how sharp the row is. Random bf16
 inputs as in variants_cpu.py (3 x 2 heads x 256 rows, q scaled by 1 / 3 / 8 for soft to sharp rows).
 
-Last, variants.py's paper-dpn (delta from P divided by rowsum(P)), run as a kernel on Triton's interpreter patched
-for bf16: its delta must equal, bit for bit, the emulation's delta from P over the emulation's rowsum(P) (both
-summed per key tile), its rows of dS must then sum to ~0, and its O, dQ, dK, dV must stay within twice plain bf16
-attention's error of float64 (tests/test_kernels.py's bound).
+Since session 15 delta from P is divided by rowsum(P) in the paper mode (kernels.py; session 14 tried it as
+variants.py's paper-dpn), which zeroes those row sums; the arm "paper, delta from P undivided" is the earlier one.
+(tests/test_kernels.py checks the kernel's delta from P against the emulation bit for bit and against float64.)
 """
-import functools
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from variants_cpu import ROOT, load_variant  # noqa: E402  (sets up the patched interpreter)
+from variants_cpu import ROOT  # noqa: E402  (the tests' CPU set-up: Triton's interpreter, patched)
 sys.path.insert(0, str(ROOT))
 from kernels import TIE_TOL  # noqa: E402
 from nanolp import emulate  # noqa: E402
-from tests.test_kernels import check_against_float64, rand  # noqa: E402
+from tests.test_kernels import rand  # noqa: E402
 
 
-def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, dpn=None):
-    """(rowsum(dS) before its cast, 1 - rowsum(P)) per row, as the kernel's backward computes them; with dpn (the
-    paper-dpn kernel module) delta is that kernel's, checked against the emulation first."""
+def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, undivided=False):
+    """(rowsum(dS) before its cast, 1 - rowsum(P)) per row, as the kernel's backward computes them; undivided: delta
+    from P without the division by rowsum(P) (the kernel before session 15)."""
     o, o32, lse = emulate.forward(q, k, v, True, False, precision, 2.0, TIE_TOL)
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, True, precision)
     delta = emulate.delta(q, k, v, o32 if delta_fp32 else o, lse, do, True, precision, delta_from_p)
-    if dpn:
-        p_sum = sum(emulate._rowsum(P[..., cols]) for cols in emulate._tiles(*q.shape[-2:]))
-        o, lse_kernel = dpn._flash_fwd(q, k, v, True, False, precision, 2.0, TIE_TOL, True, False, 0, "p")
-        assert torch.equal(lse_kernel, lse), "the kernel's lse differs from the emulation's"
-        delta_kernel = dpn._bwd_delta(do, q, k, v, o, lse, dpn._bwd_launch(q, k, v, o, True, precision), True)
-        assert torch.equal(delta_kernel, delta / p_sum), "paper-dpn's delta is not delta from P / rowsum(P)"
-        delta = delta_kernel
+    if undivided:
+        delta = sum(emulate._rowsum((P * dP)[..., cols]) for cols in emulate._tiles(*q.shape[-2:]))
     dS = P * (dP - delta.unsqueeze(-1))
     exact = torch.softmax(emulate._mask(q.double() @ k.double().mT * q.shape[-1] ** -0.5, 0, q.shape[-2], True), -1)
     return dS.double().sum(-1).flatten(), 1 - P.double().sum(-1).flatten(), exact.amax(-1).flatten()
 
 
 if __name__ == "__main__":
-    dpn = load_variant("paper-dpn")
-    arms = {"fa2": ("fa2", False, False, None), "fa2, delta from P": ("fa2", True, False, None),
-            "paper": ("paper", False, False, None), "paper, --delta-fp32": ("paper", False, True, None),
-            "paper, delta from P": ("paper", True, False, None), "paper-dpn": ("paper", True, False, dpn)}
+    arms = {"fa2": ("fa2", False, False), "fa2, delta from P": ("fa2", True, False), "paper": ("paper", False, False),
+            "paper, --delta-fp32": ("paper", False, True), "paper, delta from P": ("paper", True, False),
+            "paper, from P, undivided": ("paper", True, False, True)}
     print("rms over rows of rowsum(dS) (an exact backward: 0), x fa2's, by q scale 1 / 3 / 8; and 1 - rowsum(P)")
     inputs = {scale: [((rand((1, 2, 256, 64), seed=200 + 10 * s).float() * scale).to(torch.bfloat16),
                        *(rand((1, 2, 256, 64), seed=200 + 10 * s + i) for i in (1, 2, 3))) for s in range(3)]
@@ -67,7 +59,7 @@ if __name__ == "__main__":
             gap, max_p = gap + list(g), max_p + list(m)
         base = base or rms
         gaps[args[0]] = gap, max_p = torch.cat(gap), torch.cat(max_p)
-        print(f"{arm:22s} rms {' / '.join(f'{r:.2e}' for r in rms)}  (x fa2 "
+        print(f"{arm:24s} rms {' / '.join(f'{r:.2e}' for r in rms)}  (x fa2 "
               f"{' / '.join(f'{r / b:.2f}' for r, b in zip(rms, base))});  1 - rowsum(P): mean {gap.mean():+.1e}, "
               f"rms {gap.pow(2).mean().sqrt():.1e}, > 0 in {(gap > 0).double().mean():.0%} of rows")
     print("1 - rowsum(P) by the row's largest probability (float64), the rows above")
@@ -76,10 +68,3 @@ if __name__ == "__main__":
             rows = (max_p > lo) & (max_p <= hi)
             print(f"{precision:5s} max P in ({lo}, {hi}]: {int(rows.sum()):4d} rows, mean {gap[rows].mean():+.1e} "
                   f"(1 - max P: {(1 - max_p[rows]).mean():.1e}), < 0 in {(gap[rows] < 0).double().mean():.0%}")
-    print("paper-dpn: delta equals the emulation's delta from P / rowsum(P) bit for bit (9 inputs above)")
-    for seed, shape in enumerate([(2, 2, 130, 64), (1, 3, 77, 32), (1, 1, 200, 128)]):
-        for scale in (1, 4):
-            q, k, v = (rand(shape, seed=300 + 10 * seed + i) for i in range(3))
-            check_against_float64((q.float() * scale).to(torch.bfloat16), k, v, True, precision="paper",
-                                  attention=functools.partial(dpn.flash_attention, delta_from_p=True))
-    print("paper-dpn: O, dQ, dK, dV within twice plain bf16 attention's error of float64 (3 shapes x 2 logit scales)")

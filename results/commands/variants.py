@@ -52,19 +52,8 @@ PATCHES.update({
                     ("acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)", "acc = acc * alpha[:, None]"),
                     ("acc = (acc + pv).to(q.dtype).to(tl.float32)", "acc = acc + pv")],
 })
-# Session 14, for session 15 (run with --precision paper --delta-from-p): in the paper mode delta from P does not
-# stop the take-off (session 14, point 2). There l is summed in bf16, so the backward's P = exp(S - lse) sums to
-# 1 + O(2^-9) per row, and dS = P * (dP - rowsum(dP * P)) no longer sums to zero: an error along P as large as
-# fa2's delta error (results/rowsum_cpu_s14.txt). paper-dpn divides that delta by rowsum(P), summed in the same
-# pass, so each row of dS sums to zero again (before dS's cast).
-PATCHES["paper-dpn"] = [
-    ("        delta = tl.zeros([BLOCK_M], tl.float32)\n",
-     "        delta = tl.zeros([BLOCK_M], tl.float32)\n        p_sum = tl.zeros([BLOCK_M], tl.float32)  # variant\n"),
-    ("            delta += tl.sum(p * dp, 1)\n",
-     "            delta += tl.sum(p * dp, 1)\n            p_sum += tl.sum(p, 1)  # variant\n"),
-    ("tl.store(DELTA + bh * N + rows, delta, mask=rows < N)",
-     "tl.store(DELTA + bh * N + rows, delta / tl.where(p_sum > 0, p_sum, 1.0), mask=rows < N)  # variant"),
-]
+# Session 14's paper-dpn (delta from P over rowsum(P) in the paper mode) is `--precision paper --delta-from-p`
+# itself since session 15 (kernels.py); s15_paper_dpn.sh ran it from this file at commit 6a4296d.
 # o32 split by row (run with --delta-fp32 --fix off): delta reads the fp32 O in some rows and the bf16 O in the
 # others; a row is sharp when its largest P = 1/l (fix off, "fa2") exceeds 1 - 1e-3, as in diagnostics' sharp_rate.
 STORE_O = "    o = _round_bits(acc / l_i[:, None], O_BITS)\n"
