@@ -1,10 +1,13 @@
 #!/bin/bash
-# Plan for session 15 (not yet run), after two calls of s15_chain.sh on the same held machine: is the paper mode's
-# take-off with delta from P (session 14, point 2: past 100 at 23,000 / 26,000 steps, where the fa2 mode with delta
-# from P stays flat) the bf16 l of the paper mode? There the backward's P sums to 1 + O(2^-9) per row, so with delta
-# from P the rows of dS do not sum to zero: an error along P 1.1-1.6x the size of fa2's failing delta error on
-# random rows (`python results/commands/rowsum_cpu.py`, results/rowsum_cpu_s14.txt). variants.py paper-dpn divides
-# delta from P by rowsum(P), which zeroes those row sums (checked there bit for bit against the emulation).
+# Session 15, as run (once, 9 minutes, on nvidia-h200-x2, at commit 6a4296d; research.md, session 15, points 3-4:
+# paper-dpn held layer 0 flat, so since then it is what `--precision paper --delta-from-p` does and variants.py has
+# no paper-dpn; to rerun this exactly, check out 6a4296d). After two calls of s15_chain.sh on the same machine: is
+# the paper mode's take-off with delta from P (session 14, point 2: past 100 at 23,000 / 26,000 steps, where the fa2
+# mode with delta from P stays flat) the bf16 l of the paper mode? There the backward's P sums to 1 + O(2^-9) per
+# row, so with delta from P the rows of dS do not sum to zero: an error along P 1.1-1.6x the size of fa2's failing
+# delta error on random rows (`python results/commands/rowsum_cpu.py`, results/rowsum_cpu_s14.txt). variants.py
+# paper-dpn divides delta from P by rowsum(P), which zeroes those row sums (checked there bit for bit against the
+# emulation).
 #   GPU 0: paper-dpn (--precision paper --delta-from-p), seeds 0 and 1, two to the GPU (~45,000 steps)
 #   GPU 1: paper-s32 with --delta-from-p, seeds 0 and 1 (paper-s32 fix off collapsed at 13,009 / 14,287)
 # If paper-dpn's layer 0 stays near 20 past step 30,000 while paper with delta from P had taken off, the row sums
