@@ -4,10 +4,12 @@ Colour says what kind of attention a run used, the same in every figure: our fla
 with the fix off is red, with the fix on blue, torch SDPA grey. The mechanism controls are green:
 fp32 attention in pure greens, delta = rowsum(dP * P) instead of rowsum(dO * O) (delta_from_p, the
 paper's control) in olive greens, delta from an fp32 copy of O (delta_fp32) in purples. Shades within a colour
-separate variants (precision "fa2" / "paper", the amplifier's mantissa_bits); line style is the seed, and also
-cycles once a family runs out of shades.
+separate variants (precision "fa2" / "paper", the amplifier's mantissa_bits) and arms the config cannot tell
+apart; line style is the seed, and also cycles once a family runs out of shades.
 A config key missing from an older run reads as 0 / False.
 """
+
+import re
 
 import matplotlib
 
@@ -25,7 +27,8 @@ PALETTE = {
     "delta from fp32 O": ["tab:purple", "indigo", "orchid"],
     "sdpa": ["dimgray", "black", "darkgray", "tab:brown"],
 }
-LINESTYLES = ["-", "--", ":", "-."]
+# one per seed: the seed study has eight (dash patterns as (offset, (on, off, ...)) in points)
+LINESTYLES = ["-", "--", ":", "-.", (0, (5, 5)), (0, (1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (3, 5, 1, 5, 1, 5))]
 MAX_COLS = 3  # panels per figure row; wider grids wrap (6 layers -> 2 rows of 3)
 
 
@@ -95,21 +98,23 @@ def run_styles(runs):
     """Colour, line style and legend label of every run, decided once so that all figures agree.
 
     A learning rate other than the most common one among `runs` is added to the label. Runs whose
-    labels still coincide (settings the label leaves out, e.g. an older amplifier) get their
-    folder name appended and, after the first, the next line style, so that no two entries read
-    or look the same."""
-    variants = sorted({variant(r) for r in runs}, key=str)
-    seeds = sorted({str(r.setting("seed", 0)) for r in runs})
+    labels still coincide (settings the label leaves out: a patched kernel copy, an older amplifier) get
+    their folder name appended, and each arm of them (the folder name less its "-s<seed>") its own
+    shade; two runs of one arm and seed, the next line style. So no two entries read or look the same."""
     rates = [r.setting("lr") for r in runs]
     usual_lr = max(set(rates), key=rates.count, default=None) if rates else None
     labels = [label(r) + (f" lr {r.setting('lr'):g}" if isinstance(r.setting("lr"), (int, float))
                           and r.setting("lr") != usual_lr else "") for r in runs]
+    twinned = {variant(r) for r, text in zip(runs, labels) if labels.count(text) > 1}
+    arm = {r.path: variant(r) + ((re.sub(r"-s\d+$", "", r.name),) if variant(r) in twinned else ()) for r in runs}
+    arms = sorted(set(arm.values()), key=str)
+    seeds = sorted({str(r.setting("seed", 0)) for r in runs})
     styles, seen = {}, []
     for run, text in zip(runs, labels):
         kind = family(run)
-        shade = [v for v in variants if v[0] == kind].index(variant(run))
+        shade = [a for a in arms if a[0] == kind].index(arm[run.path])
         palette = PALETTE[kind]
-        twin = (variant(run), str(run.setting("seed", 0)))
+        twin = (arm[run.path], str(run.setting("seed", 0)))
         # twins (same label and seed) skip past every seed's dash, so they never borrow another seed's
         dash = seeds.index(str(run.setting("seed", 0))) + len(seeds) * (shade // len(palette) + seen.count(twin))
         seen.append(twin)

@@ -230,19 +230,27 @@ def test_labels_and_colours(tmp_path):
     assert style["p3-dp"]["color"] != style["fp32"]["color"]
     assert style["p3"]["color"] != style["old"]["color"]  # same family, different shade
     assert not set(PALETTE["delta from P"]) & set(PALETTE["fp32"])
-    assert style["p3-again"]["linestyle"] != style["p3"]["linestyle"]  # same colour, so another dash
+    assert style["p3-again"]["color"] != style["p3"]["color"]  # a twin arm: its own shade
 
 
-def test_twin_runs_over_two_seeds_all_look_different(tmp_path):
-    """Two arms the config cannot tell apart (a patched kernel copy, e.g. o32, next to the plain one), each
-    over seeds 0 and 1: four runs, one colour, so four different line styles."""
+def test_twin_arms_over_four_seeds_all_look_different(tmp_path):
+    """Three arms the config cannot tell apart (patched kernel copies, e.g. o32, next to the plain one), over
+    seeds 0-3, as many seeds as line styles: one shade per arm, one line style per seed, the same in every arm;
+    and the same run twice (two folders), another line style."""
     rng = np.random.default_rng(0)
-    for name in ("off", "o32"):
-        for seed in (0, 1):
+    for name in ("off", "o32", "p16"):
+        for seed in (0, 1, 2, 3):
             write_run(tmp_path, f"{name}-s{seed}", "off", "kernel", seed, False, rng)
-    runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
-    looks = {(s["color"], s["linestyle"]) for s in run_styles(runs).values()}
-    assert len(looks) == 4
+    write_run(tmp_path / "again", "off-s0", "off", "kernel", 0, False, rng)
+    runs = [load_run(p) for p in sorted(tmp_path.iterdir()) if p.name != "again"]
+    runs.append(load_run(tmp_path / "again" / "off-s0"))
+    styles = {r.path: run_styles(runs)[r.path] for r in runs}
+    looks = {(s["color"], s["linestyle"]) for s in styles.values()}
+    assert len(looks) == len(runs)
+    by_name = {}
+    for r in runs[:-1]:
+        by_name.setdefault(r.name[:-3], set()).add(styles[r.path]["color"])
+    assert all(len(colours) == 1 for colours in by_name.values()) and len(set.union(*by_name.values())) == 3
 
 
 def test_grid_panels_keep_step_labels_apart(tmp_path, monkeypatch):
