@@ -5,6 +5,10 @@ compiled kernel (`python -m pytest tests/test_kernels.py` with CUDA and without 
 bitwise tests are skipped: tensor cores and the GPU's exp2 differ from float64-rounded results in the last bit.
 """
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -380,6 +384,18 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
     q = torch.randn(1, 1, 8, 16).bfloat16()
     with pytest.raises(ValueError, match="CUDA"):
         kernels.flash_attention(q, q, q)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests compile what they run")
+def test_every_specialization_compiles_for_sm90():
+    """The interpreter runs code Triton's compiler rejects (a loop-carried value changing dtype passes every test
+    above); tests/compile_sm90.py compiles each launch the host code makes for the H200, in a process without the
+    interpreter. ~1 minute (less with Triton's cache)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.compile_sm90"], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "compile for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("seq_major", [True, False])
