@@ -543,9 +543,9 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
     delta_from_p: the paper's localisation control: the backward computes delta = rowsum(dP * P) from P
         recomputed in fp32, never reading the forward's rounded O (the paper reports that with it the failure
         disappears); in "paper" over rowsum(P), whose bf16 l leaves P summing to 1 + O(2^-9). Costs one more pass
-        over the keys in the backward. In our small GPTs (README.md) this, not
-        the fix, is what prevented the bf16 collapse: the fix removes the tie bias, but not the error of O's
-        final cast to bf16 that delta = rowsum(dO * O) carries (delta_fp32 cured it too).
+        over the keys in the backward. In our small GPTs (README.md) this, not the fix, is what prevented the bf16
+        collapse: the fix removes the tie bias, but not the error of O's final cast to bf16 that
+        delta = rowsum(dO * O) carries (delta_fp32 cured it too).
     delta_fp32: the paper's localisation experiment, and the cheaper remedy: the forward keeps O in fp32 for the
         backward and returns it cast to q's dtype (the same O as without it), so delta = rowsum(dO * O) reads O
         before its final rounding; P's rounding inside O stays. Costs an fp32 O in memory (saved for the

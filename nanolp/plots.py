@@ -115,7 +115,7 @@ def run_styles(runs):
         shade = [a for a in arms if a[0] == kind].index(arm[run.path])
         palette = PALETTE[kind]
         twin = (arm[run.path], str(run.setting("seed", 0)))
-        # twins (same label and seed) skip past every seed's dash, so they never borrow another seed's
+        # twins (same arm and seed) skip past every seed's dash, so they never borrow another seed's
         dash = seeds.index(str(run.setting("seed", 0))) + len(seeds) * (shade // len(palette) + seen.count(twin))
         seen.append(twin)
         styles[run.path] = dict(
