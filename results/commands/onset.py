@@ -1,8 +1,10 @@
 """When does layer 0 take off, and how common are tied and sharp rows in layer 0 before it? (session 10, point 3)
 Which of its heads runs away, and what did that head look like before? (--heads; session 12, point 4)
+How fast is the runaway's late stage, and how long does a run live past 1e6? (--late; session 16, point 2)
 
     python results/commands/onset.py RUN_DIR [RUN_DIR ...]
     python results/commands/onset.py --heads RUN_DIR [RUN_DIR ...]
+    python results/commands/onset.py --late RUN_DIR [RUN_DIR ...]
 
 Per run, from log.csv: layer 0's max logit at step 10,000 (the base), the first logged step where it exceeds
 twice the base and 100, the sharp rate (rows whose largest P exceeds 1 - 1e-3) up to the doubling, the first step
@@ -15,9 +17,14 @@ passes 100 (its take-off), the head whose W_Q spectral norm has grown the most o
 mode takes off by step 12,000). At the reference step, that head's norm and its rank among layer 0's six heads (1 =
 largest), and its tie rate (rows whose top two scores are within tol), mean over steps 2,000 to the reference +
 5,000, with that rate's rank.
+
+With --late: the first logged step where layer 0's max logit passes 1e3 and 1e6, the steps between the two, the
+collapse step (summary.json; "-" without one) and the steps from 1e6 to the collapse or to the run's last step, and
+layer 0's max logit at the last logged step and at its largest.
 """
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -66,7 +73,20 @@ def heads(run):
             f"rank {rank(tie, lead)} (largest {max(tie):.4f})")
 
 
+def late(run):
+    rows = [(int(r["step"]), float(r["max_logit_L0"])) for r in csv.DictReader(open(Path(run) / "log.csv"))
+            if r.get("max_logit_L0")]
+    first = lambda level: next((s for s, v in rows if v > level), None)
+    k, m = first(1e3), first(1e6)
+    collapse = json.load(open(Path(run) / "summary.json")).get("collapse_step")
+    stop = collapse or rows[-1][0]
+    span = lambda a, b: f"{b - a:,}" if a is not None and b is not None else "-"
+    return (f"{Path(run).name:9s} >1e3 at {k}  >1e6 at {m}  1e3->1e6 {span(k, m)}  collapse {collapse or '-'}  "
+            f"1e6->{'collapse' if collapse else 'end'} {span(m, stop)}  last {rows[-1][1]:.1e}  "
+            f"largest {max(v for _, v in rows):.1e}")
+
+
 if __name__ == "__main__":
-    report = heads if sys.argv[1:2] == ["--heads"] else onset
-    for run in sys.argv[1 + (report is heads):]:
+    report = {"--heads": heads, "--late": late}.get((sys.argv[1:2] or [""])[0], onset)
+    for run in sys.argv[1 + (report is not onset):]:
         print(report(run))
