@@ -7,12 +7,17 @@ Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_caus
 the gradients are stored in q's layout (seq-major when q is a head view of a (batch, seq, channels) tensor);
 differentiable; head_dim 16/32/64/128; any sequence length; works inside torch.compile (it is a custom op).
 
-The paper (Qiu & Yao, arXiv 2510.04212): in bf16, a flash-attention forward makes a *biased* rounding error in
-O when a row of scores has several (near-)equal maxima, because their probabilities P are exactly 1 and the
-rounding of P V then always goes the same way. The backward reads O through delta = rowsum(dO * O), so the
-error reaches dQ and dK with one sign, piles up in W_Q / W_K, logits grow and training collapses. The fix
-moves such a row's max up a little, so no P is exactly 1. See _shifted_max, the only part the fix changes
-(with one addition to the paper's per-tile rule: ties across key tiles count too).
+The paper (Qiu & Yao, arXiv 2510.04212): in bf16, training with flash attention collapses because the backward
+reads the forward's rounded O through delta = rowsum(dO * O), and the error it reads there has one sign, so dQ and
+dK carry a same-signed error that piles up in W_Q / W_K: logits grow and the loss explodes. The paper blames rows
+with several (near-)equal maxima, whose P are exactly 1 so that the rounding of P V always goes the same way, and
+shifts such a row's max up a little (_shifted_max). In our runs that is not enough: the error that fails them is O's
+final cast to bf16 as delta reads it (in sharp rows it rounds away the pull of every other key, and dO, computed
+downstream of the same rounded O, is correlated with that rounding: nanolp/curvature.py). So the fix has two parts,
+both marked THE FIX below:
+    1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
+    2. the backward: delta read from the forward's fp32 O, before its final cast (output_and_delta_o).
+fix=True is both; fix="paper" the first alone, kept as an ablation. Both are exact in real arithmetic.
 
 Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
     S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
@@ -36,10 +41,12 @@ TILE_N = 64                      # keys per tile (fixed: the fix looks for ties 
 TIE_TOL = 2.0 ** -9              # nats: exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9
 SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # nats: the range the fix keeps its shift in
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FIX_SETTINGS = (False, True, "paper")    # flash_attention's fix: off, the complete fix, the paper's rule alone
+STOCHASTIC_O = ("off", "forward", "delta")  # an experiment: where O is stochastically rounded (flash_attention)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# THE FIX. One small function, called once per key tile in the forward pass; the backward is unchanged.
+# THE FIX, part 1 (the paper's rule): one small function, called once per key tile in the forward pass.
 
 @triton.jit
 def _shifted_max(s, r, t, beta, tol, lo, hi, span):
@@ -208,7 +215,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
 # (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's rounded O,
 # and every rounding that went into it, never reaches the gradient. In "paper" it is divided by rowsum(P): there
 # lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to zero, an error that
-# grew W_Q by itself (results/research.md, session 15). In "fa2" P sums to 1 to fp32 rounding; dividing there
+# grew W_Q by itself in the paper mode's runs (docs/findings.md). In "fa2" P sums to 1 to fp32 rounding; dividing there
 # would only add a rounding of rowsum(P) near 1. With delta_fp32 the O read here is the forward's fp32 O, before
 # its final cast: P's rounding reaches the gradient, the cast's does not.
 
@@ -330,7 +337,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 # multiplied (software pipelining). Backward: 64 x 64 tiles in both passes, which keep dK, dV (or dQ) and the
 # recomputed P in registers; up to SHORT_SEQ keys its loops are at most 8 tiles long, too short to fill a
 # pipeline, so it runs unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward and 6 backward
-# settings timed on the H200 (results/commands/speed.py, results/tuning_s5.csv); no autotune, so that a run's
+# settings timed on the H200; no autotune, so that a run's
 # numerics (the backward's summation order) never depend on a timing.
 # Forward rows must be a multiple of TILE_N (the causal split assumes it). Under the CPU interpreter, forward
 # programs own 64 rows and nothing is pipelined.
@@ -343,8 +350,10 @@ if INTERPRET:
 
 
 def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amplify="p", delta_from_p=False,
-                 delta_fp32=False):
+                 delta_fp32=False, fix=False, stochastic_o="off"):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py)."""
+    if not (isinstance(fix, bool) or fix == "paper"):
+        raise ValueError(f'fix must be False, True or "paper", got {fix!r}')
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -372,8 +381,15 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amp
         raise ValueError(f"mantissa_bits must be 0 (off) or 1-6, got {mantissa_bits}")
     if amplify not in ("p", "vo"):
         raise ValueError(f'amplify must be "p" or "vo", got {amplify!r}')
-    if delta_from_p and delta_fp32:
-        raise ValueError("delta_from_p and delta_fp32 are two ways of computing delta: choose one")
+    if stochastic_o not in STOCHASTIC_O:
+        raise ValueError(f"stochastic_o must be one of {STOCHASTIC_O}, got {stochastic_o!r}")
+    if stochastic_o != "off" and q.dtype != torch.bfloat16:
+        raise TypeError(f"stochastic_o rounds to bfloat16; q, k, v are {q.dtype}")
+    deltas = [name for name, on in (("fix=True (delta from the fp32 O)", fix is True), ("delta_from_p", delta_from_p),
+                                    ("delta_fp32", delta_fp32), ('stochastic_o="delta"', stochastic_o == "delta"))
+              if on]
+    if len(deltas) > 1 and deltas != ["fix=True (delta from the fp32 O)", "delta_fp32"]:
+        raise ValueError(f"{' and '.join(deltas)} are different ways of computing delta: choose one")
 
 
 def fix_constants(precision, tol, mantissa_bits=0):
@@ -436,29 +452,66 @@ def empty_in_layout_of(t, dtype=None):
     return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
 
 
+def stochastic_round(x, generator=None):
+    """Round fp32 x to bfloat16 stochastically: up or down with probabilities that make the rounding unbiased
+    (E[result] = x), by adding 16 random bits below bf16's mantissa and truncating. Twice the error variance of
+    round-to-nearest on average; used by the stochastic_o experiment only."""
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: rounds |x| up or down; exact in bf16
+    rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
+    return torch.empty_like(x, dtype=torch.bfloat16).copy_(rounded)    # in x's layout
+
+
+# THE FIX, part 2: the backward's delta reads the fp32 O the forward computed, not its bf16 cast. The cast is
+# what delta's one-signed error comes from in our runs; the caller still gets the bf16 O, bit for bit as before.
+
+def output_and_delta_o(o32, dtype, delta_fp32, stochastic_o):
+    """From the forward's fp32 O: the O the caller gets and the O the backward's delta reads (None: the same).
+
+    default           O = round(o32);             delta reads O          (the paper's channel)
+    delta_fp32        O = round(o32);             delta reads o32        (the complete fix, fix=True)
+    stochastic "forward"  O = stochastic(o32);    delta reads O          (or o32 with delta_fp32)
+    stochastic "delta"    O = round(o32);         delta reads an independent stochastic(o32)"""
+    o = stochastic_round(o32) if stochastic_o == "forward" else o32.to(dtype)          # ROUND: O's final cast
+    if delta_fp32:
+        return o, o32
+    return o, stochastic_round(o32) if stochastic_o == "delta" else None
+
+
+def needs_fp32_o(delta_fp32, stochastic_o):
+    return delta_fp32 or stochastic_o != "off"
+
+
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
-def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: bool, precision: str,
-               beta: float, tol: float, delta_from_p: bool, delta_fp32: bool, mantissa_bits: int, amplify: str
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns O and lse; O in fp32 with delta_fp32 (the kernel then skips its final cast, and flash_attention
-    makes it). delta_from_p is for the backward only (it reaches it through _setup_context)."""
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, precision: str,
+               beta: float, tol: float, delta_from_p: bool, delta_fp32: bool, mantissa_bits: int, amplify: str,
+               stochastic_o: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
+    shift: the paper's row-max shift (_shifted_max). delta_from_p is for the backward only (_setup_context)."""
     B, H, N, D = q.shape
-    o = empty_in_layout_of(q, torch.float32 if delta_fp32 else None)
+    fp32_o = needs_fp32_o(delta_fp32, stochastic_o)   # the kernel then skips its final cast, done below
+    o = empty_in_layout_of(q, torch.float32 if fp32_o else None)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = FWD_TUNING[D]
     p_bits, o_bits = amplified_bits(mantissa_bits, amplify)
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, p_bits),
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal, FIX=fix, PAPER=precision == "paper",
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal, FIX=shift, PAPER=precision == "paper",
         P_BITS=p_bits, O_BITS=o_bits, num_warps=warps, num_stages=stages)
-    return o, lse
+    if not fp32_o:
+        return o, lse, o.new_empty(0)
+    o, o_delta = output_and_delta_o(o, q.dtype, delta_fp32, stochastic_o)
+    return o, lse, o.new_empty(0) if o_delta is None else o_delta
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, fix, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify):
-    o = empty_in_layout_of(q, torch.float32 if delta_fp32 else None)
-    return o, q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, causal, shift, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify, stochastic_o):
+    o = empty_in_layout_of(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    if delta_fp32 or stochastic_o == "delta":
+        return o, lse, empty_in_layout_of(q, torch.float32 if delta_fp32 else None)
+    return o, lse, o.new_empty(0)
 
 
 def _bwd_launch(q, k, v, o, causal, precision):
@@ -510,29 +563,35 @@ def _(do, q, k, v, o, lse, causal, precision, delta_from_p):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, fix, precision, beta, tol, delta_from_p, _, _, _ = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, causal, _, precision, _, _, delta_from_p, *_ = inputs
+    o, lse, o_delta = output
+    ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
     ctx.causal, ctx.precision, ctx.delta_from_p = causal, precision, delta_from_p
 
 
-def _backward(ctx, do, _dlse):
+def _backward(ctx, do, _dlse, _do_delta):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.delta_from_p)
-    return dq, dk, dv, *[None] * 9
+    return dq, dk, dv, *[None] * 10
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                    delta_fp32=False, mantissa_bits=0, amplify="p"):
+                    delta_fp32=False, mantissa_bits=0, amplify="p", stochastic_o="off"):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
         strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of the
         same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
-    fix: remove the rounding bias (see _shifted_max): ties within a key tile and across tiles. Exact in real
-        arithmetic; costs one comparison and one row reduction per tile.
+    fix: False, True or "paper".
+        True, the complete fix: the paper's row-max shift (_shifted_max: no P is exactly 1 in a row with tied
+            maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final cast to q's
+            dtype. The returned O is unchanged (the same bits as with the fix off, up to the shift's rounding);
+            the backward keeps one fp32 O. Exact in real arithmetic.
+        "paper": the paper's rule alone (the shift), an ablation: it removes the tie bias but not the error of
+            O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
     precision: "fa2" (fp32 statistics and accumulator, the production pattern) or "paper" (the rounding
         points of the paper's PyTorch implementation under bf16 autocast).
     beta: the paper's factor: a tied row max r > 0 becomes beta * r. Default 2, the official value; any
@@ -540,27 +599,21 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
     tol: scores within tol nats of a tile's row max count as tied. Default 2^-9: exp(-x) for x below that
         rounds to exactly 1.0 in bf16, which is what makes a product P V exact and its rounding one-sided.
         (The official code uses 1e-3; both catch exact ties, this one also every score whose P rounds to 1.)
-    delta_from_p: the paper's localisation control: the backward computes delta = rowsum(dP * P) from P
-        recomputed in fp32, never reading the forward's rounded O (the paper reports that with it the failure
-        disappears); in "paper" over rowsum(P), whose bf16 l leaves P summing to 1 + O(2^-9). Costs one more pass
-        over the keys in the backward. In our small GPTs (README.md) this, not the fix, is what prevented the bf16
-        collapse: the fix removes the tie bias, but not the error of O's final cast to bf16 that
-        delta = rowsum(dO * O) carries (delta_fp32 cured it too).
-    delta_fp32: the paper's localisation experiment, and the cheaper remedy: the forward keeps O in fp32 for the
-        backward and returns it cast to q's dtype (the same O as without it), so delta = rowsum(dO * O) reads O
-        before its final rounding; P's rounding inside O stays. Costs an fp32 O in memory (saved for the
-        backward) and one cast, no extra pass. In our small GPTs the error of that final cast is what fails
-        plain bf16 training (README.md, results/research.md session 9): with it the default run trained on past
-        its collapse.
-    mantissa_bits: an amplifier for experiments, not for training models: round P before P V to this many
-        mantissa bits (1-6; 3 is FP8 e4m3, as in FP8 attention kernels). 0, the default: the input dtype's.
-        The fix's tol and shift range widen to match (fix_constants).
-    amplify: what mantissa_bits rounds: "p" (the default, above) or "vo": V before attention reads it and O
-        before it is stored, P staying in the input dtype. Rows with tied maxima put O on rounding midpoints
-        of V's format, so this amplifies the paper's own bias (by 2^(7 - bits) over bf16); rounding O to few
-        bits is biased on other rows too (results/research.md, session 4, points 7-8).
+
+    Experiments (for studying the failure, not for training models):
+    delta_from_p: the paper's localisation control: delta = rowsum(dP * P) from P recomputed in fp32 (over
+        rowsum(P) in "paper", whose bf16 l leaves P summing to 1 + O(2^-9)); never reads O; one more pass.
+    delta_fp32: delta from the forward's fp32 O without the shift (the fix's second part alone).
+    stochastic_o: "off"; "forward": O stochastically rounded to bf16 (unbiased), so the next layer and delta both
+        see the same noisier O; "delta": O rounded to nearest as usual, delta reading an independent stochastic
+        rounding of the fp32 O. Together they separate "delta reads an error that dO is correlated with" from
+        "delta reads a biased O" (docs/findings.md).
+    mantissa_bits: the amplifier: round P before P V to this many mantissa bits (1-6; 3 is FP8 e4m3). 0, the
+        default: the input dtype's. The fix's tol and shift range widen to match (fix_constants).
+    amplify: what mantissa_bits rounds: "p" (the default) or "vo": V before attention reads it and O before it
+        is stored, P staying in the input dtype.
     """
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32, fix, stochastic_o)
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"flash_attention needs CUDA tensors (got {q.device}); on CPU run with TRITON_INTERPRET=1 "
                          "or use nanolp.emulate.emulate_attention, which computes the same numbers")
@@ -568,6 +621,16 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
     v = amplified_v(v, mantissa_bits, amplify)
-    o = _flash_fwd(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p, delta_fp32,
-                   mantissa_bits, amplify)[0]
-    return o.to(q.dtype)  # a no-op unless delta_fp32; then autograd hands the backward an fp32 dO of bf16 values
+    return _flash_fwd(q, k, v, causal, fix is not False, precision, float(beta), float(tol), delta_from_p,
+                      delta_fp32 or fix is True, mantissa_bits, amplify, stochastic_o)[0]
+
+
+def flash_forward_fp32(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, mantissa_bits=0,
+                       amplify="p"):
+    """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix=True. For
+    diagnostics and tests."""
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, fix=fix)
+    with torch.no_grad():
+        v = amplified_v(v, mantissa_bits, amplify)
+        return _flash_fwd(q, k, v, causal, fix is not False, precision, float(beta), float(tol), False, True,
+                          mantissa_bits, amplify, "off")[2]

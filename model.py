@@ -34,12 +34,13 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 384
     attn: str = "kernel"      # one of ATTN_BACKENDS
-    fix: bool = False         # the paper's forward fix (kernel and emulate only)
+    fix: object = False       # kernel/emulate: False, True (the complete fix) or "paper" (the paper's rule alone)
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
     delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
     delta_fp32: bool = False  # kernel/emulate: delta from an fp32 copy of O, before its final cast (the remedy)
     mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
     amplify: str = "p"        # what the amplifier rounds: "p", or "vo" (V and O: amplifies the paper's tie bias)
+    stochastic_o: str = "off"  # kernel/emulate: "forward" or "delta": where O is stochastically rounded
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
                               # repeat of a row's best-matching token ties exactly (copies, which carry no bias)
 
@@ -72,7 +73,7 @@ def attention(q, k, v, config):
             from nanolp.emulate import emulate_attention as fn
         return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision,
                   delta_from_p=config.delta_from_p, delta_fp32=config.delta_fp32, mantissa_bits=config.mantissa_bits,
-                  amplify=config.amplify)
+                  amplify=config.amplify, stochastic_o=config.stochastic_o)
     if config.attn == "fp32":
         return reference_attention(q, k, v)
     if config.attn == "sdpa":
@@ -145,6 +146,7 @@ class GPT(nn.Module):
         assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
         assert config.pos in ("learned", "none"), f'pos must be "learned" or "none", got {config.pos!r}'
         kernel_only = {name: getattr(config, name) for name in ("fix", "delta_from_p", "delta_fp32", "mantissa_bits")}
+        kernel_only["stochastic_o"] = config.stochastic_o != "off"
         if config.attn not in ("kernel", "emulate") and any(kernel_only.values()):
             on = ", ".join(name for name, value in kernel_only.items() if value)
             raise ValueError(f"{on}: only our kernel (attn kernel or emulate) has it, not attn {config.attn!r}")

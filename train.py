@@ -39,10 +39,11 @@ from tqdm import tqdm
 
 from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig
 from nanolp.data import get_batch, prepare
-from nanolp.diagnostics import diag_columns, diagnose
+from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
 
 COMMON = dict(
     fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, mantissa_bits=0, amplify="p",
+    stochastic_o="off",
     pos="learned", seed=0,
     lr=1e-3, warmup=100, schedule="constant", beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
     steps=5000, minutes=None, dtype="bf16",
@@ -65,6 +66,8 @@ PRESETS = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=16, lr=3e-3, warmup=20, steps=300,
                  eval_interval=100, eval_iters=4, diag_interval=50, ckpt_interval=100),
 }
+# --fix: off; on, the complete fix (the paper's shift and delta from the fp32 O); paper, the paper's rule alone
+FIX = {"off": False, "on": True, "paper": "paper"}
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum (see the docstring)
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
@@ -77,7 +80,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # every default is None, so that a flag the user gave can be told from one they did not
     p.add_argument("--preset", choices=PRESETS)
-    p.add_argument("--fix", choices=["off", "on"])
+    p.add_argument("--fix", choices=list(FIX))
     p.add_argument("--attn", choices=ATTN_BACKENDS)
     p.add_argument("--precision", choices=["fa2", "paper"])
     p.add_argument("--delta-from-p", action=argparse.BooleanOptionalAction,
@@ -87,6 +90,8 @@ def parse_args(argv):
     p.add_argument("--mantissa-bits", type=int, help="kernel/emulate: amplifier, P rounded to 1-6 mantissa bits before P V")
     p.add_argument("--amplify", choices=["p", "vo"],
                    help="what --mantissa-bits rounds: P (default) or V and O (amplifies the paper's tie bias)")
+    p.add_argument("--stochastic-o", choices=["off", "forward", "delta"],
+                   help="kernel/emulate: O stochastically rounded in the forward, or only where delta reads it")
     p.add_argument("--pos", choices=["learned", "none"],
                    help="position embeddings; none: layer 0 sees tokens only, so repeated tokens tie exactly")
     p.add_argument("--seed", type=int)
@@ -235,9 +240,9 @@ def main(argv=None):
     train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
-                          n_embd=c["n_embd"], attn=c["attn"], fix=c["fix"] == "on", precision=c["precision"],
+                          n_embd=c["n_embd"], attn=c["attn"], fix=FIX[c["fix"]], precision=c["precision"],
                           delta_from_p=c["delta_from_p"], delta_fp32=c["delta_fp32"], mantissa_bits=c["mantissa_bits"],
-                          amplify=c["amplify"], pos=c["pos"])).to(device)
+                          amplify=c["amplify"], stochastic_o=c["stochastic_o"], pos=c["pos"])).to(device)
     c["vocab_size"], c["flops_per_token"] = data.vocab_size, model.flops_per_token()
     # weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2
     params = list(model.parameters())
@@ -267,6 +272,7 @@ def main(argv=None):
     # diagnostics use the plain model (hooks)
     train_model = model if c["compile"] == "off" else torch.compile(model, mode=c["compile"])
     diag_x, diag_y = get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
+    probe = [get_batch(val_tokens, B, T, seed=1, step=i) for i in range(PROBE_BATCHES)]   # delta_probe's rows
     nan_at = int(os.environ.get("NANOLP_NAN_AT_STEP", -1))  # test hook: poison the loss of this step
 
     step, collapse, stop_at = state["step"], None, c["steps"]
@@ -325,7 +331,7 @@ def main(argv=None):
             if step % c["eval_interval"] == 0 or step >= stop_at:
                 row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
             if step % c["diag_interval"] == 0 or step >= stop_at or collapse:  # every row once collapsed
-                row.update(diagnose(model, diag_x, diag_y, ctx))
+                row.update(diagnose(model, diag_x, diag_y, ctx, probe))
                 max_logit = max(row[f"max_logit_L{i}"] for i in range(c["n_layer"]))
         write_rows(run_dir / "log.csv", [row], columns)
         pbar.set_postfix(loss=f"{train_loss:.4f}", max_logit="-" if max_logit is None else f"{max_logit:.1f}")

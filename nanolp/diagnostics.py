@@ -4,11 +4,11 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
     max_logit   largest scaled score q.k/sqrt(d) in a layer: the logits grow before a collapse
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
                 (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits; the scores rounded
-                to bf16 as the kernel rounds them in the "paper" precision, since session 13); also per head,
+                to bf16 as the kernel rounds them in the "paper" precision); also per head,
                 since the paper's failure starts in a few heads
     sharp_rate  fraction of causal rows (the first query, with its one key, left out) whose largest probability
                 exceeds 1 - SHARP_EPS: where O's bf16 cast rounds O back to that key's V and delta's error
-                becomes a copy of the dominant logit's gradient (session 9; results/commands/snap_cpu.py);
+                becomes a copy of the dominant logit's gradient;
                 per layer and per head
     sn_q, sn_k  spectral norms of W_Q and W_K (and of each head's slice of W_Q): the direction the biased
                 gradient grows
@@ -20,8 +20,20 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
                 plain gradient step then grows |W_Q|^2 and |W_K|^2 (biases included) in proportion to
                 +delta_push (Adam rescales each coordinate: for it, read the sign, not the rate).
                 It is the paper's cycle in one number: positive and steady over steps means the error piles up
-                along the weights' own direction. (delta_err weighs every row alike; in the long bf16 runs of
-                sessions 6-7 it showed no trend before the take-off.)
+                along the weights' own direction. (delta_err weighs every row alike, on 16 rows; in the
+                long bf16 runs it showed no trend before the take-off: too few rows, see the probe below.)
+
+and, on more rows (PROBE_BATCHES batches of the training batch size, layer PROBE_LAYER), the error delta reads,
+split as the curvature hypothesis splits it (delta_probe):
+    probe_total   rowsum(dO * e), e = O - O_fp32 the error of O's final cast, dO from the model as it runs
+                  (downstream of the rounded O): what delta = rowsum(dO * O) reads beyond the fp32 O's delta
+    probe_lin     rowsum(dO_clean * e), dO_clean from a forward in which O stays in fp32 downstream of the
+                  layer: the part of the error that is not correlated with e (predicted: zero mean)
+    probe_curv    rowsum((dO_z - dO_clean) * z) for noise z of round-to-nearest's size (uniform within half a
+                  bf16 step of O_fp32), independent of e: an estimate of tr(H Sigma_e), H the loss's curvature
+                  with respect to O (predicted: the mean of probe_total)
+    probe_indep   rowsum(dO * e'), e' an independent stochastic rounding error of O_fp32 (predicted: zero mean)
+    each with its standard error (_se) over the probe's rows.
 
 The names are the column names of log.csv.
 """
@@ -29,12 +41,16 @@ The names are the column names of log.csv.
 import math
 
 import torch
+import torch.nn.functional as F
 
 from model import causal_scores
-from nanolp.emulate import scores
-from kernels import TIE_TOL, amplified_bits, amplified_v, widening  # TIE_TOL: exp(-x) rounds to 1.0 in bf16 below it
+from nanolp.emulate import emulate_forward_fp32, scores
+from kernels import TIE_TOL, amplified_bits, amplified_v, stochastic_round, widening  # TIE_TOL: exp(-x) rounds to 1.0
 
-SHARP_EPS = 1e-3  # snap_cpu.py: below it, delta's error from O's cast copies the dominant logit's gradient
+SHARP_EPS = 1e-3  # below it, delta's error from O's cast copies the dominant logit's gradient
+PROBE_LAYER = 0    # the layer that runs away
+PROBE_BATCHES = 4  # batches of the training batch size: ~4e5 rows at the default preset
+PROBE_TERMS = ("total", "lin", "curv", "indep")
 
 
 def diag_columns(n_layer, n_head):
@@ -46,7 +62,11 @@ def diag_columns(n_layer, n_head):
         for h in range(n_head):
             columns += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"sharp_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}",
                         f"delta_push_L{i}_H{h}"]
-    return columns
+    return columns + probe_columns()
+
+
+def probe_columns():
+    return [f"probe_{term}{se}_L{PROBE_LAYER}" for term in PROBE_TERMS for se in ("", "_se")]
 
 
 def capture_attention(model, x, y, ctx):
@@ -99,10 +119,87 @@ def spectral_norms(model):
     return out
 
 
-def diagnose(model, x, y, ctx):
-    """Every diagnostic column for the (uncompiled) model on the batch (x, y), as Python floats.
-    ctx is the autocast context of training, so attention sees the same dtypes as in a training step."""
+def fp32_output(q, k, v, config):
+    """The attention's O before its final cast, as config's attention computes it (float32 attention for the
+    torch backends, which have no fp32 O of their own to read)."""
+    options = dict(fix=config.fix, precision=config.precision, mantissa_bits=config.mantissa_bits,
+                   amplify=config.amplify)
+    if config.attn == "kernel" and q.is_cuda:
+        from kernels import flash_forward_fp32
+        return flash_forward_fp32(q, k, v, **options)
+    if config.attn in ("kernel", "emulate"):
+        return emulate_forward_fp32(q, k, v, **options)
+    with torch.no_grad():
+        return causal_scores(q, k).softmax(dim=-1) @ v.float()
+
+
+def bf16_step(x):
+    """The spacing of bfloat16 numbers at x (0 where x is 0)."""
+    mantissa, exponent = torch.frexp(x)              # |x| in [2^(e-1), 2^e): bf16's step there is 2^(e-8)
+    return torch.where(x == 0, 0.0, torch.ldexp(torch.ones_like(x), exponent - 8))
+
+
+def _probe_pass(model, x, y, ctx, layer, replace=None):
+    """Forward and backward of (x, y) that returns the layer's attention (q, k, v, O) and dO. With replace
+    (an fp32 tensor in O's shape), the layer's attention output is replaced by it and the layer's output
+    projection runs in fp32, so that what follows the layer sees the fp32 values, not their bf16 rounding."""
+    block = model.transformer.h[layer].attn
+    seen = {}
+
+    def on_attend(module, qkv, O):
+        seen["qkv"] = [t.detach() for t in qkv]
+        seen["O"] = O if replace is None else replace.requires_grad_()
+        return seen["O"]
+
+    def on_proj(module, inputs, output):
+        with torch.autocast(inputs[0].device.type, enabled=False):
+            return F.linear(inputs[0].float(), module.weight.float(), module.bias.float())
+
+    hooks = [block.attend.register_forward_hook(on_attend)]
+    if replace is not None:
+        hooks.append(block.c_proj.register_forward_hook(on_proj))
+    try:
+        with ctx:
+            _, loss = model(x, y)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    (dO,) = torch.autograd.grad(loss, [seen["O"]])
+    return (*seen["qkv"], seen["O"].detach()), dO.float()
+
+
+def delta_probe(model, batches, ctx, layer=PROBE_LAYER, seed=0):
+    """The probe_* columns (see the top of this file) over the batches [(x, y), ...]: means and standard errors
+    of the four terms, over every (batch row, head, query) of the layer."""
+    generator = torch.Generator(device=batches[0][0].device).manual_seed(seed)
+    terms = {term: [] for term in PROBE_TERMS}
+    for x, y in batches:
+        (q, k, v, O), dO = _probe_pass(model, x, y, ctx, layer)
+        o32 = fp32_output(q, k, v, model.config).float()
+        e = O.float() - o32
+        step = bf16_step(o32)
+        z = (torch.rand(o32.shape, generator=generator, device=o32.device) - 0.5) * step
+        _, dO_clean = _probe_pass(model, x, y, ctx, layer, replace=o32.clone())
+        _, dO_noisy = _probe_pass(model, x, y, ctx, layer, replace=o32 + z)
+        with torch.no_grad():
+            terms["total"].append((dO * e).sum(-1))
+            terms["lin"].append((dO_clean * e).sum(-1))
+            terms["curv"].append(((dO_noisy - dO_clean) * z).sum(-1))
+            terms["indep"].append((dO * (stochastic_round(o32, generator).float() - o32)).sum(-1))
+    out = {}
+    for term, values in terms.items():
+        values = torch.cat([t.flatten() for t in values]).double()
+        out[f"probe_{term}_L{layer}"] = values.mean().float()
+        out[f"probe_{term}_se_L{layer}"] = (values.std() / math.sqrt(values.numel())).float()
+    return out
+
+
+def diagnose(model, x, y, ctx, probe=None):
+    """Every diagnostic column for the (uncompiled) model on the batch (x, y), and delta_probe's on the batches
+    probe (default: that batch), as Python floats. ctx is the autocast context of training, so attention sees the same dtypes as in a
+    training step."""
     out = spectral_norms(model)
+    out.update(delta_probe(model, probe or [(x, y)], ctx))
     c = model.config
     p_bits, _ = amplified_bits(c.mantissa_bits, c.amplify)   # the tie band: scores whose P rounds to 1.0
     for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):

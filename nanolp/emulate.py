@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import (BWD_TUNING, TIE_TOL, TILE_N, amplified_bits, amplified_v, check_inputs, fix_constants, qk_scale,
-                     round_mantissa)
+from kernels import (BWD_TUNING, TIE_TOL, TILE_N, amplified_bits, amplified_v, check_inputs, fix_constants,
+                     output_and_delta_o, qk_scale, round_mantissa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,9 +186,11 @@ def backward(q, k, v, o, lse, do, causal, precision, delta_from_p=False):
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, fix, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify):
-        o, o32, lse = forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits, amplify)
-        ctx.save_for_backward(q, k, v, o32 if delta_fp32 else o, lse)   # the O that delta will read
+    def forward(ctx, q, k, v, causal, shift, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify,
+                stochastic_o):
+        _, o32, lse = forward(q, k, v, causal, shift, precision, beta, tol, mantissa_bits, amplify)
+        o, o_delta = output_and_delta_o(o32, q.dtype, delta_fp32, stochastic_o)   # as kernels._flash_fwd
+        ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
         ctx.args = (causal, precision, delta_from_p)
         return o
 
@@ -196,14 +198,24 @@ class _EmulatedAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 9)
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 10)
 
 
 def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                      delta_fp32=False, mantissa_bits=0, amplify="p"):
+                      delta_fp32=False, mantissa_bits=0, amplify="p", stochastic_o="off"):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32)
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32, fix, stochastic_o)
     v = amplified_v(v, mantissa_bits, amplify)
     with torch.autocast(q.device.type, enabled=False):
-        return _EmulatedAttention.apply(q, k, v, causal, fix, precision, float(beta), float(tol), delta_from_p,
-                                        delta_fp32, mantissa_bits, amplify)
+        return _EmulatedAttention.apply(q, k, v, causal, fix is not False, precision, float(beta), float(tol),
+                                        delta_from_p, delta_fp32 or fix is True, mantissa_bits, amplify, stochastic_o)
+
+
+def emulate_forward_fp32(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, mantissa_bits=0,
+                         amplify="p"):
+    """kernels.flash_forward_fp32's result: the forward's O before its final cast."""
+    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, fix=fix)
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        v = amplified_v(v, mantissa_bits, amplify)
+        return forward(q, k, v, causal, fix is not False, precision, float(beta), float(tol), mantissa_bits,
+                       amplify)[1]

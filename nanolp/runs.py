@@ -5,6 +5,7 @@ every column is optional: missing files read as empty, empty cells read as NaN.
 """
 
 import csv
+import gzip
 import json
 import math
 import re
@@ -92,8 +93,15 @@ def read_json(path):
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def log_path(run_dir):
+    """A run's log: log.csv as train.py writes it, or log.csv.gz as a thinned, committed copy (thin_log)."""
+    plain = Path(run_dir) / "log.csv"
+    return plain if plain.exists() else plain.with_suffix(".csv.gz")
+
+
 def read_log(path):
-    with open(path, newline="") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
         rows = list(csv.DictReader(f))
     columns = rows[0].keys() if rows else []
     return {c: np.array([to_float(row[c]) for row in rows]) for c in columns}
@@ -108,16 +116,29 @@ def to_float(cell):
 
 def load_run(path):
     path = Path(path)
-    return Run(path, read_json(path / "config.json"), read_json(path / "summary.json"),
-               read_log(path / "log.csv"))
+    return Run(path, read_json(path / "config.json"), read_json(path / "summary.json"), read_log(log_path(path)))
+
+
+def thin_log(src, dst, every=100):
+    """Copy a log.csv to dst (gzip), keeping every row with diagnostics or a val loss, every `every`-th of the
+    others and the last rows: what the figures need, at a size that can be committed."""
+    with open(src, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    keep = [r for i, r in enumerate(rows)
+            if r.get("max_logit_L0") or r.get("val_loss") or i % every == 0 or i >= len(rows) - 5]
+    with gzip.open(dst, "wt", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=reader.fieldnames)
+        writer.writeheader()
+        writer.writerows(keep)
 
 
 def find_runs(paths):
     """Run folders among `paths`: each is a run folder (it has a log.csv) or a folder of them."""
     found = []
     for path in map(Path, paths):
-        if (path / "log.csv").exists():
+        if log_path(path).exists():
             found.append(path)
         elif path.is_dir():
-            found.extend(sorted(p.parent for p in path.glob("*/log.csv")))
+            found.extend(sorted({p.parent for pattern in ("*/log.csv", "*/log.csv.gz") for p in path.glob(pattern)}))
     return found

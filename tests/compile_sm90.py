@@ -52,7 +52,7 @@ def record_launches():
                        in itertools.product((True, False), (False, True), ("fa2", "paper"), amplifiers)
                        if causal or not bits]
         for causal, fix, precision, bits, amplify in forward:
-            kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, False, bits, amplify)
+            kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, False, bits, amplify, "off")
         backward = [(N, "fa2", False) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)]  # unpipelined, pipelined
         if D == 64:
             backward += [(kernels.SHORT_SEQ, precision, from_p)
