@@ -69,19 +69,23 @@ def probe_columns():
     return [f"probe_{term}{se}_L{PROBE_LAYER}" for term in PROBE_TERMS for se in ("", "_se")]
 
 
+def hooked_loss(model, x, y, ctx, hooks):
+    """The loss of the batch (x, y) with the given forward hooks in place; they are removed afterwards."""
+    try:
+        with ctx:
+            return model(x, y)[1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def capture_attention(model, x, y, ctx):
     """One forward and backward of the batch (x, y) that records, for every layer's attention call,
     its inputs q, k, v, its output O and the gradient dO of the loss with respect to O.
     dO comes from torch.autograd.grad, so the parameters' .grad are left untouched."""
     calls = []
-    hooks = [block.attn.attend.register_forward_hook(lambda module, qkv, O: calls.append((*qkv, O)))
-             for block in model.transformer.h]
-    try:
-        with ctx:
-            _, loss = model(x, y)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    loss = hooked_loss(model, x, y, ctx, [block.attn.attend.register_forward_hook(
+        lambda module, qkv, O: calls.append((*qkv, O))) for block in model.transformer.h])
     dOs = torch.autograd.grad(loss, [O for *_, O in calls])
     return [(q.detach(), k.detach(), v.detach(), O.detach(), dO) for (q, k, v, O), dO in zip(calls, dOs)]
 
@@ -158,13 +162,7 @@ def _probe_pass(model, x, y, ctx, layer, replace=None):
     hooks = [block.attend.register_forward_hook(on_attend)]
     if replace is not None:
         hooks.append(block.c_proj.register_forward_hook(on_proj))
-    try:
-        with ctx:
-            _, loss = model(x, y)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    (dO,) = torch.autograd.grad(loss, [seen["O"]])
+    (dO,) = torch.autograd.grad(hooked_loss(model, x, y, ctx, hooks), [seen["O"]])
     return (*seen["qkv"], seen["O"].detach()), dO.float()
 
 

@@ -214,6 +214,21 @@ def test_paper_rule_alone_leaves_the_sharp_rows_error():
     assert abs(m_paper) > 10 * se_paper and m_paper == pytest.approx(m_off, rel=0.05)
 
 
+@pytest.mark.parametrize("rows", ["tied", "sharp"])
+def test_paper_precision_needs_delta_from_p(rows):
+    """In precision="paper" the accumulator is rounded to bf16 at every key tile, so the fp32 O that fix=True's delta
+    reads has already lost what the final cast would lose: on sharp rows its error is fix off's (-9.99e-4, t=-110),
+    on tied rows -2.0e-3 (t=-3.7). delta = rowsum(dP * P) / rowsum(P) (delta_from_p) never reads O: -1.0e-8 (t=-0.4)
+    and -5.9e-8 (t=-0.5). Seed 0, 1024 rows, the emulation (the kernel's numbers)."""
+    q, k, v, do = sharp_inputs(0) if rows == "sharp" else inputs(2, 0, 0.0)
+    want = (do.double() * reference(q, k, v)).sum(-1)
+    _, o32, lse = emulate.forward(q, k, v, False, True, "paper", 2.0, kernels.TIE_TOL)
+    m_fix, se_fix = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "paper").double() - want)
+    m_p, se_p = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "paper", from_p=True).double() - want)
+    assert abs(m_fix) > 3 * se_fix, f"fix=True in paper precision: mean {m_fix:.2e} (s.e. {se_fix:.1e})"
+    assert abs(m_p) < 3 * se_p and abs(m_p) * 100 < abs(m_fix), f"delta from P: {m_p:.2e} (s.e. {se_p:.1e})"
+
+
 @functools.lru_cache(maxsize=None)
 def delta_errors(precision, seed=0, mantissa_bits=0, tie_gap=0.0):
     """(mean, s.e.) of the error of delta against float64, fix off, k = 2, computed three ways (emulation, which
