@@ -9,6 +9,9 @@ is pluggable, because the attention numerics are what this project studies:
     sdpa-flash  SDPA forced to its FlashAttention backend
     sdpa-cudnn  SDPA forced to its cuDNN backend
     fp32        plain softmax attention in float32: the control with no low-precision attention at all
+
+GPTConfig's second block holds the experiments (variants of our kernel's numerics, and a model without
+position embeddings); the demo leaves them at their defaults.
 """
 
 import math
@@ -35,12 +38,15 @@ class GPTConfig:
     n_embd: int = 384
     attn: str = "kernel"      # one of ATTN_BACKENDS
     fix: object = False       # kernel/emulate: False, True (the complete fix) or "paper" (the paper's rule alone)
+    # ---- experiments: variants that test the mechanism; the defaults are the plain model and attention.
+    # All but pos act in our kernel only (attn kernel or emulate).
     precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
-    delta_from_p: bool = False  # kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the control)
-    delta_fp32: bool = False  # kernel/emulate: delta from an fp32 copy of O, before its final cast (the remedy)
-    mantissa_bits: int = 0    # kernel/emulate: the amplifier, P rounded to fewer bits before P V (0 = off)
+    delta_from_p: bool = False  # delta = rowsum(dP * P), not from the forward's O (the paper's control)
+    delta_fp32: bool = False  # delta from the forward's fp32 O, before its final bf16 cast, without the shift
+    stochastic_o: str = "off"  # "forward": O stochastically rounded, so the next layer and delta see it;
+                               # "delta": only the O that delta reads is (an independent) stochastic rounding
+    mantissa_bits: int = 0    # the amplifier: P rounded to fewer bits before P V (0 = off)
     amplify: str = "p"        # what the amplifier rounds: "p", or "vo" (V and O: amplifies the paper's tie bias)
-    stochastic_o: str = "off"  # kernel/emulate: "forward" or "delta": where O is stochastically rounded
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
                               # repeat of a row's best-matching token ties exactly (copies, which carry no bias)
 

@@ -1,34 +1,57 @@
 """
-Train a small character-level GPT and watch for the low-precision attention failure of Qiu & Yao (2025).
+Train a small character-level GPT and watch for the low-precision attention failure of Qiu & Yao (2025): in bf16
+flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that grows the attention logits
+until the loss blows up.
 
-    python train.py --fix off                    # plain bf16: the loss went non-finite at step ~95,000 (~10 min)
-    python train.py --fix off --delta-from-p     # the paper's control: the same run trains normally
-    python train.py --fix off --delta-fp32       # delta from an fp32 copy of O: trains normally too (2 of 2 seeds)
-    python train.py --fix on                     # the same run with the fix: it collapsed too (2 of 2 seeds)
-    python train.py --fix off --mantissa-bits 3 --diag-interval 250   # amplified (P at 3 bits): ~7,000 steps
-    python train.py --preset tiny --attn sdpa    # a CPU smoke run, about a minute
-    python train.py --fix off --resume           # continue runs/<name> from its latest checkpoint
+    python train.py --fix off      # plain bf16: collapses at step ~95,000 on the H200, ~10-12 min alone
+    python train.py --fix on       # the complete fix: trains through, 152,000 steps measured on seed 0
+    python train.py --fix paper    # the paper's rule alone (the row-max shift): collapsed on seeds 0 and 1
+    python train.py --preset tiny --attn sdpa   # a CPU smoke run
+    python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
+
+Experiments, each a flag of --help's "experiments" group, change the attention's numerics or the model to test
+the mechanism (all but --pos only in our kernel, --attn kernel or emulate):
+
+    python train.py --fix off --delta-from-p       # delta = rowsum(dP * P), the paper's control: no collapse
+    python train.py --fix off --delta-fp32         # delta from the forward's fp32 O (no shift): no collapse
+    python train.py --fix off --stochastic-o forward   # O rounded stochastically (unbiased) in the forward;
+                                                   # --stochastic-o delta: only the O that delta reads
+    python train.py --precision paper              # the accumulator rounded to bf16 per tile, as in the paper
+    python train.py --fix off --mantissa-bits 3    # the amplifier: P rounded to 3 mantissa bits before P V
+                                                   # (--amplify vo: V and O instead)
+    python train.py --pos none                     # no position embeddings: layer 0's repeated tokens tie exactly
+
+Measured on the default preset: delta from P trained 242,864 steps (seed 0) and delta from the fp32 O over
+123,000 steps (seeds 0 and 1) without a collapse; --precision paper collapsed on each of seeds 0-3.
 
 A run writes runs/<name>/: config.json (every resolved setting), log.csv (one row per log interval, with the
-diagnostics of nanolp/diagnostics.py every --diag-interval steps), summary.json, and ckpt/ (the last 3
-checkpoints). Flags override the preset; on --resume, flags override the run's saved config.json.
+diagnostics of nanolp/diagnostics.py every --diag-interval steps), summary.json (the outcome and the whole arm:
+every setting of ARM) and ckpt/ (the last 3 checkpoints).
+
+Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for each setting of ARM that differs
+from the preset's (-delta_fp32, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_fp32-s0. A name
+longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. A new run refuses a
+folder that already holds a run. --resume continues a run with its own config.json and refuses a flag of ARM that
+differs from it (and a text whose content changed); --steps, --minutes, the intervals, --device and --compile
+may change.
 
 Collapse, the event this project is about, is either of:
   - a non-finite training loss. The run stops at the next log row, naming the first bad step; no checkpoint
     is ever written from non-finite state, so the last good one survives.
   - a loss spike: after warmup, the smoothed training loss (an exponential average over about 20 steps)
-    rising more than SPIKE_NATS = 1.0 nat above its running minimum. Ordinary training noise in that average
-    is a few hundredths of a nat and ordinary loss spikes recover within a fraction of a nat, while a
-    char-level model at 1.0-1.5 nats that loses a whole nat has thrown away most of what it learned (the
-    paper's collapse goes from ~3 to >7). The run records 3 more log rows with diagnostics, then stops.
+    rising more than SPIKE_NATS = 1.0 nat above its running minimum, far beyond training noise: a model that
+    loses a whole nat has thrown away most of what it learned. The run records 3 more log rows with
+    diagnostics, then stops.
 Either way summary.json says when and why.
 """
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import time
 from contextlib import nullcontext
@@ -38,29 +61,28 @@ import torch
 from tqdm import tqdm
 
 from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig
-from nanolp.data import get_batch, prepare
+from nanolp.data import find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
 
 COMMON = dict(
-    fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, mantissa_bits=0, amplify="p",
-    stochastic_o="off",
-    pos="learned", seed=0,
-    lr=1e-3, warmup=100, schedule="constant", beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
+    fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, stochastic_o="off",
+    mantissa_bits=0, amplify="p", pos="learned", seed=0,
+    lr=1e-3, warmup=100, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
     steps=5000, minutes=None, dtype="bf16",
     log_interval=10, eval_interval=250, eval_iters=20, diag_interval=250, ckpt_interval=250,
     out="runs", data=None,
 )
 PRESETS = {
-    # Plain bf16, the paper's setting, on TinyShakespeare (README.md, "How we found the default"). The model
-    # memorises the text within ~20,000 steps and then trains on near-zero gradients; there the one-signed error
-    # of delta = rowsum(dO * O) grows layer 0's W_Q and logits, and with the fix off the loss went non-finite at
-    # step 94,798 (10.3 minutes on one H200 with CUDA graphs; seed 1: 110,503). delta = rowsum(dP * P), the
-    # paper's control (--delta-from-p), trained 242,864 steps with layer 0's max logit flat at ~10. The fix
-    # (--fix on) did not prevent it (seeds 0 and 1: steps 69,890 and 121,201): the error that fails it is O's
-    # final bf16 cast (delta read from an fp32 O trained 123,000+ steps on both seeds), not the tie bias.
+    # The demo: plain bf16 on TinyShakespeare, the paper's setting at a size where the failure comes within
+    # minutes on one GPU (how it was chosen: results/default_search/). The model memorises the text (train loss
+    # ~0.05) and then trains on near-zero gradients; there the one-signed error that O's final bf16 cast puts
+    # into delta = rowsum(dO * O) grows layer 0's W_Q and logits until the loss blows up. Fix off, seed 0 went
+    # non-finite at step 94,798 (10.3 training minutes on one H200 with CUDA graphs), and each of seeds 0-7
+    # collapsed (steps 64,890-141,554). --fix on trained 152,000 steps on seed 0 with layer 0's max logit at
+    # 9.3-13.7; --fix paper collapsed on seeds 0 and 1 (steps 69,890 and 121,201).
     "default": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, steps=200_000,
                     eval_interval=1000, diag_interval=1000, ckpt_interval=5000),
-    # the paper's GPT-2 small shape (124M with GPT-2's vocabulary; ours is the text's characters)
+    # GPT-2 small's shape, the paper's (124M with GPT-2's vocabulary; ours is the text's characters)
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=64, steps=10000),
     # a CPU smoke run
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=16, lr=3e-3, warmup=20, steps=300,
@@ -68,6 +90,16 @@ PRESETS = {
 }
 # --fix: off; on, the complete fix (the paper's shift and delta from the fp32 O); paper, the paper's rule alone
 FIX = {"off": False, "on": True, "paper": "paper"}
+# The arm: every setting that decides a run's numbers (its numerics and its data order). The default name spells
+# out each one that differs from the preset, --resume refuses to change any, summary.json records them all.
+# Not in it: the run's length and intervals, and --device/--compile (where and how fast the same steps run).
+ARM = ("preset", "attn", "fix", "precision", "delta_from_p", "delta_fp32", "stochastic_o", "mantissa_bits", "amplify",
+       "pos", "lr", "warmup", "beta1", "beta2", "weight_decay", "grad_clip", "n_layer", "n_head", "n_embd",
+       "block_size", "batch_size", "dtype", "data", "seed")
+NAMED = ("preset", "attn", "fix", "seed")  # always in the name
+# a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
+LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
+MAX_NAME = 80
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum (see the docstring)
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
@@ -78,71 +110,140 @@ BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # every default is None, so that a flag the user gave can be told from one they did not
-    p.add_argument("--preset", choices=PRESETS)
-    p.add_argument("--fix", choices=list(FIX))
-    p.add_argument("--attn", choices=ATTN_BACKENDS)
-    p.add_argument("--precision", choices=["fa2", "paper"])
-    p.add_argument("--delta-from-p", action=argparse.BooleanOptionalAction,
-                   help="kernel/emulate: delta = rowsum(dP * P), not from the forward's O (the paper's control)")
-    p.add_argument("--delta-fp32", action=argparse.BooleanOptionalAction,
-                   help="kernel/emulate: delta from an fp32 copy of O, before its final bf16 cast (cures the default)")
-    p.add_argument("--mantissa-bits", type=int, help="kernel/emulate: amplifier, P rounded to 1-6 mantissa bits before P V")
-    p.add_argument("--amplify", choices=["p", "vo"],
-                   help="what --mantissa-bits rounds: P (default) or V and O (amplifies the paper's tie bias)")
-    p.add_argument("--stochastic-o", choices=["off", "forward", "delta"],
-                   help="kernel/emulate: O stochastically rounded in the forward, or only where delta reads it")
-    p.add_argument("--pos", choices=["learned", "none"],
-                   help="position embeddings; none: layer 0 sees tokens only, so repeated tokens tie exactly")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--minutes", type=float, help="wall-clock budget; stops at whichever of steps/minutes is first")
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup", type=int)
-    p.add_argument("--schedule", choices=["constant", "cosine"])
-    p.add_argument("--n-layer", type=int)
-    p.add_argument("--n-head", type=int)
-    p.add_argument("--n-embd", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16 autocast or plain fp32 (fp32 needs sdpa/fp32 attn)")
-    p.add_argument("--out", help="folder of run folders (default runs/)")
-    p.add_argument("--name", help="run folder name (default <preset>-<attn>-fix<fix>-s<seed>)")
-    p.add_argument("--device", help="default cuda if available, else cpu")
-    p.add_argument("--compile", choices=["off", "default", "reduce-overhead"],
-                   help="torch.compile mode (default: reduce-overhead, i.e. CUDA graphs, on cuda; off on cpu)")
-    p.add_argument("--log-interval", type=int)
-    p.add_argument("--eval-interval", type=int)
-    p.add_argument("--diag-interval", type=int)
-    p.add_argument("--ckpt-interval", type=int)
-    p.add_argument("--data", help="a UTF-8 text file (default $NANOLP_DATA, else TinyShakespeare)")
-    p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    # every default is None, so that a flag the user gave can be told from one they did not (the preset's value)
+    demo = p.add_argument_group("the demo")
+    demo.add_argument("--fix", choices=list(FIX),
+                      help="off: plain bf16 (default); on: the complete fix, the paper's row-max shift and delta "
+                           "from the forward's fp32 O; paper: the paper's rule alone")
+    demo.add_argument("--attn", choices=ATTN_BACKENDS, help="the attention (model.py; default kernel)")
+    demo.add_argument("--seed", type=int, help="initial weights and data order (default 0)")
+    demo.add_argument("--steps", type=int, help="step target (default: the preset's)")
+    demo.add_argument("--minutes", type=float, help="training-time budget, counted over resumes; the run stops at "
+                                                    "whichever of steps/minutes comes first")
+    demo.add_argument("--data", help="a UTF-8 text file (default $NANOLP_DATA, else TinyShakespeare)")
+    demo.add_argument("--preset", choices=PRESETS, help="default: the demo; tiny: a CPU smoke run; gpt2: GPT-2 "
+                                                        "small's shape")
+    demo.add_argument("--out", help="folder of run folders (default runs/)")
+    demo.add_argument("--name", help="run folder name (default: from the settings, see above)")
+    demo.add_argument("--resume", action="store_true",
+                      help="continue the run from its latest checkpoint, with the settings it has")
+    training = p.add_argument_group("training")
+    training.add_argument("--lr", type=float, help="learning rate, constant after the warmup")
+    training.add_argument("--warmup", type=int, help="steps of linear lr warmup")
+    training.add_argument("--batch-size", type=int)
+    training.add_argument("--dtype", choices=["bf16", "fp32"],
+                          help="bf16 autocast (default) or plain fp32 (fp32 needs --attn sdpa or fp32)")
+    training.add_argument("--compile", choices=["off", "default", "reduce-overhead"],
+                          help="torch.compile mode (default: reduce-overhead, i.e. CUDA graphs, on cuda; off on cpu)")
+    training.add_argument("--device", help="default cuda if available, else cpu")
+    for interval, what in (("log", "log rows"), ("eval", "val losses"), ("diag", "diagnostics"),
+                           ("ckpt", "checkpoints")):
+        training.add_argument(f"--{interval}-interval", type=int, help=f"steps between {what}")
+    shape = p.add_argument_group("model shape (default: the preset's)")
+    for dim in ("n-layer", "n-head", "n-embd", "block-size"):
+        shape.add_argument(f"--{dim}", type=int)
+    experiments = p.add_argument_group("experiments", "variants of the numerics and the model that test the "
+                                                      "mechanism (all but --pos only in attn kernel or emulate)")
+    experiments.add_argument("--precision", choices=["fa2", "paper"],
+                             help="fa2: fp32 accumulator (default); paper: the accumulator rounded to bf16 per tile")
+    experiments.add_argument("--delta-from-p", action=argparse.BooleanOptionalAction,
+                             help="delta = rowsum(dP * P), not from the forward's O (the paper's control)")
+    experiments.add_argument("--delta-fp32", action=argparse.BooleanOptionalAction,
+                             help="delta from the forward's fp32 O, before its final bf16 cast, without the shift")
+    experiments.add_argument("--stochastic-o", choices=["off", "forward", "delta"],
+                             help="O stochastically rounded in the forward, or only the O that delta reads")
+    experiments.add_argument("--mantissa-bits", type=int,
+                             help="the amplifier: P rounded to 1-6 mantissa bits before P V (default 0, off)")
+    experiments.add_argument("--amplify", choices=["p", "vo"],
+                             help="what --mantissa-bits rounds: P (default) or V and O (amplifies the tie bias)")
+    experiments.add_argument("--pos", choices=["learned", "none"],
+                             help="position embeddings; none: layer 0 sees tokens only, so repeated tokens tie")
     return p.parse_args(argv)
 
 
+def changed_settings(c):
+    """The settings of ARM, other than the NAMED ones, in which config c differs from its preset."""
+    preset = {**COMMON, **PRESETS.get(c.get("preset"), {})}   # (an old run's preset may be gone)
+    return {k: c.get(k) for k in ARM if k not in NAMED and c.get(k) != preset.get(k)}
+
+
+def suffix(key, value):
+    """How a run name spells one setting (LABELS)."""
+    label = LABELS.get(key, key)
+    if isinstance(value, bool):
+        return label if value else f"no_{label}"
+    if isinstance(value, (int, float)):
+        return f"{label}{'_' if label[-1].isdigit() else ''}{value!r}"   # repr: the shortest exact spelling
+    if key == "data" and value is not None:
+        text = Path(value)
+        value = text.parent.name if text.stem == "input" else text.stem   # as nanolp/data.py names its cache
+    return label + "_" + re.sub(r"[^\w.+-]", "_", str(value))
+
+
+def run_name(c):
+    """The default name: <preset>-<attn>-fix<fix>, a suffix per changed setting, -s<seed> (as nanolp/sweep.py
+    ends its names, so the arm is the name less -s<seed>); past MAX_NAME characters a hash replaces the suffixes."""
+    changed = changed_settings(c)
+    head, tail = f"{c['preset']}-{c['attn']}-fix{c['fix']}", f"-s{c['seed']}"
+    name = head + "".join(f"-{suffix(k, v)}" for k, v in changed.items()) + tail
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
+        name = f"{head}-{digest}{tail}"
+    return name
+
+
+def describe(c):
+    """A run's arm in words: its NAMED settings and the ones that differ from its preset."""
+    settings = {k: c.get(k) for k in NAMED} | changed_settings(c)
+    return ", ".join(f"{k} {v}" for k, v in settings.items())
+
+
+def flag(key):
+    return "--data (or $NANOLP_DATA)" if key == "data" else "--" + key.replace("_", "-")
+
+
 def resolve_config(args):
-    """COMMON, then the preset, then the flags given; on --resume the run's own config.json replaces the preset
-    (COMMON then only fills in options added after the run was started)."""
+    """The run's settings: COMMON, then the preset, then the flags given; a new run must find no run in its folder.
+    On --resume the run's own config.json replaces COMMON and the preset (COMMON only fills in settings added
+    after the run started), and a flag of ARM that differs from it is refused."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
-    config = {**COMMON, **PRESETS[given.get("preset", "default")], "preset": "default", **given}
-    config.setdefault("name", "{preset}-{attn}-fix{fix}-s{seed}".format(**config))
+    if "data" not in given and os.environ.get("NANOLP_DATA"):
+        given["data"] = os.environ["NANOLP_DATA"]   # the text is part of the arm: recorded as if --data gave it
+    if "data" in given:
+        given["data"] = str(Path(given["data"]).resolve())   # one spelling per file, from wherever train.py runs
+    preset = given.get("preset", "default")
+    config = {**COMMON, **PRESETS[preset], "preset": preset, **given}
+    config.setdefault("name", run_name(config))
+    run_dir = Path(config["out"]) / config["name"]
+    saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else None
     if args.resume:
-        saved = json.loads((Path(config["out"]) / config["name"] / "config.json").read_text())
-        config = {**COMMON, **saved, **given}
+        if saved is None:
+            raise FileNotFoundError(f"--resume: no run at {run_dir} (no config.json)")
+        ran = {**COMMON, **saved}
+        changes = [f"  {flag(k)}: the run has {ran.get(k)!r}, this command {given[k]!r}"
+                   for k in ARM if k in given and given[k] != ran.get(k)]
+        if changes:
+            raise ValueError(f"--resume {run_dir}: these flags would change the run's numerics or data order:\n"
+                             + "\n".join(changes) + "\nleave them out to continue the run as it was, or start "
+                             "a new run (without --resume)")
+        config = {**ran, **given}
+    elif (run_dir / "log.csv").exists():
+        if saved is None:
+            raise FileExistsError(f"{run_dir} holds a run without config.json: pass --name for a new run")
+        ran = {**COMMON, **saved}
+        differ = [f"{k} {config[k]!r} (the run: {ran.get(k)!r})" for k in ARM if config[k] != ran.get(k)]
+        advice = ("pass --resume to continue it, or --name for a new run" if not differ else
+                  f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)")
+        raise FileExistsError(f"{run_dir} exists, a run of {describe(ran)}: {advice}")
     config.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-    # CUDA graphs: a step of the default preset is half kernel-launch time without them (results/research.md)
+    # CUDA graphs: without them a step of a model this small waits on kernel launches
     config.setdefault("compile", "reduce-overhead" if config["device"].startswith("cuda") else "off")
     return config
 
 
 def get_lr(step, c):
-    """Linear warmup, then constant (the paper's near-constant lr) or a cosine decay to 10% at the last step."""
-    if step < c["warmup"]:
-        return c["lr"] * (step + 1) / c["warmup"]
-    if c["schedule"] == "constant":
-        return c["lr"]
-    progress = (step - c["warmup"]) / max(1, c["steps"] - c["warmup"])
-    return c["lr"] * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    """Linear warmup, then constant, as the paper trains (a near-constant lr)."""
+    return c["lr"] * (step + 1) / c["warmup"] if step < c["warmup"] else c["lr"]
 
 
 def loss_spike(state, step, c):
@@ -172,7 +273,11 @@ def save_checkpoint(run_dir, model, optimizer, state):
     ckpt_dir = run_dir / "ckpt"
     ckpt_dir.mkdir(exist_ok=True)
     path = ckpt_dir / f"step_{state['step']:07d}.pt"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, f"{path}.tmp")
+    rng = {"cpu": torch.get_rng_state()}   # --stochastic-o draws from torch's generator: resume continues its stream
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state, "rng": rng},
+               f"{path}.tmp")
     os.replace(f"{path}.tmp", path)
     for old in sorted(ckpt_dir.glob("step_*.pt"))[:-KEEP_CKPTS]:
         old.unlink()
@@ -186,6 +291,9 @@ def load_checkpoint(run_dir, model, optimizer, device, columns):
     ckpt = torch.load(ckpts[-1], map_location=device)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"]["cpu"].cpu())
+    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu())
     state = ckpt["state"]
     with open(run_dir / "log.csv", newline="") as f:
         rows = [row for row in csv.DictReader(f) if int(row["step"]) <= state["step"]]
@@ -223,7 +331,7 @@ def write_summary(run_dir, c, collapse):
         tokens_per_s=tokens_per_s,
         mfu=c["flops_per_token"] * tokens_per_s / H200_BF16_PEAK_FLOPS,
         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        name=c["name"], fix=c["fix"], attn=c["attn"], precision=c["precision"], seed=c["seed"], preset=c["preset"],
+        name=c["name"], **{k: c[k] for k in ARM}, data_sha1=c["data_sha1"],   # the arm, whole
     )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -236,7 +344,13 @@ def main(argv=None):
     device = torch.device(c["device"])
     B, T = c["batch_size"], c["block_size"]
 
-    data = prepare(c["data"])
+    text = find_text(c["data"])
+    sha1 = hashlib.sha1(text.read_bytes()).hexdigest()
+    if c.get("data_sha1", sha1) != sha1:   # (only a resumed run has one already)
+        raise ValueError(f"--resume {run_dir}: the text {text} has changed since the run started "
+                         f"(sha1 {c['data_sha1'][:12]}, now {sha1[:12]})")
+    c["data_sha1"] = sha1
+    data = prepare(text)
     train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
@@ -256,14 +370,12 @@ def main(argv=None):
     if args.resume:
         state = load_checkpoint(run_dir, model, optimizer, device, columns)
         print(f"resuming {run_dir} at step {state['step']}")
-    elif (run_dir / "log.csv").exists():
-        raise FileExistsError(f"{run_dir} exists: pass --resume to continue it, or --name for a new run")
-    else:
+    else:   # (resolve_config made sure that the folder holds no run)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_rows(run_dir / "log.csv", [], columns, "w")
     (run_dir / "config.json").write_text(json.dumps(c, indent=2) + "\n")
-    print(f"{run_dir}: {sum(p.numel() for p in params) / 1e6:.2f}M parameters, attention {c['attn']}, "
-          f"fix {c['fix']}, {c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")
+    print(f"{run_dir}: {describe(c)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
+          f"{c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")
     if device.type == "cpu" and c["preset"] != "tiny":
         print("note: this preset is sized for a GPU; on a CPU one step can take many seconds "
               "(try --preset tiny, or --dtype fp32 --attn sdpa)")
@@ -272,7 +384,9 @@ def main(argv=None):
     # diagnostics use the plain model (hooks)
     train_model = model if c["compile"] == "off" else torch.compile(model, mode=c["compile"])
     diag_x, diag_y = get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
-    probe = [get_batch(val_tokens, B, T, seed=1, step=i) for i in range(PROBE_BATCHES)]   # delta_probe's rows
+    # delta_probe's rows: fixed batches of the training text, where the memorised model's gradient is tiny (the
+    # regime the curvature effect is about); 10**6 is a seed no run uses, so they are not a run's own batches
+    probe = [get_batch(train_tokens, B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)]
     nan_at = int(os.environ.get("NANOLP_NAN_AT_STEP", -1))  # test hook: poison the loss of this step
 
     step, collapse, stop_at = state["step"], None, c["steps"]

@@ -1,83 +1,239 @@
-"""Run a grid of train.py runs side by side (one GPU, a wall-clock budget) and collect their summaries into a CSV.
+"""Run a study of results/studies.toml: train every (arm, seed) run it declares that is not finished yet, on every
+GPU found, then collect the study into results/STUDY/ (runs/<run>/ with thinned logs, and runs.csv), the committed
+files its figures are drawn from (analyze.py results/STUDY/runs).
 
-    python -m nanolp.sweep --arm off="--fix off" --arm on="--fix on" --seeds 0 1 2 3 --minutes 20
-    python -m nanolp.sweep --arm b3="--mantissa-bits 3 --fix off" --seeds 0 1 --steps 20000 --minutes 10 --parallel 4
-    python -m nanolp.sweep --collect runs/sweep /tmp/gpu2/runs --csv results/search.csv
+On a fresh GPU machine (any number of GPUs), from the repository's root:
 
-A run is one (arm, seed): train.py with the arm's flags, --seed SEED, --name ARM-sSEED, --out OUT. Each time the
-sweep is invoked it looks at every run's folder under --out:
-    finished  summary.json says it collapsed, or that it reached its step target      -> skipped
-    resumable a checkpoint in ckpt/                                                   -> train.py --resume
-    stale     a log.csv but no checkpoint (stopped before its first one)              -> moved to OUT/.stale/, restarted
-    new       no log.csv yet                                                          -> started
-so the same command, invoked again, carries an unfinished sweep on. Runs wait in a queue for one of --parallel slots.
+    pip install -r requirements.txt
+    python -m nanolp.sweep seed_study                  # until every run of the study is finished
+    python -m nanolp.sweep seed_study --minutes 25     # or in installments: the same command again carries on
+    python -m nanolp.sweep seed_study --collect        # only collect what runs/seed_study holds
+    python -m nanolp.sweep --collect DIR... --csv PATH # one CSV row per run folder, of any runs
+
+TinyShakespeare is downloaded on first use; on a machine without internet, copy it to
+data/tinyshakespeare/input.txt first. Then commit results/STUDY/.
+
+A run is train.py with the study's common flags and the arm's, --steps MIN_STEPS, --seed SEED, --name ARM-sSEED,
+--out OUT (runs/STUDY). Each invocation looks at every run's folder in OUT and in results/STUDY/runs/:
+    finished  OUT's summary.json says it collapsed, or that it reached min_steps -> skipped
+    collected not in OUT, but finished in results/STUDY/runs/ (run elsewhere)    -> skipped
+    resumable a checkpoint in OUT's ckpt/                                        -> train.py --resume
+    stale     a log.csv but no checkpoint (stopped before its first one)         -> moved to OUT/.stale/, started again
+    new       nothing yet                                                        -> started
+A run folder whose config.json contradicts its arm's flags (the study was edited) is an error, not reused.
+
+Runs start in this order: the resumable ones, then seed by seed across the arms (every arm's first seed before
+any arm's second). Each GPU takes --per-gpu runs side by side (default 1), each run seeing only its GPU
+(CUDA_VISIBLE_DEVICES): on an H200, two runs of the default preset side by side trained 4,969 and 4,977 steps a
+minute, one alone 10,467 (results/delta_probe/runs/off-s0 and results/seed_study/runs/on-s0, side by side for
+their first 12.5 minutes). Without a GPU only studies of the tiny preset run, on the CPU, one at a time; the
+others are refused, being sized for a GPU.
 
 Time: --minutes M is this invocation's wall-clock budget. train.py's --minutes counts only its training loop and
 is cumulative over resumes (it is saved in the checkpoint), so a run started with R minutes left gets
---minutes (training minutes it already has) + R - --margin; the margin covers start-up and the final evaluation.
-A run that is still alive at the deadline (plus --grace seconds) is terminated; its checkpoints survive, and the
-next invocation resumes it. A run is not started with less than --min-minutes left. Without --minutes there is
-no budget and runs go to their step target.
-
-At the end (and on --collect) every run folder becomes one row of a CSV (COLUMNS), by default OUT/summary.csv.
+--minutes (training minutes it already has) + R - MARGIN; the margin covers start-up and the final evaluation.
+A run still alive GRACE seconds past the deadline is terminated; its checkpoints survive, and the next
+invocation resumes it. No run is started with less than MIN_MINUTES left.
 """
 
 import argparse
 import csv
 import math
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from nanolp.runs import find_runs, load_run, read_json
+from nanolp.runs import find_runs, load_run, log_path, read_json, thin_log
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
-OWNED_FLAGS = ("--name", "--out", "--seed", "--minutes", "--resume")  # the sweep sets these; an arm may not
+STUDIES = ROOT / "results" / "studies.toml"
+# the sweep sets these itself; a study may not
+OWNED_FLAGS = ("--name", "--out", "--seed", "--steps", "--minutes", "--resume", "--device")
+CPU_PRESETS = ("tiny",)  # train.py's presets small enough for a CPU
+MARGIN, MIN_MINUTES, GRACE = 0.5, 1.0, 30.0  # minutes, minutes, seconds (see the top of this file)
+DONE = ("finished", "collected")
 # first_growth_*: the first head whose W_Q spectral norm exceeds GROWTH x its value at a quarter of the run
 # (early training triples every norm from its initial value, so the first rows are no baseline)
 GROWTH = 3.0
 
-COLUMNS = ["name", "arm", "seed", "attn", "precision", "fix", "delta_from_p", "delta_fp32", "mantissa_bits", "amplify",
-           "lr", "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step",
-           "collapse_minute", "reason", "max_logit", "tie_rate_final", "tie_rate_head_peak", "final_val_loss",
-           "final_train_loss", "tokens_per_s", "peak_mem_gb", "first_growth_layer", "first_growth_head",
-           "first_growth_step"]
+COLUMNS = ["name", "arm", "flags", "seed", "attn", "precision", "fix", "delta_from_p", "delta_fp32", "stochastic_o",
+           "mantissa_bits", "amplify", "lr", "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes",
+           "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit", "tie_rate_final",
+           "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s", "peak_mem_gb",
+           "first_growth_layer", "first_growth_head", "first_growth_step"]
+
+
+class StudyError(ValueError):
+    """A studies file, or a run folder, that the sweep cannot go on with."""
+
+
+# -----------------------------------------------------------------------------
+# The studies file
+
+
+@dataclass
+class Study:
+    name: str
+    min_steps: int
+    common: list  # train.py flags of every arm
+    arms: dict    # arm name -> (train.py flags, seeds)
+
+    def runs(self, out, results):
+        """Every run of the study, arm by arm: its name, arm, seed, min_steps, the arm's flags (with the common
+        ones), train.py's flags, and its folders in `out` and in `results`/runs."""
+        return [dict(name=f"{arm}-s{seed}", arm=arm, seed=seed, min_steps=self.min_steps,
+                     arm_flags=[*self.common, *flags], flags=[*self.common, *flags, "--steps", str(self.min_steps)],
+                     dir=Path(out) / f"{arm}-s{seed}", kept=Path(results) / "runs" / f"{arm}-s{seed}")
+                for arm, (flags, seeds) in self.arms.items() for seed in seeds]
+
+    @property
+    def cpu_sized(self):
+        return all(flag_settings([*self.common, *flags]).get("preset", "default") in CPU_PRESETS
+                   for flags, _ in self.arms.values())
+
+
+def load_study(path, name):
+    """Study `name` of the studies file at `path` (see results/studies.toml for the format)."""
+    path = Path(path)
+    try:
+        studies = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise StudyError(f"no studies file at {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise StudyError(f"{path}: {e}") from None
+    if name not in studies:
+        raise StudyError(f"no study {name!r} in {path} (its studies: {', '.join(studies) or 'none'})")
+    table, where = studies[name], f"{path}, study {name}"
+    if not isinstance(table, dict) or not re.fullmatch(r"[\w.-]+", name):
+        raise StudyError(f"{where}: a study is a table named by a folder name")
+    unknown = set(table) - {"min_steps", "seeds", "common", "arms"}
+    if unknown:
+        raise StudyError(f"{where}: unknown keys {sorted(unknown)} (a study has min_steps, seeds, common, arms)")
+    min_steps = table.get("min_steps")
+    if not is_int(min_steps) or min_steps < 1:
+        raise StudyError(f"{where}: min_steps must be a positive whole number, got {min_steps!r}")
+    common = parse_flags(table.get("common", ""), f"{where}, common")
+    arms = table.get("arms")
+    if not isinstance(arms, dict) or not arms:
+        raise StudyError(f"{where}: no arms (an [{name}.arms] table of NAME = \"train.py flags\")")
+    parsed = {}
+    for arm, spec in arms.items():
+        at = f"{where}, arm {arm}"
+        if not re.fullmatch(r"[\w.+-]+", arm):
+            raise StudyError(f"{at}: an arm's name is letters, digits and _.+- (it names run folders)")
+        if isinstance(spec, str):
+            spec = dict(flags=spec)
+        if not isinstance(spec, dict) or "flags" not in spec or set(spec) - {"flags", "seeds"}:
+            raise StudyError(f"{at}: an arm is \"train.py flags\" or {{ flags = \"...\", seeds = [...] }}")
+        seeds = spec.get("seeds", table.get("seeds"))
+        if not (isinstance(seeds, list) and seeds and all(is_int(s) and s >= 0 for s in seeds)
+                and len(set(seeds)) == len(seeds)):
+            raise StudyError(f"{at}: seeds must be a list of distinct whole numbers >= 0 (in the arm or the "
+                             f"study), got {seeds!r}")
+        parsed[arm] = (parse_flags(spec["flags"], at), seeds)
+    return Study(name, min_steps, common, parsed)
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_flags(text, where):
+    """train.py flags from a string, checked: none that the sweep sets, nothing that is not a --flag."""
+    if not isinstance(text, str):
+        raise StudyError(f"{where}: flags are one string, got {text!r}")
+    flags = shlex.split(text)
+    for flag in flags:
+        if flag.split("=")[0] in OWNED_FLAGS:
+            raise StudyError(f"{where}: {flag} is set by the sweep ({', '.join(OWNED_FLAGS)})")
+    try:
+        flag_settings(flags)
+    except ValueError as e:
+        raise StudyError(f"{where}: {e}") from None
+    return flags
+
+
+def flag_settings(flags):
+    """The train.py settings (config.json's keys) that flags give: ["--fix", "on", "--delta-fp32", "--no-x"] ->
+    {"fix": "on", "delta_fp32": True, "x": False}."""
+    settings, i = {}, 0
+    while i < len(flags):
+        if not flags[i].startswith("--"):
+            raise ValueError(f"{flags[i]!r} is not a --flag")
+        name, eq, value = flags[i][2:].partition("=")
+        if eq:
+            i += 1
+        elif i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value, i = flags[i + 1], i + 2
+        else:  # a switch
+            value, i = not name.startswith("no-"), i + 1
+            name = name.removeprefix("no-")
+        settings[name.replace("-", "_")] = value
+    return settings
+
+
+def contradiction(run_dir, flags):
+    """'' if run_dir's config.json (or a missing one) agrees with flags, else what disagrees."""
+    config = read_json(run_dir / "config.json")
+    if not config:
+        return ""
+    for key, want in flag_settings(flags).items():
+        have = config.get(key)
+        if isinstance(want, bool) or isinstance(have, bool) or have is None:
+            same = have is want
+        else:
+            try:
+                same = float(have) == float(want)
+            except (TypeError, ValueError):
+                same = str(have) == want
+        if not same:
+            return f"its config.json has {key}={have!r}, the arm's flags say {want!r}"
+    return ""
 
 
 # -----------------------------------------------------------------------------
 # Planning: what each run needs
 
 
-def flag_value(flags, name):
-    """The value of the last `--name X` or `--name=X` in a list of flags, else None."""
-    value = None
-    for i, flag in enumerate(flags):
-        if flag == name and i + 1 < len(flags):
-            value = flags[i + 1]
-        elif flag.startswith(name + "="):
-            value = flag.split("=", 1)[1]
-    return value
+def finished(run_dir, min_steps):
+    """Collapsed, or reached min_steps (summary.json, which train.py writes when a run ends)."""
+    summary = read_json(Path(run_dir) / "summary.json")
+    return bool(summary) and bool(summary.get("collapsed") or summary.get("steps", 0) >= min_steps)
 
 
-def run_state(run_dir, target_steps=None):
-    """'finished', 'resumable', 'stale' or 'new' (see the top of this file). target_steps is the run's step
-    target (None: the one in its config.json)."""
-    if not (run_dir / "log.csv").exists():
+def run_state(run_dir, min_steps):
+    """'finished', 'resumable', 'stale' or 'new' (see the top of this file)."""
+    if not log_path(run_dir).exists():
         return "new"  # (a folder with only stdout.log: train.py failed before it started; start again)
-    summary, config = read_json(run_dir / "summary.json"), read_json(run_dir / "config.json")
-    target = target_steps if target_steps is not None else config.get("steps")
-    if summary and (summary.get("collapsed") or (target is not None and summary.get("steps", 0) >= target)):
+    if finished(run_dir, min_steps):
         return "finished"
-    if latest_checkpoint(run_dir) is not None:
-        return "resumable"
-    return "stale"
+    return "resumable" if latest_checkpoint(run_dir) is not None else "stale"
+
+
+def plan(study, out, results):
+    """The study's runs, each with its state, in the order they are to start (see the top of this file)."""
+    runs = study.runs(out, results)
+    for run in runs:
+        run["state"] = run_state(run["dir"], study.min_steps)
+        if run["state"] in ("new", "stale") and finished(run["kept"], study.min_steps):
+            run["state"] = "collected"
+        for folder in [run["dir"]] + ([run["kept"]] if run["state"] == "collected" else []):
+            why = contradiction(folder, run["arm_flags"])
+            if why:
+                raise StudyError(f"{folder}: {why}. The study changed since this run: move the folder away, or "
+                                 f"give the arm a new name")
+    seed_rank = {run["name"]: study.arms[run["arm"]][1].index(run["seed"]) for run in runs}
+    return sorted(runs, key=lambda run: (run["state"] != "resumable", seed_rank[run["name"]]))
 
 
 def latest_checkpoint(run_dir):
@@ -94,9 +250,9 @@ def trained_minutes(run_dir):
     return float(log["elapsed_s"][at[-1]]) / 60 if len(at) else 0.0
 
 
-def train_command(run, flags, minutes_left, margin):
-    """train.py's argv for one run: the sweep-wide flags, the arm's (which win), then the ones the sweep owns."""
-    cmd = [sys.executable, str(TRAIN), *flags, "--out", str(run["dir"].parent), "--name", run["dir"].name,
+def train_command(run, minutes_left, margin=MARGIN):
+    """train.py's argv for one run: the study's flags for it, then the ones the sweep owns."""
+    cmd = [sys.executable, str(TRAIN), *run["flags"], "--out", str(run["dir"].parent), "--name", run["dir"].name,
            "--seed", str(run["seed"])]
     if run["state"] == "resumable":
         cmd.append("--resume")
@@ -106,11 +262,26 @@ def train_command(run, flags, minutes_left, margin):
     return cmd
 
 
+def device_slots(per_gpu, cpu_sized, study_name=""):
+    """One entry per run that may go at once: a CUDA_VISIBLE_DEVICES value (a GPU takes per_gpu runs, the
+    first run of each GPU listed before any GPU's second), or [None], one run on the CPU."""
+    import torch  # only when a sweep actually runs
+    count = torch.cuda.device_count()
+    if count == 0:
+        if not cpu_sized:
+            raise StudyError(f"no GPU found, and study {study_name} is sized for one: on a CPU only studies of "
+                             f"--preset {' or '.join(CPU_PRESETS)} run")
+        return [None]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the GPUs this process sees, as the machine numbers them
+    gpus = visible.split(",")[:count] if visible else [str(i) for i in range(count)]
+    return [gpu for _ in range(per_gpu) for gpu in gpus]
+
+
 def warm_data_cache(flag_lists):
     """Tokenize each distinct text once here, so that parallel runs find the token cache instead of all
     writing it at the same time."""
     from nanolp.data import prepare  # imports torch: only when a sweep actually runs
-    for path in sorted({flag_value(flags, "--data") or "" for flags in flag_lists}):
+    for path in sorted({flag_settings(flags).get("data") or "" for flags in flag_lists}):
         prepare(path or None)
 
 
@@ -118,69 +289,42 @@ def warm_data_cache(flag_lists):
 # Running
 
 
-def sweep(arms, seeds, out, common=(), minutes=None, parallel=None, margin=0.5, min_minutes=1.0, grace=30.0,
-          poll=1.0):
-    """Start/resume every unfinished (arm, seed) run of `arms` ({name: [flags]}) under `out`, at most `parallel`
-    at a time, within `minutes`. Returns {run name: state or train.py's return code}."""
-    out = Path(out)
+def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, grace=GRACE, poll=1.0):
+    """Start or resume every run of `runs` (from plan(), none of them done), one per entry of `slots` (from
+    device_slots()) at a time, within `minutes`. Returns {run name: train.py's return code, or why none}."""
     deadline = None if minutes is None else time.time() + 60 * minutes
-    runs, results = [], {}
-    for arm, arm_flags in arms.items():
-        flags = [*common, *arm_flags]
-        steps = flag_value(flags, "--steps")
-        for seed in seeds:
-            run = dict(name=f"{arm}-s{seed}", dir=out / f"{arm}-s{seed}", seed=seed, flags=flags,
-                       target=None if steps is None else int(steps))
-            run["state"] = run_state(run["dir"], run["target"])
-            print(f"{run['name']}: {run['state']}")
-            if run["state"] == "finished":
-                results[run["name"]] = "finished"
-            else:
-                runs.append(run)
     if runs:
         warm_data_cache([run["flags"] for run in runs])
-    parallel = parallel or max(1, len(runs))
-    queue, active, terminated = list(runs), [], set()  # active: (run, Popen, log file)
+    queue, active, results, terminated = list(runs), [], {}, set()  # active: (run, Popen, log file, slot)
     try:
         while queue or active:
             left = None if deadline is None else (deadline - time.time()) / 60
-            while queue and len(active) < parallel and (left is None or min(left, left - margin) >= min_minutes):
-                run = queue.pop(0)
-                if run["state"] == "stale":
-                    stale = out / ".stale" / f"{run['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
-                    stale.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.move(run["dir"], stale)
-                    print(f"{run['name']}: no checkpoint to resume from; moved to {stale}, starting again")
-                    run["state"] = "new"
-                cmd = train_command(run, run["flags"], left, margin)
-                run["dir"].mkdir(parents=True, exist_ok=True)
-                log = open(run["dir"] / "stdout.log", "a")
-                log.write(f"$ {shlex.join(cmd)}\n")
-                log.flush()
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                print(f"{run['name']}: {'resumed' if '--resume' in cmd else 'started'} (pid {proc.pid})")
-                active.append((run, proc, log))
+            # slots lists each GPU's first slot before any GPU's second, so taking out the first match of each
+            # busy one leaves a slot of the least loaded GPU at free[0]
+            free = list(slots)
+            for *_, slot in active:
+                free.remove(slot)
+            while queue and free and (left is None or left - margin >= min_minutes):
+                active.append(start(queue.pop(0), free.pop(0), left, margin))
             if not active:
                 break  # nothing running and too little time left to start anything
             time.sleep(poll)
             late = 0.0 if deadline is None else time.time() - deadline - grace
-            for run, proc, _ in active:
+            for item in list(active):
+                run, proc, log, _ = item
                 if late > 0 and proc.poll() is None and run["name"] not in terminated:
                     print(f"{run['name']}: past the deadline, terminating (pid {proc.pid})")
                     proc.terminate()
                     terminated.add(run["name"])
                 elif late > grace and proc.poll() is None:
                     proc.kill()
-            for item in list(active):
-                run, proc, log = item
                 if proc.poll() is not None:
                     log.close()
                     active.remove(item)
-                    state = run_state(run["dir"], run["target"])
                     results[run["name"]] = "terminated" if run["name"] in terminated else proc.returncode
-                    print(f"{run['name']}: exited {proc.returncode}, now {state}")
+                    print(f"{run['name']}: exited {proc.returncode}, now {run_state(run['dir'], run['min_steps'])}")
     finally:
-        for run, proc, log in active:  # interrupted: leave no orphans behind
+        for run, proc, log, _ in active:  # interrupted: leave no orphans behind
             proc.terminate()
             try:
                 proc.wait(timeout=grace)
@@ -192,6 +336,29 @@ def sweep(arms, seeds, out, common=(), minutes=None, parallel=None, margin=0.5, 
         results[run["name"]] = "not started"
         print(f"{run['name']}: not started (too little time left)")
     return results
+
+
+def start(run, slot, minutes_left, margin):
+    """Launch one run's train.py on `slot` (a CUDA_VISIBLE_DEVICES value, or None: as this process is),
+    its output to the run's stdout.log. Returns (run, Popen, log file, slot)."""
+    if run["state"] == "stale":
+        stale = run["dir"].parent / ".stale" / f"{run['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(run["dir"], stale)
+        print(f"{run['name']}: no checkpoint to resume from; moved to {stale}, starting again")
+        run["state"] = "new"
+    cmd = train_command(run, minutes_left, margin)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # stdout.log as it happens
+    if slot is not None:
+        env["CUDA_VISIBLE_DEVICES"] = slot
+    run["dir"].mkdir(parents=True, exist_ok=True)
+    log = open(run["dir"] / "stdout.log", "a")
+    log.write("$ " + ("" if slot is None else f"CUDA_VISIBLE_DEVICES={slot} ") + shlex.join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    where = "the CPU" if slot is None else f"GPU {slot}"
+    print(f"{run['name']}: {'resumed' if '--resume' in cmd else 'started'} on {where} (pid {proc.pid})")
+    return run, proc, log, slot
 
 
 # -----------------------------------------------------------------------------
@@ -224,7 +391,8 @@ def first_growth(log):
     return (None, None, None) if best is None else (best[2], best[3], int(best[0]))
 
 
-def collect_row(path):
+def collect_row(path, arm=None, flags=""):
+    """One CSV row (COLUMNS) of a run folder; arm defaults to the run's name less its -sSEED."""
     run = load_run(path)
     log = run.log
     last_elapsed = last_finite(log["elapsed_s"]) if "elapsed_s" in log else None
@@ -234,9 +402,10 @@ def collect_row(path):
     layer, head, growth_step = first_growth(log)
     s = run.summary
     return dict(
-        name=run.name, arm=run.arm, seed=run.setting("seed"),
+        name=run.name, arm=arm or run.arm, flags=flags, seed=run.setting("seed"),
         **{key: run.setting(key) for key in ("attn", "precision", "fix")},
         delta_from_p=run.setting("delta_from_p", False), delta_fp32=run.setting("delta_fp32", False),
+        stochastic_o=run.setting("stochastic_o", "off"),
         mantissa_bits=run.setting("mantissa_bits", 0),
         amplify=run.setting("amplify", "p"),
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
@@ -280,54 +449,75 @@ def collect(paths, csv_path):
     return rows
 
 
+def collect_study(study, out, results):
+    """Copy each run of the study from `out` into results/runs/ (config.json, summary.json, and log.csv thinned
+    by thin_log), unless the copy there is finished and the run in `out` is not; then write results/runs.csv,
+    one row per run of the study that results/runs/ holds, in the study's order."""
+    rows, runs = [], study.runs(out, results)
+    for run in runs:
+        src, dst = run["dir"], run["kept"]
+        if (src / "log.csv").exists() and not (finished(dst, study.min_steps) and
+                                               not finished(src, study.min_steps)):
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.mkdir(parents=True)
+            for name in ("config.json", "summary.json"):
+                if (src / name).exists():
+                    shutil.copy2(src / name, dst / name)
+            thin_log(src / "log.csv", dst / "log.csv.gz")
+        if log_path(dst).exists():
+            rows.append(collect_row(dst, run["arm"], shlex.join(run["arm_flags"])))
+    for path in find_runs([Path(results) / "runs"]):
+        if path.name not in {run["name"] for run in runs}:
+            print(f"{path}: not a run of study {study.name}, left out of runs.csv")
+    write_csv(Path(results) / "runs.csv", rows, COLUMNS)
+    return rows
+
+
 # -----------------------------------------------------------------------------
-
-
-def parse_arm(text):
-    name, sep, flags = text.partition("=")
-    if not sep or not re.fullmatch(r"[\w.+-]+", name):
-        raise argparse.ArgumentTypeError(f"--arm wants NAME=\"train.py flags\", got {text!r}")
-    flags = shlex.split(flags)
-    for flag in flags:
-        if flag.split("=")[0] in OWNED_FLAGS:
-            raise argparse.ArgumentTypeError(f"arm {name}: {flag} is set by the sweep ({', '.join(OWNED_FLAGS)})")
-    return name, flags
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arm", type=parse_arm, action="append", default=[], metavar='NAME="FLAGS"',
-                   help="an arm: a name and train.py flags (repeatable)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("study", nargs="?", help="a study of the studies file")
+    p.add_argument("--studies", default=STUDIES, help="the studies file (default results/studies.toml)")
+    p.add_argument("--out", help="folder of the study's run folders (default runs/STUDY)")
+    p.add_argument("--results", help="where the study is collected (default STUDY/ beside the studies file)")
     p.add_argument("--minutes", type=float, help="wall-clock budget of this invocation (default: none)")
-    p.add_argument("--parallel", type=int, help="train.py processes at once (default: all)")
-    p.add_argument("--out", default="runs/sweep", help="folder of the run folders")
-    p.add_argument("--steps", type=int, help="train.py --steps for every arm (an arm's own --steps wins)")
-    p.add_argument("--data", help="train.py --data for every arm")
-    p.add_argument("--margin", type=float, default=0.5, help="minutes kept back for start-up and the final eval")
-    p.add_argument("--min-minutes", type=float, default=1.0, help="don't start a run with less training time")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds past the deadline before terminating")
-    p.add_argument("--collect", nargs="+", metavar="DIR", help="only collect these run folders (or folders of them)")
-    p.add_argument("--csv", help="where the CSV goes (default OUT/summary.csv)")
+    p.add_argument("--per-gpu", type=int, default=1, help="runs side by side on each GPU (default 1)")
+    p.add_argument("--collect", nargs="*", metavar="DIR",
+                   help="only collect: the study's runs (no DIR), or these run folders (or folders of them) into --csv")
+    p.add_argument("--csv", help="with --collect DIR...: the CSV to write")
     args = p.parse_args(argv)
 
     if args.collect:
-        rows = collect(args.collect, args.csv or Path(args.out) / "summary.csv")
-        print(f"{len(rows)} runs -> {args.csv or Path(args.out) / 'summary.csv'}")
+        if args.study or not args.csv:
+            p.error("--collect DIR... takes --csv PATH and no study (a study collects with --collect alone)")
+        rows = collect(args.collect, args.csv)
+        print(f"{len(rows)} runs -> {args.csv}")
         return 0
-    if not args.arm:
-        p.error("give at least one --arm, or --collect")
-    arms = dict(args.arm)
-    if len(arms) != len(args.arm):
-        p.error("two arms have the same name")
-    common = ([] if args.steps is None else ["--steps", str(args.steps)]) + \
-             ([] if args.data is None else ["--data", args.data])
-    results = sweep(arms, args.seeds, args.out, common, args.minutes, args.parallel, args.margin,
-                    args.min_minutes, args.grace)
-    csv_path = args.csv or Path(args.out) / "summary.csv"
-    rows = collect([args.out], csv_path)
-    print(f"{len(rows)} runs -> {csv_path}")
-    failed = {name: rc for name, rc in results.items() if isinstance(rc, int) and rc != 0}
+    if args.csv:
+        p.error("--csv goes with --collect DIR...")
+    if not args.study:
+        p.error(f"name a study of {args.studies}, or give --collect DIR... --csv PATH")
+    if args.per_gpu < 1:
+        p.error("--per-gpu must be 1 or more")
+    try:
+        study = load_study(args.studies, args.study)
+        out = Path(args.out or Path("runs") / study.name)
+        results = Path(args.results or Path(args.studies).parent / study.name)
+        runs = plan(study, out, results)
+        for run in runs:
+            print(f"{run['name']}: {run['state']}" + (f" ({run['kept']})" if run["state"] == "collected" else ""))
+        todo = [run for run in runs if run["state"] not in DONE]
+        outcome = {}
+        if args.collect is None and todo:
+            slots = device_slots(args.per_gpu, study.cpu_sized, study.name)
+            outcome = sweep(todo, slots, args.minutes)
+    except StudyError as e:
+        p.error(str(e))
+    rows = collect_study(study, out, results)
+    print(f"{len(rows)} runs -> {results / 'runs.csv'}, logs in {results / 'runs'}")
+    failed = {name: rc for name, rc in outcome.items() if isinstance(rc, int) and rc != 0}
     if failed:
         print(f"failed (see <run>/stdout.log): {failed}")
     return 1 if failed else 0

@@ -1,13 +1,47 @@
-"""nanolp/sweep.py: collecting synthetic run folders into a CSV, deciding what each run needs, and one tiny
-real sweep on the CPU (two train.py processes side by side), which a second invocation skips."""
+"""nanolp/sweep.py: the studies file and its errors, what each run needs, which GPU takes which run, collecting a
+study into thinned logs and a CSV (with a fake train.py that writes a run folder in a moment), and one real tiny
+study on the CPU."""
 import csv
+import gzip
 import json
 import random
 import shutil
 
 import pytest
+import torch
 
 from nanolp import data, sweep
+from nanolp.runs import load_run
+
+# A stand-in for train.py: writes config.json (its flags), log.csv (a row every 10 steps, diagnostics every 100),
+# summary.json and device.txt (CUDA_VISIBLE_DEVICES, start and end time), after --sleep seconds.
+FAKE_TRAIN = r'''
+import argparse, json, os, time
+from pathlib import Path
+p = argparse.ArgumentParser()
+for flag in ("--out", "--name", "--fix", "--preset", "--data"):
+    p.add_argument(flag)
+for flag in ("--seed", "--steps", "--collapse-at"):
+    p.add_argument(flag, type=int)
+p.add_argument("--minutes", type=float)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--resume", action="store_true")
+a = p.parse_args()
+run = Path(a.out) / a.name
+run.mkdir(parents=True, exist_ok=True)
+start = time.time()
+time.sleep(a.sleep)
+(run / "config.json").write_text(json.dumps(vars(a)))
+end = a.collapse_at or a.steps
+with open(run / "log.csv", "w") as f:
+    f.write("step,elapsed_s,train_loss,val_loss,max_logit_L0\n")
+    for step in range(10, end + 1, 10):
+        diag = "2.5,9.0" if step % 100 == 0 else ","
+        f.write(f"{step},{step / 100},{1 / step},{diag}\n")
+summary = dict(collapsed=a.collapse_at is not None, steps=end, name=a.name, seed=a.seed, fix=a.fix)
+(run / "summary.json").write_text(json.dumps(summary))
+(run / "device.txt").write_text(f"{os.environ.get('CUDA_VISIBLE_DEVICES')} {start} {time.time()}")
+'''
 
 
 def write_run(root, name, config, summary, rows):
@@ -24,6 +58,322 @@ def write_run(root, name, config, summary, rows):
     return run
 
 
+def write_studies(tmp_path, text):
+    path = tmp_path / "studies.toml"
+    path.write_text(text)
+    return path
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture
+def text(tmp_path):
+    """A small text for train.py. Its tokens are cached under the repository's data/, removed after."""
+    rng = random.Random(0)
+    words = ["the", "king", "queen", "speaks", "to", "his", "her", "lord", "and", "good", "night", "sweet"]
+    path = tmp_path / "sweep_test_words.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(4000)) + "\n")
+    yield path
+    shutil.rmtree(data.DATA_DIR / path.stem, ignore_errors=True)
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Set how many GPUs torch finds."""
+    def set_count(n):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return set_count
+
+
+# -----------------------------------------------------------------------------
+# The studies file
+
+
+def test_committed_studies():
+    seed_study = sweep.load_study(sweep.STUDIES, "seed_study")
+    assert seed_study.min_steps == 150_000 and not seed_study.cpu_sized
+    assert seed_study.arms["off"] == (["--fix", "off"], list(range(8)))
+    assert seed_study.arms["on"] == (["--fix", "on"], list(range(8)))
+    assert seed_study.arms["paper-precision-on"] == (["--precision", "paper", "--fix", "on"], [0, 1, 2, 3])
+    rounding = sweep.load_study(sweep.STUDIES, "stochastic_rounding")
+    assert rounding.arms["delta"] == (["--fix", "off", "--stochastic-o", "delta"], [0, 1, 2])
+    probe = sweep.load_study(sweep.STUDIES, "delta_probe")
+    assert (probe.min_steps, probe.arms) == (60_000, {"off": (["--fix", "off"], [0])})
+
+
+def test_studies_file_format(tmp_path):
+    path = write_studies(tmp_path, """
+        [mini]
+        min_steps = 1_000
+        seeds = [0, 1]
+        common = "--preset tiny --lr 3e-3"
+        [mini.arms]
+        off = "--fix off"
+        dfp32 = { flags = "--delta-fp32 --data 'a b.txt'", seeds = [5] }
+        [other.arms]
+        x = "--fix on"
+    """)
+    study = sweep.load_study(path, "mini")
+    assert (study.name, study.min_steps, study.common) == ("mini", 1000, ["--preset", "tiny", "--lr", "3e-3"])
+    assert study.arms == {"off": (["--fix", "off"], [0, 1]), "dfp32": (["--delta-fp32", "--data", "a b.txt"], [5])}
+    assert study.cpu_sized
+    runs = study.runs(tmp_path / "out", tmp_path / "res")
+    assert [run["name"] for run in runs] == ["off-s0", "off-s1", "dfp32-s5"]
+    assert runs[2]["flags"] == ["--preset", "tiny", "--lr", "3e-3", "--delta-fp32", "--data", "a b.txt",
+                                "--steps", "1000"]
+    assert runs[2]["kept"] == tmp_path / "res" / "runs" / "dfp32-s5"
+
+
+@pytest.mark.parametrize("text, study, error", [
+    ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = '--fix off'", "b", "no study 'b' in .*studies: a"),
+    ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = '--steps=9'", "a", "--steps=9 is set by the sweep"),
+    ("[a]\nmin_steps = 5\nseeds = [0]\ncommon = '--name n'\n[a.arms]\nx = ''", "a", "common: --name is set by"),
+    ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = 'fix off'", "a", "'fix' is not a --flag"),
+    ("[a]\nmin_step = 5\nseeds = [0]\n[a.arms]\nx = '--fix off'", "a", r"unknown keys \['min_step'\]"),
+    ("[a]\nseeds = [0]\n[a.arms]\nx = '--fix off'", "a", "min_steps must be a positive whole number"),
+    ("[a]\nmin_steps = 5\nseeds = [0, 0]\n[a.arms]\nx = '--fix off'", "a", "arm x: seeds must be a list of distinct"),
+    ("[a]\nmin_steps = 5\n[a.arms]\nx = '--fix off'", "a", "seeds must be"),
+    ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = 3", "a", "an arm is"),
+    ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\n'x/y' = '--fix off'", "a", "an arm's name"),
+    ("[a]\nmin_steps = 5\nseeds = [0]", "a", "no arms"),
+    ("[a]\nmin_steps = 5\nseeds = [0\n", "a", "studies.toml: Unclosed array"),
+])
+def test_studies_file_errors(tmp_path, text, study, error):
+    with pytest.raises(sweep.StudyError, match=error):
+        sweep.load_study(write_studies(tmp_path, text), study)
+
+
+@pytest.mark.parametrize("flags", ["--seed 3", "--name n", "--out o", "--steps 9", "--minutes 1", "--resume",
+                                   "--device cpu"])
+def test_flags_the_sweep_sets(tmp_path, flags):
+    path = write_studies(tmp_path, f"[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = '--fix off {flags}'\n")
+    with pytest.raises(sweep.StudyError, match=f"arm x: {flags.split()[0]} is set by the sweep"):
+        sweep.load_study(path, "a")
+
+
+def test_missing_studies_file(tmp_path):
+    with pytest.raises(sweep.StudyError, match="no studies file"):
+        sweep.load_study(tmp_path / "nowhere.toml", "a")
+
+
+def test_flags_against_a_run_config(tmp_path):
+    assert sweep.flag_settings(["--fix", "on", "--lr=1e-3", "--delta-fp32", "--no-delta-from-p", "--lr", "-2"]) == \
+        dict(fix="on", lr="-2", delta_fp32=True, delta_from_p=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert sweep.contradiction(run, ["--fix", "on"]) == ""  # no config.json yet
+    (run / "config.json").write_text(json.dumps(dict(fix="on", lr=0.001, delta_fp32=False, batch_size=64)))
+    assert sweep.contradiction(run, ["--fix", "on", "--lr", "1e-3", "--no-delta-fp32", "--batch-size", "64"]) == ""
+    assert "fix='on'" in sweep.contradiction(run, ["--fix", "paper"])
+    assert "delta_fp32" in sweep.contradiction(run, ["--delta-fp32"])
+    assert "stochastic_o=None" in sweep.contradiction(run, ["--stochastic-o", "off"])  # an older run: no such key
+
+
+# -----------------------------------------------------------------------------
+# Planning
+
+
+def test_run_state_and_resume_minutes(tmp_path):
+    rows = [dict(step=s, elapsed_s=s * 1.2) for s in (10, 20, 30)]
+    assert sweep.run_state(tmp_path / "missing", 100) == "new"
+    done = write_run(tmp_path, "done", {}, dict(steps=100, collapsed=False), rows)
+    assert sweep.run_state(done, 100) == "finished"
+    assert sweep.run_state(done, 200) == "stale"  # a longer target, but nothing to resume from
+    crashed = write_run(tmp_path, "crashed", {}, dict(steps=30, collapsed=True), rows)
+    assert sweep.run_state(crashed, 200) == "finished"
+    cut = write_run(tmp_path, "cut", {}, dict(steps=30, collapsed=False), rows)  # stopped by --minutes
+    (cut / "ckpt").mkdir()
+    for step in (10, 20):
+        (cut / "ckpt" / f"step_{step:07d}.pt").write_bytes(b"")
+    assert sweep.run_state(cut, 100) == "resumable"
+    assert sweep.trained_minutes(cut) == pytest.approx(24 / 60)  # elapsed_s at the step-20 checkpoint
+    run = dict(dir=cut, seed=1, state="resumable", flags=["--fix", "off", "--steps", "100"])
+    assert sweep.train_command(run, 10.0, 0.5)[1:] == [
+        str(sweep.TRAIN), "--fix", "off", "--steps", "100", "--out", str(tmp_path), "--name", "cut", "--seed", "1",
+        "--resume", "--minutes", f"{24 / 60 + 9.5:.3f}"]
+    assert "--minutes" not in sweep.train_command(dict(run, state="new"), None)
+
+
+def test_plan(tmp_path):
+    study = sweep.load_study(write_studies(tmp_path, """
+        [s]
+        min_steps = 100
+        seeds = [0, 1, 2]
+        [s.arms]
+        a = "--fix off"
+        b = { flags = "--fix on", seeds = [0, 1] }
+    """), "s")
+    out, results = tmp_path / "out", tmp_path / "results"
+    rows = [dict(step=s, elapsed_s=s / 10) for s in (10, 20)]
+    write_run(out, "a-s0", dict(fix="off"), dict(steps=100), rows)                   # reached min_steps
+    write_run(out, "a-s1", dict(fix="off"), dict(steps=20, collapsed=True), rows)    # collapsed
+    write_run(out, "b-s1", dict(fix="on"), None, rows)                               # killed, no checkpoint
+    (write_run(out, "a-s2", dict(fix="off"), None, rows) / "ckpt").mkdir()
+    (out / "a-s2" / "ckpt" / "step_0000020.pt").write_bytes(b"")                    # killed after a checkpoint
+    write_run(results / "runs", "b-s1", dict(fix="on"), dict(steps=100), rows)       # finished elsewhere
+    write_run(results / "runs", "b-s0", dict(fix="on"), dict(steps=50), rows)        # collected unfinished
+    runs = sweep.plan(study, out, results)
+    assert [(run["name"], run["state"]) for run in runs] == [
+        ("a-s2", "resumable"),                         # resumable first, then seed by seed across the arms
+        ("a-s0", "finished"), ("b-s0", "new"), ("a-s1", "finished"), ("b-s1", "collected")]
+
+    (out / "a-s0" / "config.json").write_text(json.dumps(dict(fix="paper")))  # run before the study changed
+    with pytest.raises(sweep.StudyError, match="a-s0: its config.json has fix='paper'"):
+        sweep.plan(study, out, results)
+
+
+# -----------------------------------------------------------------------------
+# Devices
+
+
+def test_device_slots(gpus, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus(2)
+    assert sweep.device_slots(2, cpu_sized=False) == ["0", "1", "0", "1"]  # one run per GPU before any second
+    assert sweep.device_slots(1, cpu_sized=True) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # this process sees GPUs 3 and 5 only
+    assert sweep.device_slots(2, cpu_sized=False) == ["3", "5", "3", "5"]
+    gpus(0)
+    assert sweep.device_slots(2, cpu_sized=True) == [None]  # the CPU, one run at a time
+    with pytest.raises(sweep.StudyError, match="no GPU found, and study big is sized for one"):
+        sweep.device_slots(2, cpu_sized=False, study_name="big")
+
+
+def test_gpu_study_refused_without_a_gpu(tmp_path, gpus, capsys):
+    gpus(0)
+    path = write_studies(tmp_path, "[big]\nmin_steps = 5\nseeds = [0]\n[big.arms]\nx = '--fix off'\n")
+    with pytest.raises(SystemExit):
+        sweep.main(["big", "--studies", str(path), "--out", str(tmp_path / "out")])
+    assert "no GPU found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# -----------------------------------------------------------------------------
+# Running and collecting (a fake train.py)
+
+
+@pytest.fixture
+def fake_train(tmp_path, monkeypatch):
+    path = tmp_path / "fake_train.py"
+    path.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, "TRAIN", path)
+
+
+def device_log(run_dir):
+    device, start, end = (run_dir / "device.txt").read_text().split()
+    return device, float(start), float(end)
+
+
+def test_study_on_two_gpus(tmp_path, text, fake_train, gpus, monkeypatch, capsys):
+    gpus(2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    studies = write_studies(tmp_path, f"""
+        [fake]
+        min_steps = 2000
+        seeds = [0, 1]
+        common = "--preset tiny --sleep 1 --data {text}"
+        [fake.arms]
+        off = "--fix off"
+        on = "--fix on"
+        crash = {{ flags = "--fix off --collapse-at 500", seeds = [0] }}
+    """)
+    out, results = tmp_path / "out", tmp_path / "fake"  # the results folder: beside the studies file, by default
+    argv = ["fake", "--studies", str(studies), "--out", str(out), "--per-gpu", "2"]
+    assert sweep.main(argv) == 0
+    names = ["off-s0", "off-s1", "on-s0", "on-s1", "crash-s0"]
+    logs = {name: device_log(out / name) for name in names}
+    # the first four start at once, seed 0 of every arm first, each on the less loaded GPU; on-s1 waits
+    assert [logs[name][0] for name in ("off-s0", "on-s0", "crash-s0", "off-s1")] == ["3", "5", "3", "5"]
+    assert logs["on-s1"][1] >= min(end for _, _, end in logs.values())
+    for gpu in ("3", "5"):
+        spans = [(start, end) for device, start, end in logs.values() if device == gpu]
+        at_once = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+        assert at_once == 2
+
+    rows = read_csv(results / "runs.csv")
+    assert list(rows[0]) == sweep.COLUMNS and "command" not in rows[0]
+    assert [row["name"] for row in rows] == names  # the study's order
+    off, crash = rows[0], rows[4]
+    assert (off["arm"], off["flags"], off["seed"], off["steps"]) == (
+        "off", f"--preset tiny --sleep 1 --data {text} --fix off", "0", "2000")
+    assert (crash["arm"], crash["flags"].split()[-2:], crash["collapsed"], crash["steps"]) == (
+        "crash", ["--collapse-at", "500"], "True", "500")
+    kept = results / "runs" / "off-s0"
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "log.csv.gz", "summary.json"]
+    with gzip.open(kept / "log.csv.gz", "rt") as f:
+        thinned = list(csv.DictReader(f))
+    steps = [int(row["step"]) for row in thinned]
+    assert len(steps) < 200 / 4  # of 200 rows: the 20 with diagnostics, every 100th, the last 5
+    assert set(range(100, 2001, 100)) <= set(steps) and steps[-1] == 2000
+    assert load_run(kept).max_logit == 9.0  # the committed copy reads as a run
+
+    capsys.readouterr()
+    assert sweep.main(argv) == 0  # again: all finished, nothing runs
+    assert "started" not in capsys.readouterr().out
+    fresh = ["fake", "--studies", str(studies), "--out", str(tmp_path / "elsewhere")]
+    assert sweep.main(fresh) == 0  # a fresh machine: every run is in results/ already
+    printed = capsys.readouterr().out
+    assert "started" not in printed and printed.count(": collected") == 5
+
+
+def test_study_on_the_cpu_one_at_a_time(tmp_path, text, fake_train, gpus, monkeypatch):
+    gpus(0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    studies = write_studies(tmp_path, f"""
+        [cpu]
+        min_steps = 100
+        seeds = [0, 1, 2]
+        [cpu.arms]
+        tiny = "--preset tiny --sleep 0.3 --data {text}"
+    """)
+    res = tmp_path / "res"
+    assert sweep.main(["cpu", "--studies", str(studies), "--out", str(tmp_path / "out"), "--results", str(res)]) == 0
+    spans = sorted(device_log(tmp_path / "out" / f"tiny-s{seed}") for seed in range(3))
+    assert all(device == "None" for device, _, _ in spans)  # CUDA_VISIBLE_DEVICES left as it was
+    assert all(prev_end <= start for (_, _, prev_end), (_, start, _) in zip(spans, spans[1:]))
+    assert len(read_csv(res / "runs.csv")) == 3
+
+
+def test_budget(tmp_path, text, fake_train):
+    study = sweep.load_study(write_studies(tmp_path, f"""
+        [slow]
+        min_steps = 100
+        seeds = [0, 1]
+        [slow.arms]
+        x = "--sleep 30 --data {text}"
+    """), "slow")
+    runs = sweep.plan(study, tmp_path / "out", tmp_path / "slow")
+    outcome = sweep.sweep(runs, [None], minutes=0.02, margin=0.0, min_minutes=0.01, grace=0.5, poll=0.1)
+    assert outcome == {"x-s0": "terminated", "x-s1": "not started"}  # past the 1.2 s budget and its grace
+    assert "--minutes 0.0" in (tmp_path / "out" / "x-s0" / "stdout.log").read_text()
+
+
+def test_collect_only(tmp_path, capsys):
+    studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0, 1]\n[s.arms]\nx = '--fix off'\n")
+    write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), dict(steps=40), [dict(step=40, elapsed_s=4)])
+    write_run(tmp_path / "s" / "runs", "old-s0", {}, None, [dict(step=10)])  # not the study's
+    assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out"), "--collect"]) == 0
+    assert "old-s0: not a run of study s" in capsys.readouterr().out
+    rows = read_csv(tmp_path / "s" / "runs.csv")
+    assert [(row["name"], row["steps"], row["flags"]) for row in rows] == [("x-s0", "40", "--fix off")]
+    assert not (tmp_path / "out" / "x-s1").exists()  # nothing was run
+
+
+def test_collected_finished_run_is_not_overwritten(tmp_path):
+    study = sweep.load_study(write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = ''\n"), "s")
+    write_run(tmp_path / "out", "x-s0", {}, dict(steps=30), [dict(step=30)])              # restarted, unfinished
+    write_run(tmp_path / "results" / "runs", "x-s0", {}, dict(steps=100), [dict(step=100)])  # finished
+    (row,) = sweep.collect_study(study, tmp_path / "out", tmp_path / "results")
+    assert row["steps"] == 100
+
+
+# -----------------------------------------------------------------------------
+# Collecting any run folders
+
+
 def diag_row(step, sn, tie):
     """A log row with diagnostics for 2 layers x 2 heads: sn[(layer, head)] and tie[layer]."""
     row = dict(step=step, elapsed_s=step * 0.6, train_loss=3.0 - step / 1000, val_loss="", tokens_per_s=1000.0)
@@ -33,15 +383,11 @@ def diag_row(step, sn, tie):
     return row
 
 
-def read_csv(path):
-    with open(path, newline="") as f:
-        return {row["name"]: row for row in csv.DictReader(f)}
-
-
 def test_collect_synthetic_runs(tmp_path):
     base = {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 1.5, (1, 1): 0.5}
     config = dict(preset="test", attn="kernel", precision="fa2", fix="off", seed=3, lr=1e-3, batch_size=8,
-                  block_size=32, n_layer=2, n_head=2, n_embd=16, steps=100, mantissa_bits=3, delta_from_p=True)
+                  block_size=32, n_layer=2, n_head=2, n_embd=16, steps=100, mantissa_bits=3, delta_from_p=True,
+                  stochastic_o="delta")
     rows = [dict(step=10, elapsed_s=6.0, train_loss=3.0, val_loss="", tokens_per_s=900.0),  # no diagnostics
             diag_row(20, base, (0.01, 0.02)),                                            # the baseline
             diag_row(40, base | {(1, 1): 1.45, (0, 1): 5.8}, (0.05, 0.01)),             # 2.9x, 2.9x: not yet
@@ -51,84 +397,62 @@ def test_collect_synthetic_runs(tmp_path):
                    minutes=0.7, final_val_loss=2.95, final_train_loss=2.9, max_logit=6.0, tokens_per_s=1000.0,
                    peak_mem_gb=None, name="arm-s3", seed=3, attn="kernel", precision="fa2", fix="off")
     write_run(tmp_path / "runs", "arm-s3", config, summary, rows)
-    # an old run: no summary.json, no delta_from_p/mantissa_bits in its config, no head ever doubles
-    old = {k: v for k, v in config.items() if k not in ("delta_from_p", "mantissa_bits")}
+    # an old run: no summary.json, no delta_from_p/mantissa_bits/stochastic_o in its config, no head ever grows
+    old = {k: v for k, v in config.items() if k not in ("delta_from_p", "mantissa_bits", "stochastic_o")}
     write_run(tmp_path / "old", "legacy", dict(old, seed=0), None, rows[:3])
 
     sweep.main(["--collect", str(tmp_path / "runs"), str(tmp_path / "old" / "legacy"),
                 "--csv", str(tmp_path / "out.csv")])
     with open(tmp_path / "out.csv", newline="") as f:
         assert next(csv.reader(f)) == sweep.COLUMNS
-    table = read_csv(tmp_path / "out.csv")
+    table = {row["name"]: row for row in read_csv(tmp_path / "out.csv")}
     assert list(table) == ["arm-s3", "legacy"]
     a, b = table["arm-s3"], table["legacy"]
-    assert (a["arm"], a["seed"], a["mantissa_bits"], a["delta_from_p"]) == ("arm", "3", "3", "True")
+    assert (a["arm"], a["flags"], a["seed"], a["mantissa_bits"], a["delta_from_p"], a["stochastic_o"]) == (
+        "arm", "", "3", "3", "True", "delta")
     assert (a["collapsed"], a["collapse_step"], a["steps"], a["max_logit"]) == ("True", "60", "70", "6.0")
     assert float(a["tie_rate_final"]) == 0.2  # max over layers of each layer's last value (0.03, 0.20)
     assert float(a["tie_rate_head_peak"]) == 0.4  # max over heads and steps (layer 1, head 1, step 60)
     # the baseline is step 20 (the first row past a quarter of 70 steps); both (0, 0) (3.5x) and (1, 1) (3.2x)
     # first pass 3x at step 60: the larger ratio wins
     assert (a["first_growth_layer"], a["first_growth_head"], a["first_growth_step"]) == ("0", "0", "60")
-    assert (b["arm"], b["delta_from_p"], b["mantissa_bits"], b["collapsed"]) == ("legacy", "False", "0", "")
+    assert (b["arm"], b["delta_from_p"], b["mantissa_bits"], b["stochastic_o"], b["collapsed"]) == (
+        "legacy", "False", "0", "off", "")
     assert (b["steps"], float(b["minutes"]), b["max_logit"]) == ("40", 0.4, "6.0")  # from the log
     assert float(b["tie_rate_final"]) == 0.05
     assert b["first_growth_layer"] == b["first_growth_head"] == b["final_val_loss"] == ""
 
 
-def test_run_state_and_resume_minutes(tmp_path):
-    config = dict(steps=100)
-    rows = [dict(step=s, elapsed_s=s * 1.2) for s in (10, 20, 30)]
-    assert sweep.run_state(tmp_path / "missing") == "new"
-    done = write_run(tmp_path, "done", config, dict(steps=100, collapsed=False), rows)
-    assert sweep.run_state(done) == "finished"
-    assert sweep.run_state(done, target_steps=200) == "stale"  # a longer target, but nothing to resume from
-    crashed = write_run(tmp_path, "crashed", config, dict(steps=30, collapsed=True), rows)
-    assert sweep.run_state(crashed, target_steps=200) == "finished"
-    cut = write_run(tmp_path, "cut", config, dict(steps=30, collapsed=False), rows)  # stopped by --minutes
-    (cut / "ckpt").mkdir()
-    for step in (10, 20):
-        (cut / "ckpt" / f"step_{step:07d}.pt").write_bytes(b"")
-    assert sweep.run_state(cut) == "resumable"
-    assert sweep.trained_minutes(cut) == pytest.approx(24 / 60)  # elapsed_s at the step-20 checkpoint
-    cmd = sweep.train_command(dict(dir=cut, seed=1, state="resumable"), ["--steps", "100"], 10.0, 0.5)
-    assert cmd[1:] == [str(sweep.TRAIN), "--steps", "100", "--out", str(tmp_path), "--name", "cut", "--seed", "1",
-                       "--resume", "--minutes", f"{24 / 60 + 9.5:.3f}"]
+@pytest.mark.parametrize("argv, error", [
+    (["--collect", "x"], "takes --csv"),
+    (["s", "--collect", "x", "--csv", "y.csv"], "no study"),
+    (["s", "--csv", "y.csv"], "--csv goes with --collect"),
+    ([], "name a study"),
+])
+def test_command_line_errors(argv, error, capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(argv)
+    assert error in capsys.readouterr().err
 
 
-def test_arm_flags():
-    assert sweep.parse_arm("b3=--mantissa-bits 3 --fix off") == ("b3", ["--mantissa-bits", "3", "--fix", "off"])
-    with pytest.raises(Exception, match="set by the sweep"):
-        sweep.parse_arm("a=--seed 3")
-    assert sweep.flag_value(["--steps", "5", "--lr", "1", "--steps=7"], "--steps") == "7"
+# -----------------------------------------------------------------------------
+# The real train.py
 
 
-@pytest.fixture
-def text(tmp_path):
-    """A small text for train.py. The subprocesses cache its tokens under the repository's data/, removed after."""
-    rng = random.Random(0)
-    words = ["the", "king", "queen", "speaks", "to", "his", "her", "lord", "and", "good", "night", "sweet"]
-    path = tmp_path / "sweep_test_words.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(4000)) + "\n")
-    yield path
-    shutil.rmtree(data.DATA_DIR / path.stem, ignore_errors=True)
-
-
-def test_tiny_sweep_on_cpu(tmp_path, text, capsys):
-    out = tmp_path / "sweep"
-    argv = ["--arm", "tiny=--preset tiny --attn sdpa --batch-size 8 --block-size 32 --device cpu",
-            "--seeds", "0", "1", "--steps", "20", "--data", str(text), "--out", str(out), "--minutes", "5",
-            "--min-minutes", "0.1"]
-    assert sweep.main(argv) == 0
-    table = read_csv(out / "summary.csv")
-    assert sorted(table) == ["tiny-s0", "tiny-s1"]
-    for seed in (0, 1):
-        row = table[f"tiny-s{seed}"]
-        assert (row["arm"], row["seed"], row["steps"], row["collapsed"]) == ("tiny", str(seed), "20", "False")
-        assert row["final_val_loss"] and row["tie_rate_final"]
-        assert "--seed" in (out / f"tiny-s{seed}" / "stdout.log").read_text()
-    assert table["tiny-s0"]["final_train_loss"] != table["tiny-s1"]["final_train_loss"]  # different seeds
-    capsys.readouterr()
-    assert sweep.main(argv) == 0  # again: both are finished, nothing runs
-    printed = capsys.readouterr().out
-    assert "tiny-s0: finished" in printed and "tiny-s1: finished" in printed and "started" not in printed
-    assert len(read_csv(out / "summary.csv")) == 2
+def test_tiny_study_on_cpu(tmp_path, text, gpus):
+    gpus(0)
+    studies = write_studies(tmp_path, f"""
+        [tiny]
+        min_steps = 20
+        seeds = [1]
+        common = "--preset tiny --batch-size 8 --block-size 32 --data {text}"
+        [tiny.arms]
+        sdpa = "--attn sdpa"
+    """)
+    assert sweep.main(["tiny", "--studies", str(studies), "--out", str(tmp_path / "out")]) == 0
+    (row,) = read_csv(tmp_path / "tiny" / "runs.csv")
+    assert (row["name"], row["arm"], row["seed"], row["attn"], row["steps"], row["collapsed"]) == (
+        "sdpa-s1", "sdpa", "1", "sdpa", "20", "False")
+    assert row["final_val_loss"] and row["tie_rate_final"]
+    assert "--seed 1" in (tmp_path / "out" / "sdpa-s1" / "stdout.log").read_text()
+    assert load_run(tmp_path / "tiny" / "runs" / "sdpa-s1").steps == 20

@@ -1,8 +1,10 @@
-"""train.py end to end on the CPU: a tiny run learns and writes its run folder; --resume continues a run
-exactly; a non-finite loss stops the run cleanly and keeps the last good checkpoint."""
+"""train.py end to end on the CPU: a tiny run learns and writes its run folder; the default name tells every arm
+apart; --resume continues a run exactly and refuses to change its arm; a non-finite loss stops the run cleanly and
+keeps the last good checkpoint."""
 import csv
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -11,27 +13,33 @@ import train
 from nanolp import data
 from nanolp.diagnostics import diag_columns
 
-SUMMARY_KEYS = {"collapsed", "collapse_step", "collapse_minute", "reason", "steps", "minutes", "final_val_loss",
-                "final_train_loss", "max_logit", "tokens_per_s", "mfu", "peak_mem_gb", "name", "fix", "attn",
-                "precision", "seed", "preset"}
+OUTCOME = {"collapsed", "collapse_step", "collapse_minute", "reason", "steps", "minutes", "final_val_loss",
+           "final_train_loss", "max_logit", "tokens_per_s", "mfu", "peak_mem_gb"}
 TIMING = {"elapsed_s", "tokens_per_s", "mfu"}  # the only columns allowed to differ between identical runs
 
 
 @pytest.fixture
-def run(tmp_path, monkeypatch):
-    """run(name, *flags) trains the tiny preset on a small made-up text, returns the run folder."""
+def text(tmp_path, monkeypatch):
+    """A small made-up text (and no $NANOLP_DATA, which would be part of every run's arm)."""
+    monkeypatch.delenv("NANOLP_DATA", raising=False)
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path / "data")  # keep the token cache out of the repository
     rng = random.Random(0)
     words = ["the", "king", "queen", "speaks", "to", "his", "her", "lord", "and", "good", "night", "sweet"]
-    text = tmp_path / "words.txt"
-    text.write_text(" ".join(rng.choice(words) for _ in range(8000)) + "\n")
-    monkeypatch.setattr(data, "DATA_DIR", tmp_path / "data")  # keep the token cache out of the repository
+    path = tmp_path / "words.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(8000)) + "\n")
+    return path
 
+
+@pytest.fixture
+def run(tmp_path, text):
+    """run(name, *flags) trains the tiny preset on the small text, returns the run folder (name None: the
+    default name)."""
     def run(name, *flags):
-        train.main(["--preset", "tiny", "--attn", "sdpa", "--device", "cpu", "--data", str(text),
-                    "--out", str(tmp_path / "runs"),
-                    "--name", name, "--batch-size", "8", "--block-size", "32", "--log-interval", "10",
-                    "--eval-interval", "20", "--diag-interval", "20", "--ckpt-interval", "20", *flags])
-        return tmp_path / "runs" / name
+        summary = train.main(["--preset", "tiny", "--attn", "sdpa", "--device", "cpu", "--data", str(text),
+                              "--out", str(tmp_path / "runs"), *([] if name is None else ["--name", name]),
+                              "--batch-size", "8", "--block-size", "32", "--log-interval", "10",
+                              "--eval-interval", "20", "--diag-interval", "20", "--ckpt-interval", "20", *flags])
+        return tmp_path / "runs" / summary["name"]
     return run
 
 
@@ -49,7 +57,7 @@ def test_smoke_run_learns_and_writes_its_folder(run):
     assert all(r["val_loss"] and r["max_logit_L1"] and r["delta_err_L0_H1"] for r in rows if int(r["step"]) % 20 == 0)
     assert not rows[0]["val_loss"] and not rows[0]["sn_q_L0"]  # only every --eval/--diag-interval steps
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary) == SUMMARY_KEYS
+    assert set(summary) == OUTCOME | set(train.ARM) | {"name", "data_sha1"}
     assert summary["collapsed"] is False and summary["steps"] == 60 and summary["tokens_per_s"] > 0
     assert summary["final_val_loss"] == pytest.approx(float(rows[-1]["val_loss"]))
     config = json.loads((run_dir / "config.json").read_text())
@@ -58,11 +66,54 @@ def test_smoke_run_learns_and_writes_its_folder(run):
                                                                      "step_0000060.pt"]
 
 
-def test_delta_fp32_flag_reaches_the_config(run):
-    run_dir = run("dfp32", "--attn", "emulate", "--delta-fp32", "--steps", "20")
+def test_summary_holds_the_arm(run):
+    run_dir = run("arm", "--attn", "emulate", "--delta-fp32", "--stochastic-o", "forward", "--lr", "0.002",
+                  "--seed", "3", "--n-head", "4", "--steps", "20")
     config = json.loads((run_dir / "config.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert config["delta_fp32"] is True and config["delta_from_p"] is False
+    arm = dict(preset="tiny", attn="emulate", fix="off", precision="fa2", delta_from_p=False, delta_fp32=True,
+               stochastic_o="forward", mantissa_bits=0, amplify="p", pos="learned", lr=0.002, warmup=20, beta1=0.9,
+               beta2=0.95, weight_decay=0.0, grad_clip=1.0, n_layer=2, n_head=4, n_embd=64, block_size=32,
+               batch_size=8, dtype="bf16", data=config["data"], seed=3)
+    assert {k: summary[k] for k in train.ARM} == arm and summary["name"] == "arm"
+    assert summary["data_sha1"] == config["data_sha1"] and len(summary["data_sha1"]) == 40
     assert float(read_log(run_dir)[-1]["train_loss"]) < 4.0   # it trains
+
+
+def default_name(tmp_path, *flags):
+    return train.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]))["name"]
+
+
+def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
+    arms = [[], ["--fix", "on"], ["--fix", "paper"], ["--attn", "sdpa"], ["--seed", "1"], ["--preset", "tiny"],
+            ["--precision", "paper"], ["--delta-from-p"], ["--delta-fp32"], ["--stochastic-o", "forward"],
+            ["--stochastic-o", "delta"], ["--mantissa-bits", "3"], ["--mantissa-bits", "3", "--amplify", "vo"],
+            ["--pos", "none"], ["--lr", "3e-3"], ["--lr", "0.0030001"], ["--warmup", "50"], ["--n-layer", "4"],
+            ["--n-head", "4"], ["--n-embd", "128"], ["--block-size", "128"], ["--batch-size", "32"],
+            ["--dtype", "fp32"], ["--data", str(text)], ["--delta-fp32", "--lr", "3e-3"]]
+    names = [default_name(tmp_path, *flags) for flags in arms]
+    assert len(set(names)) == len(names), names
+    assert names[:3] == ["default-kernel-fixoff-s0", "default-kernel-fixon-s0", "default-kernel-fixpaper-s0"]
+    assert names[8] == "default-kernel-fixoff-delta_fp32-s0"
+    assert names[-1] == "default-kernel-fixoff-delta_fp32-lr0.003-s0"
+    assert "-bits3-" in names[11] and "-data_words-" in names[23]
+    # the same settings, however spelled, and flags that do not change the arm: the same name
+    assert {default_name(tmp_path, *flags) for flags in (
+        [], ["--fix", "off"], ["--lr", "0.001"], ["--no-delta-fp32"], ["--preset", "default", "--mantissa-bits", "0"],
+        ["--steps", "10", "--minutes", "5", "--log-interval", "5", "--diag-interval", "7", "--compile", "off",
+         "--device", "cpu"])} == {"default-kernel-fixoff-s0"}
+    assert default_name(tmp_path, "--preset", "tiny", "--lr", "3e-3") == "tiny-kernel-fixoff-s0"  # tiny's own lr
+    assert default_name(tmp_path, "--lr", "3e-3", "--delta-fp32") == names[-1]
+    monkeypatch.setenv("NANOLP_DATA", str(text))   # the text is part of the arm, however it is given
+    assert default_name(tmp_path) == names[23]
+    monkeypatch.delenv("NANOLP_DATA")
+    # past MAX_NAME characters: a hash of the settings, stable, and different for different settings
+    long = [["--attn", "emulate"], ["--precision", "paper"], ["--delta-from-p"], ["--stochastic-o", "forward"],
+            ["--mantissa-bits", "3"], ["--amplify", "vo"], ["--pos", "none"], ["--lr", "0.002"]]
+    a, b = (default_name(tmp_path, *sum(groups, [])) for groups in (long, long[::-1]))
+    assert len(a) <= train.MAX_NAME and a == b and re.fullmatch(r"default-emulate-fixoff-[0-9a-f]{10}-s0", a)
+    assert default_name(tmp_path, *sum(long, []), "--warmup", "10") != a
 
 
 def test_resume_reproduces_an_uninterrupted_run(run):
@@ -86,6 +137,83 @@ def test_resume_reproduces_an_uninterrupted_run(run):
     assert all(torch.equal(a["model"][k], b["model"][k]) and torch.equal(a["model"][k], c["model"][k])
                for k in a["model"])  # bitwise
     assert torch.equal(a["state"]["ema"], b["state"]["ema"]) and torch.equal(a["state"]["ema"], c["state"]["ema"])
+
+
+# a flag of each kind that decides a run's numbers, with a value other than the tiny run's
+ARM_CHANGES = [("--preset", "default"), ("--attn", "emulate"), ("--fix", "on"), ("--fix", "paper"), ("--seed", "1"),
+               ("--precision", "paper"), ("--delta-from-p",), ("--delta-fp32",), ("--stochastic-o", "forward"),
+               ("--mantissa-bits", "3"), ("--amplify", "vo"), ("--pos", "none"), ("--lr", "0.01"), ("--warmup", "5"),
+               ("--n-layer", "1"), ("--n-head", "4"), ("--n-embd", "32"), ("--block-size", "16"),
+               ("--batch-size", "4"), ("--dtype", "fp32")]
+
+
+def test_resume_refuses_to_change_the_arm(run, text, tmp_path):
+    run_dir = run("r", "--steps", "20")
+    config = json.loads((run_dir / "config.json").read_text())
+    flagged = {"--" + k.replace("_", "-") for k in train.ARM if k in vars(train.parse_args([]))}
+    assert {change[0] for change in ARM_CHANGES} | {"--data"} == flagged   # every flag of the arm is tried
+    for change in ARM_CHANGES:
+        key = change[0][2:].replace("-", "_")
+        new = vars(train.parse_args(list(change)))[key]
+        with pytest.raises(ValueError, match=re.escape(f"{change[0]}: the run has {config[key]!r}, this command "
+                                                       f"{new!r}")):
+            run("r", "--steps", "40", "--resume", *change)
+    other = tmp_path / "other.txt"
+    other.write_text(text.read_text()[::-1])
+    with pytest.raises(ValueError, match=re.escape(f"--data (or $NANOLP_DATA): the run has {str(text)!r}, "
+                                                   f"this command {str(other)!r}")):
+        run("r", "--steps", "40", "--resume", "--data", str(other))
+    text.write_text(text.read_text().upper())   # the same file, another text: another data order
+    with pytest.raises(ValueError, match="the text .*words.txt has changed since the run started"):
+        run("r", "--steps", "40", "--resume")
+    assert json.loads((run_dir / "config.json").read_text()) == config   # nothing was touched
+    assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20]
+
+
+def test_resume_may_change_the_length_and_intervals(run):
+    run_dir = run(None, "--steps", "20")
+    assert run_dir.name == "tiny-sdpa-fixoff-block32-batch8-data_words-s0"   # the default name
+    run(None, "--steps", "30", "--minutes", "10", "--log-interval", "5", "--eval-interval", "10",
+        "--compile", "off", "--resume")
+    assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20, 25, 30]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["steps"], config["minutes"], config["log_interval"]) == (30, 10.0, 5)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+
+
+def test_a_new_run_never_continues_another(run):
+    """A new run whose folder holds a run with other settings: the error names them, and the --resume it
+    mentions refuses them (it used to continue the run under the new settings)."""
+    run_dir = run("x", "--steps", "20")
+    with pytest.raises(FileExistsError, match=r"exists, a run of preset tiny, attn sdpa, fix off, seed 0, .*"
+                                              r"differs in delta_fp32 True \(the run: False\)"):
+        run("x", "--steps", "20", "--delta-fp32")
+    with pytest.raises(ValueError, match="--delta-fp32: the run has False, this command True"):
+        run("x", "--steps", "40", "--delta-fp32", "--resume")
+    assert json.loads((run_dir / "config.json").read_text())["delta_fp32"] is False
+    # without --name, the other settings get a folder of their own
+    other = run(None, "--steps", "20", "--lr", "0.01")
+    assert other.name == "tiny-sdpa-fixoff-lr0.01-block32-batch8-data_words-s0"
+    with pytest.raises(FileExistsError, match="pass --resume to continue it"):   # the same settings again
+        run(None, "--steps", "20", "--lr", "0.01")
+
+
+def test_help_groups_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    groups, title = {}, None
+    for line in capsys.readouterr().out.split("\noptions:\n")[1].splitlines():
+        if re.fullmatch(r"\S.*:", line):
+            title = line[:-1].split(" (")[0]
+        elif flag := re.match(r"  (--[\w-]+)", line):
+            groups.setdefault(title, set()).add(flag[1])
+    assert groups["the demo"] == {"--fix", "--attn", "--seed", "--steps", "--minutes", "--data", "--preset", "--out",
+                                  "--name", "--resume"}
+    assert groups["experiments"] == {"--precision", "--delta-from-p", "--delta-fp32", "--stochastic-o",
+                                     "--mantissa-bits", "--amplify", "--pos"}
+    assert groups["model shape"] == {"--n-layer", "--n-head", "--n-embd", "--block-size"}
+    assert groups["training"] == {"--lr", "--warmup", "--batch-size", "--dtype", "--compile", "--device",
+                                  "--log-interval", "--eval-interval", "--diag-interval", "--ckpt-interval"}
 
 
 def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, capsys):
