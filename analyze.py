@@ -1,17 +1,23 @@
-"""Figures and a short report from training runs, and a demonstration of the rounding bias itself.
+"""The last chapter: what the runs show, in figures and a short report, and the rounding bias without training.
 
-    python analyze.py                        every run folder under runs/
-    python analyze.py runs/a runs/b --out f  just these runs, figures, report.md and rates.csv into f/
-    python analyze.py --mechanism            the bias on controlled inputs and on a checkpoint
+    python analyze.py RUN... --out DIR           headline.png (loss and layer 0's max logit per arm), per-layer
+                                                 figures, rates.csv (per arm: collapsed, medians)
+    python analyze.py --probe RUN... --out DIR   delta_probe.png: the probe's terms, pooled before the runaway
+    python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
 
-The story the figures follow (see README.md): with the fix off, delta = rowsum(dO * O)
-carries a same-signed error, which grows the spectral norm of W_Q and W_K in one layer, which
-raises the attention logits, which makes rows with several tied maxima (the tie rate) common,
-which makes the error larger, until the loss explodes. Each figure shows one link of that cycle.
-Given runs with the amplifier at several bit counts, it also fits how much later the failure comes per bit
-(bits_law.png), the basis of the README's estimate for plain bf16.
+With `--fix off` the backward's delta = rowsum(dO * O) reads the forward's O after its final bf16 cast. The char
+model memorises its text within ~20,000 steps and then trains on near-zero gradients; from there the error that
+cast puts into delta keeps one sign in layer 0, and it reaches W_Q through dS = P * (dP - delta) the same way at
+every step. Layer 0's W_Q grows (spectral_norm.png), its logits run away (headline.png) and the loss collapses.
+`--fix on`, the paper's shifted row max plus delta from the forward's fp32 O, keeps layer 0 flat. The paper's rule
+alone (`--fix paper`) removes the bias of rows with several tied maxima (--mechanism's tables), but ties are rare
+in layer 0 (tie_rate.png) and it does not stop the runaway.
+Why one sign, when round-to-nearest has none: dO is computed downstream of the rounded O, so it is correlated with
+the rounding error e, and the mean of rowsum(dO * e) is tr(H Sigma_e) > 0 near a minimum, H the loss's curvature
+in O. On a loss with known H that holds exactly (--mechanism's curvature.png); in the model, the probe finds the
+term positive but below the noise of delta's error at its checkpoints (--probe's delta_probe.png).
 
-analyze.py only reads run folders (nanolp/runs.py); it never imports train.py.
+Runs are named by their arm: the train.py flags that set them apart from their preset.
 """
 
 import argparse
@@ -21,65 +27,145 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
-from tqdm import tqdm
 
-from nanolp.plots import (amplifier, auto_log_scale, family, fix_word, flag, legend, mantissa_bits, plot_grid,
-                          run_styles, save)
+from nanolp.diagnostics import PROBE_LAYER, PROBE_TERMS
+from nanolp.mechanism import demonstrate
+from nanolp.plots import THOUSANDS, family, fix_word, plot_grid, run_styles, save
 from nanolp.runs import find_runs, load_run
 from nanolp.sweep import write_csv
+from nanolp.presets import COMMON, PRESETS, changed_settings
 
 # -----------------------------------------------------------------------------
-# Loss: does the run collapse, and when (in steps and in wall-clock minutes)?
+# Arms: a run is named by the train.py flags that set it apart from its preset
+
+OURS = ("kernel", "emulate")  # the attentions that take --fix and the other kernel options
+KERNEL_OPTIONS = ("precision", "delta_from_p", "delta_fp32", "stochastic_o", "mantissa_bits", "amplify")
 
 
-def plot_loss(runs, styles, path):
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, x, scale, xlabel in ((axes[0], "step", 1, "step"),
-                                 (axes[1], "elapsed_s", 60, "wall-clock time (minutes)")):
-        plotted = []
-        for run in runs:
-            style = dict(styles[run.path], label=None)
-            for column, width, alpha in (("train_loss", 0.8, 0.45), ("val_loss", 2.0, 1.0)):
-                series = run.series(column, x)
-                if series is not None:
-                    ax.plot(series[0] / scale, series[1], linewidth=width, alpha=alpha, **style)
-                    plotted.append(series[1])
-            mark_collapse(ax, run, x, scale, style["color"])
-        auto_log_scale(ax, plotted)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("cross-entropy loss (nats/token)")
-        ax.grid(alpha=0.3)
-    axes[0].set_title("loss against step")
-    axes[1].set_title("loss against wall-clock time")
-    fig.tight_layout()
-    extra = [Line2D([], [], color="k", linewidth=0.8, alpha=0.45, label="train loss"),
-             Line2D([], [], color="k", linewidth=2.0, label="val loss")]
+def arm(run):
+    """The flags, e.g. "--fix off", "--fix on --lr 0.003", "--attn sdpa": --preset and --attn where they are not
+    the default, --fix for our attention, then nanolp.presets.changed_settings (the settings of ARM that differ from
+    the preset), less the kernel's options for the torch attentions, which ignore them. A setting an older run
+    did not record reads as its default."""
+    preset = run.setting("preset", "default")
+    settings = {**COMMON, **PRESETS.get(preset, {}), **run.config,
+                **{k: v for k, v in run.summary.items() if v is not None}, "preset": preset}
+    ours = settings["attn"] in OURS
+    flags = ([] if preset == "default" else [f"--preset {preset}"]) + (
+        [] if settings["attn"] == COMMON["attn"] else [f"--attn {settings['attn']}"]) + (
+        [f"--fix {fix_word(run)}"] if ours else [])
+    changed = changed_settings(settings)
+    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in KERNEL_OPTIONS])
+
+
+def flag_text(key, value):
+    name = "--" + key.replace("_", "-")
+    if isinstance(value, bool):  # train.py's BooleanOptionalAction
+        return name if value else name.replace("--", "--no-", 1)
+    return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+
+
+def by_arm(runs):
+    """{arm: [runs]}, the arms in the order they first appear."""
+    groups = {}
+    for run in runs:
+        groups.setdefault(arm(run), []).append(run)
+    return groups
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
+def fmt(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+def outcome(group):
+    """An arm's runs in a few words: "1 seed; no collapse; stopped at 60,000 steps", "8 seeds; 8 collapsed,
+    median step 94,395"."""
+    collapsed = [run.collapse_step for run in group if run.collapse_step is not None]
+    open_steps = sorted(run.steps or 0 for run in group if run.collapse_step is None)
+    words = [f"{len(group)} seed{'s' if len(group) > 1 else ''}"]
+    if collapsed:
+        words.append(f"{len(collapsed)} collapsed, median step {median(collapsed):,.0f}")
+    if open_steps:
+        reach = f"{open_steps[0]:,}" + (f"-{open_steps[-1]:,}" if open_steps[-1] != open_steps[0] else "")
+        words.append(("no collapse; stopped" if not collapsed else f"{len(open_steps)} stopped") + f" at {reach} steps")
+    return "; ".join(words)
+
+
+# -----------------------------------------------------------------------------
+# The headline: per arm, the median and the range over seeds of the loss and of layer 0's max logit
+
+LOGIT = f"max_logit_L{PROBE_LAYER}"  # the layer that runs away
+
+
+def band(group, column):
+    """(steps, median, min, max) of a log column over the runs of `group`, on the union of their logged steps;
+    each run counts within its own logged range (interpolated between its rows), so a run that stopped early
+    drops out of the band there. None if no run has the column."""
+    series = [s for s in (run.series(column) for run in group) if s is not None]
+    if not series:
+        return None
+    steps = np.unique(np.concatenate([x for x, _ in series]))
+    values = np.full((len(series), len(steps)), np.nan)
+    for row, (x, y) in zip(values, series):
+        inside = (steps >= x[0]) & (steps <= x[-1])
+        row[inside] = np.interp(steps[inside], x, y)
+    return steps, np.nanmedian(values, axis=0), np.nanmin(values, axis=0), np.nanmax(values, axis=0)
+
+
+def plot_headline(runs, styles, path):
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    handles = []
+    for name, group in by_arm(runs).items():
+        colour = styles[group[0].path]["color"]
+        for ax, column in zip(axes, ("train_loss", LOGIT)):
+            curve = band(group, column)
+            if curve is None:
+                continue
+            steps, middle, low, high = curve
+            ax.plot(steps, middle, color=colour, linewidth=1.4)
+            if len(group) > 1:
+                ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
+            for run in group:
+                mark_collapse(ax, run, column, colour)
+        handles.append(Line2D([], [], color=colour, linewidth=1.4, label=f"{name} ({outcome(group)})"))
     if any(run.collapse_step is not None for run in runs):
-        extra.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9,
-                            label="collapse (summary.json)"))
-    legend(fig, runs, styles, extra=extra)
+        handles.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9, label="collapse"))
+    for ax, title in zip(axes, ("training loss (nats/token)", f"layer {PROBE_LAYER}'s max attention logit")):
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_formatter(THOUSANDS)
+        ax.grid(alpha=0.3, which="both")
+    spread = ": median over seeds, shaded min to max" if any(len(g) > 1 for g in by_arm(runs).values()) else ""
+    fig.suptitle(f"per arm (the train.py flags that differ from the preset){spread}", fontsize=11)
+    fig.tight_layout()
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=9)
     return save(fig, path)
 
 
-def mark_collapse(ax, run, x, scale, color):
-    """An X on the train-loss curve where summary.json says the run collapsed."""
-    where = {"step": run.collapse_step, "elapsed_s": run.summary.get("collapse_minute")}[x]
-    train = run.series("train_loss", x)
-    if run.collapse_step is None or where is None or train is None:
+def mark_collapse(ax, run, column, colour):
+    """An X on the run's curve where summary.json says it collapsed."""
+    series = run.series(column)
+    if run.collapse_step is None or series is None:
         return
-    loss = np.interp(where, train[0] / scale, train[1])
-    ax.plot([where], [loss], marker="X", markersize=11, color=color, markeredgecolor="k", zorder=5)
+    ax.plot([run.collapse_step], [np.interp(run.collapse_step, *series)], marker="X", markersize=10, color=colour,
+            markeredgecolor="k", zorder=5)
 
 
 # -----------------------------------------------------------------------------
-# Spectral norms: which layer's W_Q grows first? The paper saw it in layer 2, in a few heads.
+# Where W_Q grows: the layer whose spectral norm grows most picks the per-head figure
 
 
 def growth_layer(runs):
     """The layer whose sn_q grows most relative to its value at the first logged step.
 
-    Growth of one run's layer = max over logged steps / first logged value, averaged over the
-    fix-off runs of our attention (the failing configuration), or over all runs if there are none.
+    Growth of one run's layer = max over logged steps / first logged value, averaged over the `--fix off` runs
+    of our attention (the failing configuration), or over all runs if there are none.
     Returns (layer or None, {layer: mean growth}).
     """
     chosen = [run for run in runs if family(run) == "fix off"] or runs
@@ -101,214 +187,46 @@ def head_count(runs, layer):
     return max((len(run.columns(rf"sn_q_L{layer}_H\d+")) for run in runs), default=0)
 
 
-# -----------------------------------------------------------------------------
-# Early warning: does the tie rate rise before the loss explodes?
-
-
-def early_warning(run, k):
-    """Compare the first step where the tie rate (max over layers) exceeds k times its median over
-    the first half of the run with the collapse step.
-
-    "First half" is the logged steps up to half the collapse step, so that a run that keeps going
-    after its collapse does not fold the explosion into its own baseline; the search for the
-    warning starts after that window. Returns None for runs that did not collapse or log no ties.
-    """
-    collapse = run.collapse_step
-    columns = run.columns(r"tie_rate_L\d+")
-    if collapse is None or not columns:
-        return None
-    rates = np.stack([run.log[c] for c in columns])  # (layers, rows)
-    logged = np.isfinite(rates).any(axis=0) & np.isfinite(run.log["step"])
-    if not logged.any():
-        return None
-    steps, tie_rate = run.log["step"][logged], np.nanmax(rates[:, logged], axis=0)
-    first_half = steps <= collapse / 2
-    if not first_half.any():
-        return None
-    baseline = float(np.median(tie_rate[first_half]))
-    above = steps[~first_half & (tie_rate > k * baseline)]
-    warn_step = int(above[0]) if above.size else None
-    lead = collapse - warn_step if warn_step is not None and warn_step <= collapse else None
-    return dict(collapse_step=collapse, baseline=baseline, warn_step=warn_step, lead=lead)
-
-
-def warning_sentence(run, warning, k):
-    head = (f"- `{run.name}`: the tie rate (max over layers; median {warning['baseline']:.4g} over the "
-            f"first half) ")
-    if warning["lead"] is not None:
-        return head + (f"first exceeded {k:g}x that median at step {warning['warn_step']}, "
-                       f"{warning['lead']} steps before the collapse at step {warning['collapse_step']}.")
-    if warning["warn_step"] is not None:
-        return head + (f"did not rise first: it exceeded {k:g}x that median only at step "
-                       f"{warning['warn_step']}, after the collapse at step {warning['collapse_step']}.")
-    return head + (f"did not rise first: it never exceeded {k:g}x that median before the run ended "
-                   f"(collapse at step {warning['collapse_step']}).")
-
-
-# -----------------------------------------------------------------------------
-# The bits law: how much later does the failure come for each mantissa bit the amplifier leaves P? If steps to the
-# failure go as one over the bias, a steady factor per bit extrapolated to 7 bits (P in plain bf16, in "fa2") says
-# when plain bf16 would fail, if the same term drove it. Plain-bf16 runs at the same learning rate are the test:
-# they are drawn at 7 bits but kept out of the fit.
-
-TAKEOFF_LOGIT = 100.0  # a layer's max logit past this marks the take-off (runs that train normally stay below)
-BF16_BITS = 7
-
-
-def takeoff_step(run):
-    """The first logged step where the max logit of the layer that grows most (largest over first value) passes
-    TAKEOFF_LOGIT; None if it never does. (Other layers can sit above the line in normal training.)"""
-    series = [s for s in (run.series(c) for c in run.columns(r"max_logit_L\d+")) if s is not None]
-    if not series:
-        return None
-    step, logit = max(series, key=lambda s: s[1].max() / s[1][0])
-    return int(step[logit > TAKEOFF_LOGIT][0]) if (logit > TAKEOFF_LOGIT).any() else None
-
-
-def bits_law(runs):
-    """For runs of our attention with the fix off and P rounded to B bits: per B, the median take-off and
-    collapse steps (and the steps reached by runs without one), and for each measure the factor per bit of a
-    least-squares line through log(step) against B, with its value at BF16_BITS. Plain-bf16 runs at the
-    amplified runs' learning rate are a row at BF16_BITS with measured=True, not fitted. None with fewer than 2 B."""
-    amplified = [r for r in runs if family(r) == "fix off" and amplifier(r).startswith("P")]
-    lrs = {r.setting("lr") for r in amplified}
-    by_bits = {}
-    for run in amplified:
-        by_bits.setdefault(mantissa_bits(run), []).append(run)
-    plain = [r for r in runs if family(r) == "fix off" and not amplifier(r) and len(lrs) == 1
-             and r.setting("lr") in lrs and str(r.setting("precision", "fa2")) == "fa2"]
-    if plain:
-        by_bits[BF16_BITS] = plain
-    rows = [dict(bits=b, runs=len(rs), takeoff=median([takeoff_step(r) for r in rs]),
-                 collapse=median([r.collapse_step for r in rs]), reached=max(r.steps or 0 for r in rs),
-                 measured=rs is plain) for b, rs in sorted(by_bits.items())]
-    fits = {}
-    for measure in ("takeoff", "collapse"):
-        points = [(r["bits"], r[measure]) for r in rows if r[measure] and not r["measured"]]
-        if len({b for b, _ in points}) >= 2:
-            slope, intercept = np.polyfit([b for b, _ in points], np.log([s for _, s in points]), 1)
-            fits[measure] = dict(per_bit=float(np.exp(slope)), at_bf16=float(np.exp(intercept + slope * BF16_BITS)),
-                                 line=(slope, intercept))
-    return (rows, fits) if fits else None
-
-
-def plot_bits_law(rows, fits, path):
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    bits = np.linspace(min(r["bits"] for r in rows), BF16_BITS, 50)
-    for measure, color, text in (("takeoff", "tab:orange", f"max logit > {TAKEOFF_LOGIT:g}"),
-                                 ("collapse", "tab:red", "loss collapse")):
-        points = [(r["bits"], r[measure]) for r in rows if r[measure] and not r["measured"]]
-        if points:
-            ax.plot(*zip(*points), "o", color=color, label=text)
-        measured = [(r["bits"], r[measure]) for r in rows if r[measure] and r["measured"]]
-        if measured:
-            ax.plot(*zip(*measured), "*", color=color, markersize=13, label=f"{text}, plain bf16 (measured)")
-        if measure in fits:
-            fit = fits[measure]
-            slope, intercept = fit["line"]
-            ax.plot(bits, np.exp(intercept + slope * bits), "--", color=color, alpha=0.6,
-                    label=f"fit: x{fit['per_bit']:.2f} per bit, {fit['at_bf16']:,.0f} at {BF16_BITS}")
-    open_runs = [(r["bits"], r["reached"]) for r in rows if not r["collapse"]]
-    if open_runs:
-        ax.plot(*zip(*open_runs), "^", color="gray", label="no collapse yet (steps reached)")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"mantissa bits of P ({BF16_BITS} = plain bf16)")
-    ax.set_ylabel("step")
-    ax.set_title("time to failure against the amplifier's bits (fix off)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    return save(fig, path)
-
-
-def bits_law_lines(rows, fits):
-    lines = ["| P bits | runs | median take-off step | median collapse step | most steps reached |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['bits']}{' (plain bf16)' if r['measured'] else ''} | {r['runs']} | {fmt(r['takeoff'], ',.0f')} "
-              f"| {fmt(r['collapse'], ',.0f')} | {r['reached']:,} |" for r in rows]
-    names = {"takeoff": f"the take-off (a max logit past {TAKEOFF_LOGIT:g})", "collapse": "the collapse"}
-    measured = {m: next((r[m] for r in rows if r["measured"] and r[m]), None) for m in fits}
-    lines += [""] + [f"- {names[m]}: x{f['per_bit']:.2f} later per bit; at {BF16_BITS} bits (plain bf16) "
-                     f"~{f['at_bf16']:,.0f} steps, an extrapolation"
-                     + (f"; measured: {measured[m]:,.0f}" if measured[m] else "") for m, f in fits.items()]
-    return lines
-
-
-# -----------------------------------------------------------------------------
-# The report: one table row per run, then what the figures say in numbers.
-
-
-def fmt(value, spec):
-    return "n/a" if value is None else format(value, spec)
-
-
-def delta_source(run):
-    """What the backward's delta read: the forward's O, P (delta_from_p) or an fp32 copy of O (delta_fp32)."""
-    return "P" if flag(run, "delta_from_p") else "fp32 O" if flag(run, "delta_fp32") else "O"
+def peak_logit(run):
+    series = run.series(LOGIT)
+    return None if series is None else float(series[1].max())
 
 
 def run_table(runs):
-    lines = ["| run | fix | backend | precision | amplifier | delta from | seed | collapsed | final val loss "
-             "| tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| run | arm | seed | steps | collapsed | final train loss | final val loss | peak {LOGIT} "
+             "| tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        if not run.summary:
-            collapsed = "n/a (no summary.json)"
-        elif run.collapse_step is None:
-            collapsed = "no"
-        else:
-            collapsed = (f"step {run.collapse_step}, "
-                         f"{fmt(run.summary.get('collapse_minute'), '.1f')} min")
-        known = bool(run.config or run.summary)  # a run in progress may have neither file yet
-        cells = [f"`{run.name}`", fix_word(run) if known else None, run.setting("attn"),
-                 run.setting("precision"), (amplifier(run) or "-") if known else None,
-                 delta_source(run) if known else None,
-                 run.setting("seed"), collapsed, fmt(run.final_val_loss, ".4f"),
-                 fmt(run.tokens_per_s, ",.0f")]
-        lines.append("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")
+        collapsed = ("n/a (no summary.json)" if not run.summary else "no" if run.collapse_step is None
+                     else f"step {run.collapse_step:,}, {fmt(run.summary.get('collapse_minute'), '.1f')} min")
+        cells = [f"`{run.path}`", f"`{arm(run)}`", run.setting("seed", "n/a"),
+                 fmt(run.steps, ","), collapsed, fmt(run.summary.get("final_train_loss"), ".4f"),
+                 fmt(run.final_val_loss, ".4f"),
+                 fmt(peak_logit(run), ".3g"), fmt(run.tokens_per_s, ",.0f")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
-def tie_heads(runs):
-    """Per run, the head whose tie rate peaked highest: the paper's failure starts in a few heads, so a layer's
-    mean can hide the heads that matter. (Only ties between keys with different values carry the bias; copies of
-    one token do not, tests/test_mechanism.py.)"""
-    lines = []
-    for run in runs:
-        peaks = {c: np.nanmax(run.log[c]) for c in run.columns(r"tie_rate_L\d+_H\d+") if np.isfinite(run.log[c]).any()}
-        if peaks:
-            column = max(peaks, key=peaks.get)
-            layer, head = column[len("tie_rate_L"):].split("_H")
-            lines.append(f"- `{run.name}`: layer {layer}, head {head}: {peaks[column]:.3g} of its rows tied")
-    return lines or ["No per-head tie rates in these logs (they start with session 4's runs)."]
-
-
-def median(values):
-    values = [v for v in values if v is not None]
-    return float(np.median(values)) if values else None
-
-
 def arm_rates(runs):
-    """One row per arm of a seed study (Run.arm), in the order the arms first appear: how many of its runs
-    collapsed, the median minutes to collapse over those, and medians over all of its runs."""
-    arms = {}
-    for run in runs:
-        arms.setdefault(run.arm, []).append(run)
+    """One row per arm, in the order the arms first appear: how many of its runs collapsed, the median minutes to
+    collapse over those, medians over all of its runs, and its val loss against fp32 attention's (val_loss_vs)."""
+    groups = by_arm(runs)
+    reference = next((g for g in groups.values() if all(family(run) == "fp32" for run in g)), None)
     rows = []
-    for arm, group in arms.items():
+    for name, group in groups.items():
         collapsed = [run for run in group if run.collapse_step is not None]
-        rows.append(dict(arm=arm, collapsed=len(collapsed), runs=len(group),
+        step, ratio = val_loss_vs(group, reference) if reference else (None, None)
+        rows.append(dict(arm=name, collapsed=len(collapsed), runs=len(group),
                          median_collapse_minute=median([run.summary.get("collapse_minute") for run in collapsed]),
                          **{f"median_{key}": median([getattr(run, key) for run in group])
-                            for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")}))
-    reference = next((group for group in arms.values() if all(family(run) == "fp32" for run in group)), None)
-    for row, group in zip(rows, arms.values()):
-        row["val_step"], row["val_loss_vs_fp32"] = val_loss_vs(group, reference) if reference else (None, None)
+                            for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")},
+                         val_step=step, val_loss_vs_fp32=ratio))
     return rows
 
 
 def val_loss_vs(group, reference):
-    """Issue 7's yardstick: the median val loss of `group` over the reference arm's (fp32 attention), both at the
-    last step where every run of either logged one; (step, ratio), or (None, None) without such a step."""
+    """The median val loss of `group` over the reference arm's (fp32 attention), both at the last step where every
+    run of either logged one (the model memorises the text, so val loss is compared at one step, not at the
+    end); (step, ratio), or (None, None) without such a step."""
     curves = [(run, run.series("val_loss")) for run in group + reference]
     if any(curve is None for _, curve in curves):
         return None, None
@@ -316,9 +234,8 @@ def val_loss_vs(group, reference):
     if not common:
         return None, None
     step = max(common)  # a run's final evaluation falls between the others' regular ones
-    at_step = {run.path: curve[1][curve[0] == step] for run, curve in curves}
-    ratio = median([float(at_step[r.path][0]) for r in group]) / median([float(at_step[r.path][0]) for r in reference])
-    return int(step), ratio
+    at_step = {run.path: float(curve[1][curve[0] == step][0]) for run, curve in curves}
+    return int(step), median([at_step[r.path] for r in group]) / median([at_step[r.path] for r in reference])
 
 
 def rate_table(rates):
@@ -335,33 +252,29 @@ def rate_table(rates):
     return lines
 
 
-def analyze_runs(runs, out, warn_k):
-    """All run figures into `out`; returns the report section as a list of markdown lines."""
-    styles = run_styles(runs)
-    n_layer = layer_count(runs)
-    layers = range(n_layer)
-    figures = [plot_loss(runs, styles, out / "loss.png")]
-    if n_layer:
+def analyze_runs(runs, out):
+    """The headline and the per-layer figures into `out`; returns the report section as markdown lines."""
+    styles = run_styles(runs, {run.path: arm(run) for run in runs})
+    figures = [plot_headline(runs, styles, out / "headline.png")]
+    layers = range(layer_count(runs))
+    layer, growth = growth_layer(runs)
+    if layers:
         figures.append(plot_grid(
             runs, styles, [[f"max_logit_L{i}" for i in layers]], "max attention logit per layer",
             "max scaled logit q.k/sqrt(d)", out / "max_logit.png"))
         figures.append(plot_grid(
             runs, styles, [[f"sn_q_L{i}" for i in layers], [f"sn_k_L{i}" for i in layers]],
-            "spectral norm of W_Q (top) and W_K (bottom) per layer", "spectral norm",
-            out / "spectral_norm.png"))
-    layer, growth = growth_layer(runs)
+            "spectral norm of W_Q (top) and W_K (bottom) per layer", "spectral norm", out / "spectral_norm.png"))
     if layer is not None and head_count(runs, layer):
         figures.append(plot_grid(
             runs, styles, [[f"sn_q_L{layer}_H{h}" for h in range(head_count(runs, layer))]],
             f"spectral norm of W_Q per head in layer {layer}, where sn_q grows most",
             "spectral norm", out / "spectral_norm_heads.png"))
-    if n_layer:
-        sharp = [[f"sharp_rate_L{i}" for i in layers]] if any(run.columns(r"sharp_rate_L\d+") for run in runs) else []
+    if layers:
         figures.append(plot_grid(
-            runs, styles, [[f"tie_rate_L{i}" for i in layers]] + sharp,
-            "tie rate: rows with >= 2 scores within TIE_TOL of the row max"
-            + ("; below, sharp rate: rows whose largest P exceeds 1 - 1e-3" if sharp else ""),
-            "fraction of rows", out / "tie_rate.png"))
+            runs, styles, [[f"tie_rate_L{i}" for i in layers], [f"sharp_rate_L{i}" for i in layers]],
+            "tie rate: rows with >= 2 scores within TIE_TOL of the row max; below, sharp rate: rows whose "
+            "largest P exceeds 1 - 1e-3", "fraction of rows", out / "tie_rate.png"))
         figures.append(plot_grid(
             runs, styles, [[f"delta_err_L{i}" for i in layers], [f"delta_push_L{i}" for i in layers]],
             "cumulative signed delta error (top) and its push on |W_Q|^2 + |W_K|^2 (bottom), summed over logged steps",
@@ -369,28 +282,119 @@ def analyze_runs(runs, out, warn_k):
 
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))
-    lines = ["## Runs", ""] + run_table(runs) + ["", "### Collapse rate per arm", ""]
-    lines += ["Arms as nanolp/sweep.py names them (the run name less its `-s<seed>`); medians over each arm's "
-              "runs, minutes to collapse over its collapsed runs only. Also in rates.csv.", ""]
-    lines += rate_table(rates) + ["", "### Where W_Q grows", ""]
+    lines = ["## Runs", ""] + run_table(runs) + ["", "### Per arm", ""]
+    lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
+              "only. Also in rates.csv.", ""] + rate_table(rates)
+    lines += ["", "### Where W_Q grows", ""]
     if layer is None:
         lines.append("No sn_q columns with data: growth layer not determined.")
     else:
-        lines.append(f"Growth of sn_q = max over logged steps / value at the first logged step, mean "
-                     f"over the runs of our attention with the fix off: " + ", ".join(
+        lines.append("Growth of sn_q = max over logged steps / value at the first logged step, mean over the "
+                     "`--fix off` runs of our attention (all runs if there are none): " + ", ".join(
                          f"L{i} {g:.3g}" for i, g in sorted(growth.items())) +
-                     f". Largest: **layer {layer}** (per-head plot: spectral_norm_heads.png).")
-    lines += ["", "### Heads with the most ties (peak over logged steps)", ""] + tie_heads(runs)
-    lines += ["", f"### Early warning (threshold k = {warn_k:g})", ""]
-    warnings = [(run, early_warning(run, warn_k)) for run in runs]
-    warnings = [warning_sentence(run, w, warn_k) for run, w in warnings if w is not None]
-    lines += warnings or ["No collapsed run with tie-rate data."]
-    law = bits_law(runs)
-    if law:
-        figures.append(plot_bits_law(*law, out / "bits_law.png"))
-        lines += ["", "### The bits law (fix off, P rounded to fewer bits)", ""] + bits_law_lines(*law)
-    lines += ["", "### Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
+                     f". Largest: **layer {layer}** (per head: spectral_norm_heads.png).")
+    return lines + ["", "### Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
+
+
+# -----------------------------------------------------------------------------
+# The delta probe (nanolp/diagnostics.py): is delta's error the curvature term tr(H Sigma_e)?
+
+RUNAWAY_LOGIT = 30.0  # layer 0 of every arm stays below this before its runaway: checkpoints are pooled up to it
+PROBE_NAMES = dict(total="rowsum(dO * e), what delta reads", lin="rowsum(dO_clean * e), dO not seeing e",
+                   curv="the curvature term, tr(H Sigma_e)", indep="an independent rounding of O")
+
+
+def probe_column(term, se=False):
+    return f"probe_{term}{'_se' if se else ''}_L{PROBE_LAYER}"
+
+
+def runaway_step(run):
+    """The first logged step where layer 0's max logit passes RUNAWAY_LOGIT; None if it never does."""
+    series = run.series(LOGIT)
+    if series is None or not (series[1] > RUNAWAY_LOGIT).any():
+        return None
+    return float(series[0][series[1] > RUNAWAY_LOGIT][0])
+
+
+def pooled_probe(run):
+    """{term: (mean, se, checkpoints)}, each term's inverse-variance weighted mean over the checkpoints before
+    runaway_step (all of them if the logit never gets there), and the standard error of that mean."""
+    stop = runaway_step(run)
+    pooled = {}
+    for term in PROBE_TERMS:
+        step, mean, se = (run.log.get(c, np.array([])) for c in ("step", probe_column(term), probe_column(term, True)))
+        keep = np.isfinite(mean) & np.isfinite(se) & (se > 0) & (step < stop if stop is not None else True)
+        weight = 1 / se[keep] ** 2
+        pooled[term] = ((float((weight * mean[keep]).sum() / weight.sum()), float(weight.sum() ** -0.5),
+                         int(keep.sum())) if keep.any() else (None, None, 0))
+    return pooled
+
+
+def probe_lines(run):
+    pooled, stop = pooled_probe(run), runaway_step(run)
+    where = (f"the {pooled['total'][2]} checkpoints before step {stop:,.0f}, where {LOGIT} first passes "
+             f"{RUNAWAY_LOGIT:g}" if stop is not None else f"all {pooled['total'][2]} checkpoints ({LOGIT} stays "
+             f"below {RUNAWAY_LOGIT:g})")
+    lines = [f"`{run.path}` (`{arm(run)}`), pooled over {where}; inverse-variance weighted:",
+             "", "| term | what it is | mean | s.e. | mean / s.e. |", "|---|---|---|---|---|"]
+    for term, (mean, se, _) in pooled.items():
+        lines.append(f"| probe_{term} | {PROBE_NAMES[term]} | {fmt(mean, '+.3e')} | {fmt(se, '.2e')} | "
+                     f"{fmt(mean / se if se else None, '+.1f')} |")
     return lines
+
+
+def plot_probe(runs, path):
+    """Per run: the four terms' means with 2 s.e. bands against steps (the curvature term, ~100x smaller, in a
+    panel of its own scale below the other three), and layer 0's max logit beside them."""
+    fig = plt.figure(figsize=(13, 6.4 * len(runs)))
+    grid = fig.add_gridspec(2 * len(runs), 2, width_ratios=(2, 1))
+    colours = dict(total="black", lin="tab:blue", curv="tab:red", indep="tab:green")
+    for i, run in enumerate(runs):
+        terms = fig.add_subplot(grid[2 * i, 0])
+        panels = dict(total=terms, lin=terms, indep=terms, curv=fig.add_subplot(grid[2 * i + 1, 0], sharex=terms))
+        logit = fig.add_subplot(grid[2 * i:2 * i + 2, 1])
+        for term in PROBE_TERMS:
+            mean, se = run.series(probe_column(term)), run.series(probe_column(term, True))
+            if mean is None or se is None:
+                continue
+            ax = panels[term]
+            ax.plot(*mean, color=colours[term], linewidth=1.2, label=f"probe_{term}: {PROBE_NAMES[term]}")
+            ax.fill_between(se[0], mean[1] - 2 * se[1], mean[1] + 2 * se[1], color=colours[term], alpha=0.15,
+                            linewidth=0)
+        terms.set_title(f"{arm(run)}, seed {run.setting('seed', 0)}: the error delta reads from O's cast in layer "
+                        f"{PROBE_LAYER}, mean over the probe's rows (bands: 2 s.e.)", fontsize=10)
+        logit.plot(*run.series(LOGIT), color="tab:purple")
+        logit.axhline(RUNAWAY_LOGIT, color="k", linestyle=":", linewidth=0.8)
+        logit.set_yscale("log")
+        logit.set_title(f"layer {PROBE_LAYER}'s max logit (dotted: {RUNAWAY_LOGIT:g})", fontsize=10)
+        stop = runaway_step(run)
+        for ax in (terms, panels["curv"], logit):
+            if ax is not logit:
+                ax.axhline(0, color="k", linewidth=0.6)
+                ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+                ax.legend(fontsize=8, loc="upper left")
+            if stop is not None:
+                ax.axvline(stop, color="gray", linestyle="--", linewidth=0.8)
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_formatter(THOUSANDS)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def analyze_probe(runs, out):
+    runs = [run for run in runs if run.series(probe_column("total")) is not None]
+    if not runs:
+        raise SystemExit(f"no run with the probe's columns ({probe_column('total')}, ...)")
+    lines = ["## Delta probe", "", f"The error the backward's delta would read from O's bf16 cast in layer "
+             f"{PROBE_LAYER}, split as the curvature hypothesis splits it (nanolp/diagnostics.py). Predicted: "
+             "probe_total = probe_curv > 0, probe_lin = probe_indep = 0. Dashed line in the figure: where the "
+             "pooling stops."]
+    for run in runs:
+        lines += [""] + probe_lines(run)
+        print("\n".join(probe_lines(run)))
+    figure = plot_probe(runs, out / "delta_probe.png")
+    return lines + ["", "### Figures", "", f"![{figure.stem}]({figure.name})"]
 
 
 # -----------------------------------------------------------------------------
@@ -416,28 +420,28 @@ def update_report(path, section):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("runs", nargs="*", help="run folders, or folders of them (default: runs/)")
-    parser.add_argument("--out", type=Path, help="where figures and report.md go "
-                                                 "(default: <runs root>/figures)")
-    parser.add_argument("--warn-k", type=float, default=2.0, help="early-warning threshold factor")
-    parser.add_argument("--mechanism", action="store_true", help="demonstrate the rounding bias")
-    parser.add_argument("--checkpoint", type=Path, help="checkpoint for the per-head delta error "
-                                                        "(default: latest under the runs)")
+    parser.add_argument("--out", type=Path, help="where figures and report.md go (default: <runs root>/figures)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--probe", action="store_true", help="the delta probe's columns of the runs")
+    mode.add_argument("--mechanism", action="store_true", help="the rounding bias on synthetic rows; no runs")
     args = parser.parse_args(argv)
+    if args.mechanism and args.runs:
+        parser.error("--mechanism reads no runs")
 
-    paths = find_runs(args.runs or ["runs"])
-    root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path(
-        (args.runs or ["runs"])[0])
+    paths = [] if args.mechanism else find_runs(args.runs or ["runs"])
+    if not args.mechanism and not paths:
+        raise SystemExit(f"no run folders (with a log.csv or log.csv.gz) found in {args.runs or ['runs']}")
+    root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
     out = args.out or root / "figures"
     out.mkdir(parents=True, exist_ok=True)
-    runs = [load_run(p) for p in tqdm(paths, desc="reading runs", disable=len(paths) < 8)]
+    runs = [load_run(p) for p in paths]
 
     if args.mechanism:
-        from nanolp.mechanism import demonstrate  # torch, model.py and the attention: only needed here
-        section = demonstrate(runs, out, args.checkpoint)
-    elif runs:
-        section = analyze_runs(runs, out, args.warn_k)
+        section = demonstrate(out)
+    elif args.probe:
+        section = analyze_probe(runs, out)
     else:
-        raise SystemExit(f"no run folders (with a log.csv) found in {args.runs or ['runs']}")
+        section = analyze_runs(runs, out)
     update_report(out / "report.md", section)
     print(f"wrote {out / 'report.md'} and figures in {out}")
 

@@ -1,51 +1,55 @@
 """The rounding bias itself, shown without training: `python analyze.py --mechanism`.
 
 1. The paper's worked example: one fp32 sum rounded to bf16, with the project's own rounding.
-2. Controlled inputs (nanolp.tied, as in tests/test_mechanism.py): independent rows, each with its own
-   k tied maxima, the other keys 12-18 nats below, mostly negative V. The error of O and of
-   delta = rowsum(dO * O) against float64, fix off and on, precision "paper" and "fa2", as a function of
-   k: per-row mean error, then its mean and standard error over the rows.
-3. A checkpoint of a real run: the mean signed delta error per layer and head (the paper's Fig. 5).
+2. The paper's bias, on rows with k tied maxima (nanolp.tied, as in tests/test_mechanism.py): independent rows,
+   each with its own k tied maxima, the other keys 12-18 nats below, mostly negative V. The error of O and of
+   delta = rowsum(dO * O) against float64 for `--fix off`, `--fix paper` (the shifted row max) and `--fix on` (the
+   shift, and delta from the forward's fp32 O), precision "paper" and "fa2", as a function of k: per-row mean
+   error, then its mean and standard error over the rows.
+3. The curvature effect (nanolp.curvature), on a quadratic loss with known curvature H: the mean error delta
+   reads from a rounded O against the predicted tr(H Sigma_e), for round-to-nearest, stochastic rounding and an
+   independent rounding (delta reading a draw the forward never saw).
 
 The attention is kernels.flash_attention on a GPU and its PyTorch emulation elsewhere; both have the
 same rounding points, so the CPU answer is the kernel's answer.
 """
 
-import json
 import math
-from dataclasses import fields
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import GPT, GPTConfig
-from nanolp.data import get_batch, prepare
-from nanolp.diagnostics import capture_attention
-from nanolp.emulate import emulate_attention, round_bf16
-from nanolp.plots import save
+from nanolp.curvature import ROUNDINGS, synthetic_delta_error
+from nanolp.emulate import emulate_attention, emulate_forward_fp32, round_bf16
+from nanolp.plots import PALETTE, save
 from nanolp.tied import INPUTS, grad_out, mean_error, reference, tied_rows
 
 PRECISIONS = ("paper", "fa2")
-FIXES = (False, True)
-COLORS = {False: "tab:red", True: "tab:blue"}  # fix off / on, as in the run figures
-TIES = (1, 2, 3, 4, 8, 16)  # numbers of tied maxima per row (3: the case the fix makes worse in "paper" mode)
-ROWS = 65536  # independent tied rows per k (nanolp.tied.tied_rows); ~15 s for all k on 2 CPU cores
+FIXES = {"off": False, "paper": "paper", "on": True}  # train.py's --fix, as the attention's fix argument
+O_FIXES = ("off", "paper")  # --fix on's forward is --fix paper's: the same O, only delta reads another
+COLORS = {fix: PALETTE[f"fix {fix}"][0] for fix in FIXES}  # as in the run figures
+TIES = (1, 2, 3, 4, 8, 16)  # numbers of tied maxima per row (3: the case the shift makes worse in "paper" mode)
+ROWS = 65536  # independent tied rows per k (nanolp.tied.tied_rows); all k in under a minute on 2 CPU cores
 PAPER_SUM = -4.70399  # the fp32 sum of P V terms in the paper's worked example, to its printed digits
+CURVATURES = (0.25, 1.0, 4.0)  # scales of H's eigenvalues
+CURVATURE_ROWS = 50_000  # rows per point: the 9 points take ~15 s on 2 CPU cores
+GRADIENT = 1e-3  # how far (rms, per element) the rows sit from the loss's minimum: tiny, as after memorisation
+ROUNDING_COLORS = dict(nearest="tab:red", stochastic="tab:orange", independent="tab:green")
 
 
 def attention_backend():
-    """The Triton kernel where there is a GPU, else the emulation (same numerics, CPU speed)."""
+    """(attention, its fp32 forward, device): the Triton kernel where there is a GPU, else the emulation (same
+    numerics, CPU speed)."""
     if torch.cuda.is_available():
-        from kernels import flash_attention
-        return flash_attention, "cuda"
-    return emulate_attention, "cpu"
+        from kernels import flash_attention, flash_forward_fp32
+        return flash_attention, flash_forward_fp32, "cuda"
+    return emulate_attention, emulate_forward_fp32, "cpu"
 
 
 def tag(precision, fix):
-    return f"{precision}, fix {'on' if fix else 'off'}"
+    return f"--fix {fix} --precision {precision}"
 
 
 # -----------------------------------------------------------------------------
@@ -68,17 +72,18 @@ def worked_example():
 
 
 @torch.no_grad()
-def delta_errors(attend, q, k, v, do, precision, fix, causal):
-    """Errors of O and of delta = rowsum(dO * O) against float64. delta is computed as the kernel's
-    backward does: from the stored bf16 O and bf16 dO, summed in fp32."""
-    o = attend(q, k, v, causal=causal, fix=fix, precision=precision)
-    o64 = reference(q, k, v, causal)
-    delta = (do.float() * o.float()).sum(-1).double()
+def delta_errors(attend, forward_fp32, q, k, v, do, precision, fix):
+    """Errors of O and of delta = rowsum(dO * O) against float64. delta is computed as the kernel's backward does,
+    summed in fp32 from bf16 dO and the O it reads: the stored bf16 O, or with --fix on the forward's fp32 O."""
+    o = attend(q, k, v, causal=False, fix=FIXES[fix], precision=precision)
+    read = forward_fp32(q, k, v, causal=False, fix=FIXES[fix], precision=precision) if fix == "on" else o
+    o64 = reference(q, k, v)
+    delta = (do.float() * read.float()).sum(-1).double()
     delta64 = (do.double() * o64).sum(-1)
     return o.double() - o64, delta - delta64
 
 
-def tied_rows_experiment(attend, device, ties=TIES, rows=ROWS, head_dim=64, seed=0):
+def tied_rows_experiment(attend, forward_fp32, device, ties=TIES, rows=ROWS, head_dim=64, seed=0):
     """{(precision, fix, k): (O error, delta error)}, each a numpy array of one number per row: the row's mean
     error over its features for O, its error for delta. The inputs are nanolp.tied's (independent rows, each
     with its own k tied maxima); the same seed for every k, as tests/test_mechanism.py does."""
@@ -90,7 +95,7 @@ def tied_rows_experiment(attend, device, ties=TIES, rows=ROWS, head_dim=64, seed
         q, keys, v, do = (t.to(device) for t in (q, keys, v, do))
         for precision in PRECISIONS:
             for fix in FIXES:
-                err_o, err_delta = delta_errors(attend, q, keys, v, do, precision, fix, causal=False)
+                err_o, err_delta = delta_errors(attend, forward_fp32, q, keys, v, do, precision, fix)
                 results[precision, fix, k] = (err_o.mean(-1).cpu().numpy().ravel(),
                                               err_delta.cpu().numpy().ravel())
     return results
@@ -101,16 +106,19 @@ def stats(per_row):
     return mean_error(torch.from_numpy(per_row))
 
 
+ERRORS = ((0, "O", O_FIXES), (1, "delta = rowsum(dO * O)", tuple(FIXES)))  # (index in a result, name, fixes)
+
+
 def plot_error_histograms(results, k, path):
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
     for col, precision in enumerate(PRECISIONS):
-        for row, name in enumerate(("O (mean over the row's features)", "delta = rowsum(dO * O)")):
+        for row, name, fixes in ERRORS:
             ax = axes[row, col]
-            errors = [results[precision, fix, k][row] for fix in FIXES]
+            errors = [results[precision, fix, k][row] for fix in fixes]
             bins = np.histogram_bin_edges(np.concatenate(errors), bins=60)
-            for fix, err in zip(FIXES, errors):
+            for fix, err in zip(fixes, errors):
                 mean, se = stats(err)
-                ax.hist(err, bins=bins, alpha=0.5, color=COLORS[fix],
+                ax.hist(err, bins=bins, alpha=0.45, color=COLORS[fix],
                         label=f"{tag(precision, fix)}: mean {mean:+.2e} (s.e. {se:.1e})")
                 ax.axvline(mean, color=COLORS[fix], linestyle="--")
             ax.axvline(0, color="k", linewidth=0.5)
@@ -119,17 +127,18 @@ def plot_error_histograms(results, k, path):
             ax.set_xlabel("low-precision minus float64")
             ax.set_ylabel("rows")
             ax.legend(fontsize=8)
-    n = len(results[PRECISIONS[0], FIXES[0], k][0])
-    fig.suptitle(f"{n} rows, each with k = {k} tied maxima; {INPUTS}", fontsize=11)
+    n = len(results[PRECISIONS[0], "off", k][0])
+    fig.suptitle(f"{n} rows, each with k = {k} tied maxima; {INPUTS}\n(O: --fix on's O is --fix paper's)",
+                 fontsize=11)
     fig.tight_layout()
     return save(fig, path)
 
 
 def plot_error_vs_k(results, ties, path):
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, row, name in ((axes[0], 0, "O"), (axes[1], 1, "delta")):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, (row, name, fixes) in zip(axes, ERRORS):
         for precision, linestyle in zip(PRECISIONS, ("-", "--")):
-            for fix in FIXES:
+            for fix in fixes:
                 means, ses = zip(*(stats(results[precision, fix, k][row]) for k in ties))
                 ax.errorbar(ties, means, yerr=2 * np.array(ses), marker="o", color=COLORS[fix],
                             linestyle=linestyle, capsize=3, label=tag(precision, fix))
@@ -137,91 +146,93 @@ def plot_error_vs_k(results, ties, path):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ties, [str(k) for k in ties])
         ax.set_xlabel("k, tied maxima per row")
-        ax.set_ylabel(f"mean signed error of {name}")
+        ax.set_ylabel(f"mean signed error of {name.split(' =')[0]}")
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         ax.set_title(f"mean error of {name} against float64 (bars: 2 s.e.)", fontsize=10)
         ax.legend(fontsize=8, handlelength=3)
-    n = len(results[PRECISIONS[0], FIXES[0], ties[0]][0])
-    fig.suptitle(f"{n} rows with k tied maxima; {INPUTS}", fontsize=11)
+    n = len(results[PRECISIONS[0], "off", ties[0]][0])
+    fig.suptitle(f"{n} rows with k tied maxima; {INPUTS} (O: --fix on's O is --fix paper's)", fontsize=11)
     fig.tight_layout()
     return save(fig, path)
 
 
+def tied_rows_lines(results):
+    ties = sorted({key[2] for key in results})
+    n = len(results[PRECISIONS[0], "off", ties[0]][0])
+    lines = [f"{n} independent rows per k (`nanolp.tied.tied_rows`: each row its own one-hot query, its own max "
+             "and its own k tied keys; scores exact in bf16), computed with the attention named above. "
+             "Per-row mean error against float64, then its mean over the rows (standard error in brackets). "
+             "`--fix on`'s O is `--fix paper`'s; its delta reads the forward's fp32 O."]
+    for row, name, fixes in ERRORS:
+        combos = [(p, f) for p in PRECISIONS for f in fixes]
+        lines += ["", f"Mean signed error of {name}:", "",
+                  "| k | " + " | ".join(f"`{tag(p, f)}`" for p, f in combos) + " |",
+                  "|---|" + "---|" * len(combos)]
+        lines += [f"| {k} | " + " | ".join("{:+.2e} ({:.1e})".format(*stats(results[p, f, k][row]))
+                                          for p, f in combos) + " |" for k in ties]
+    return lines
+
+
 # -----------------------------------------------------------------------------
-# 3. The same error inside a trained model (the paper's Fig. 5)
+# 3. The curvature effect: one-signed although the rounding is not
 
 
-def checkpoint_step(path):
-    return int(Path(path).stem.split("_")[-1])  # ckpt/step_0001234.pt
+def curvature_experiment(curvatures=CURVATURES, rows=CURVATURE_ROWS, gradient=GRADIENT):
+    """{(rounding, curvature): nanolp.curvature.synthetic_delta_error's dict(mean, se, predicted)}, each point
+    from rows of its own (seed), so that the points are independent measurements."""
+    points = [(rounding, c) for rounding in ROUNDINGS for c in curvatures]
+    return {(rounding, c): synthetic_delta_error(rounding, rows=rows, curvature=c, gradient=gradient, seed=seed)
+            for seed, (rounding, c) in enumerate(tqdm(points, desc=f"curvature, {rows} rows"))}
 
 
-def pick_checkpoint(runs):
-    """The latest checkpoint before a collapse if any run collapsed, else the latest of any run."""
-    best = None
-    for run in runs:
-        ckpts = sorted(run.path.glob("ckpt/step_*.pt"), key=checkpoint_step)
-        if run.collapse_step is not None:
-            ckpts = [c for c in ckpts if checkpoint_step(c) < run.collapse_step]
-        if ckpts:
-            key = (run.collapse_step is not None, checkpoint_step(ckpts[-1]))
-            best = max(best, (key, ckpts[-1]), key=lambda b: b[0]) if best else (key, ckpts[-1])
-    return best[1] if best else None
-
-
-def load_model(path, device):
-    """GPT from a checkpoint of train.py (its "model" state dict; the settings from its "config", or
-    from the run folder's config.json), with fp32 reference attention: q, k, v and dO then come from
-    the trained weights, not from the attention under study."""
-    ckpt = torch.load(path, map_location=device, weights_only=False)
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}  # torch.compile prefix
-    config = dict(ckpt.get("config") or json.loads((path.parent.parent / "config.json").read_text()))
-    config["vocab_size"] = state["transformer.wte.weight"].shape[0]
-    model_config = GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name in config})
-    model_config.attn, model_config.fix = "fp32", False
-    model = GPT(model_config).to(device)
-    model.load_state_dict(state)
-    return model, config
-
-
-def per_head_delta_error(attend, path, device, batches=2, batch_size=8):
-    """{fix: array (n_layer, n_head)} of the mean signed delta error on validation batches."""
-    model, config = load_model(path, device)
-    data = prepare(config.get("data"))
-    precision = config.get("precision", "fa2")
-    autocast = torch.autocast(device, dtype=torch.bfloat16)  # the dtypes attention sees in training
-    errors = {fix: [] for fix in FIXES}
-    for step in tqdm(range(batches), desc="checkpoint batches"):
-        # train.py's validation batches: seed 0, step = batch number
-        idx, targets = get_batch(data.val.long().to(device), batch_size, model.config.block_size, 0, step)
-        for q, k, v, _, do in capture_attention(model, idx, targets, autocast):
-            for fix in FIXES:
-                _, err = delta_errors(attend, q, k, v, do, precision, fix, causal=True)
-                errors[fix].append(err.mean(dim=(0, 2)).cpu().numpy())  # mean over batch and rows
-    n_layer = model.config.n_layer
-    return {fix: np.mean(np.reshape(e, (batches, n_layer, -1)), axis=0) for fix, e in errors.items()}, precision
-
-
-def plot_per_head(errors, title, path):
-    limit = max(np.abs(e).max() for e in errors.values()) or 1.0
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-    for ax, fix in zip(axes, FIXES):
-        image = ax.imshow(errors[fix], cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
-        ax.set_title(f"fix {'on' if fix else 'off'}")
-        ax.set_xticks(range(errors[fix].shape[1]))
-        ax.set_yticks(range(errors[fix].shape[0]))
-        ax.set_xlabel("head")
-    axes[0].set_ylabel("layer")
-    fig.colorbar(image, ax=axes, label="mean signed delta error (low precision - float64)")
-    fig.suptitle(title)
+def plot_curvature(results, path):
+    fig, ax = plt.subplots(figsize=(6.8, 5.6))
+    top = 1.15 * max(r["predicted"] + 2 * r["se"] for r in results.values())
+    ax.plot([0, top], [0, top], color="k", linewidth=0.8, linestyle=":", label="measured = predicted")
+    for rounding in ROUNDINGS:
+        points = [(c, r) for (name, c), r in results.items() if name == rounding]
+        ax.errorbar([r["predicted"] for _, r in points], [r["mean"] for _, r in points],
+                    yerr=[2 * r["se"] for _, r in points], marker="o", linestyle="none", capsize=3,
+                    color=ROUNDING_COLORS[rounding],
+                    label=rounding + (" (predicted 0)" if rounding == "independent" else ""))
+        if rounding != "independent":  # its points all sit at predicted 0
+            for c, r in points:
+                ax.annotate(f"H x{c:g}", (r["predicted"], r["mean"]), textcoords="offset points", xytext=(6, -10),
+                            fontsize=8, color=ROUNDING_COLORS[rounding])
+    ax.set_xlim(-0.03 * top, top)
+    ax.set_ylim(-0.03 * top, top)
+    ax.ticklabel_format(style="sci", scilimits=(-2, 2))
+    ax.set_xlabel("predicted mean, tr(H Sigma_e)")
+    ax.set_ylabel("measured mean of rowsum(dO * e) (bars: 2 s.e.)")
+    widest = max(2 * r["se"] for r in results.values())
+    ax.set_title("the error delta reads from a rounded O, on a quadratic loss\n"
+                 f"(rows {GRADIENT:g} from the minimum; 2 s.e. bars, at most {widest:.0e})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9, loc="upper left")
+    fig.tight_layout()
     return save(fig, path)
+
+
+def curvature_lines(results, rows, gradient):
+    lines = [f"Rows of 64 features of a quadratic loss L(O) = g.O + 1/2 O^T H O (`nanolp.curvature`), {rows:,} "
+             f"rows per point, {gradient:g} (rms) from the loss's minimum; H's eigenvalues uniform in [0.5, 1.5] "
+             "times the scale. e = the rounding error delta reads; dO is the loss's gradient at the forward's "
+             "rounded O (\"independent\": the forward rounds to nearest, delta reads an independent stochastic "
+             "rounding).", "",
+             "| rounding | H scale | predicted tr(H Sigma_e) | measured mean | s.e. | measured / predicted |",
+             "|---|---|---|---|---|---|"]
+    for (rounding, c), r in results.items():
+        ratio = f"{r['mean'] / r['predicted']:.3f}" if r["predicted"] else "-"
+        lines.append(f"| {rounding} | {c:g} | {r['predicted']:.3e} | {r['mean']:+.3e} | {r['se']:.1e} | {ratio} |")
+    return lines
 
 
 # -----------------------------------------------------------------------------
 # All three, as figures and one section of report.md
 
 
-def demonstrate(runs, out, checkpoint=None, hist_k=2, **tied):
-    attend, device = attention_backend()
+def demonstrate(out, hist_k=2, curvature_rows=CURVATURE_ROWS, **tied):
+    attend, forward_fp32, device = attention_backend()
     emulated = (" (the kernel's PyTorch emulation: same rounding points, so the kernel's numbers)"
                 if device == "cpu" else "")
     lines = ["## Mechanism", "", f"Attention: {attend.__module__}.{attend.__name__} on {device}{emulated}.", "",
@@ -233,46 +244,15 @@ def demonstrate(runs, out, checkpoint=None, hist_k=2, **tied):
                  f"{abs(ex['fp32'] - ex['midpoint']):.5f} past their midpoint {ex['midpoint']:.6f}, "
                  f"on the side away from zero, so it rounds away from zero by almost half a step.")
 
-    results = tied_rows_experiment(attend, device, **tied)
+    results = tied_rows_experiment(attend, forward_fp32, device, **tied)
     ties = sorted({key[2] for key in results})
     figures = [plot_error_histograms(results, hist_k, out / "mechanism_error_hist.png"),
                plot_error_vs_k(results, ties, out / "mechanism_error_vs_k.png")]
-    combos = [(p, f) for p in PRECISIONS for f in FIXES]
-    n = len(results[PRECISIONS[0], FIXES[0], ties[0]][0])
-    lines += ["", f"### Rows with k tied maxima ({INPUTS})", "",
-              f"{n} independent rows per k (`nanolp.tied.tied_rows`: each row its own one-hot query, its own max "
-              "and its own k tied keys; scores exact in bf16), computed with the attention named above. "
-              "Per-row mean error against float64, then its mean over the rows (standard error in brackets)."]
-    for row, name in ((0, "O"), (1, "delta = rowsum(dO * O)")):
-        lines += ["", f"Mean signed error of {name}:", "",
-                  "| k | " + " | ".join(tag(p, f) for p, f in combos) + " |",
-                  "|---|" + "---|" * len(combos)]
-        for k in ties:
-            lines.append(f"| {k} | " + " | ".join(
-                "{:+.2e} ({:.1e})".format(*stats(results[p, f, k][row])) for p, f in combos) + " |")
+    lines += ["", f"### Rows with k tied maxima ({INPUTS})", ""] + tied_rows_lines(results)
 
-    lines += ["", "### Per layer and head, on a checkpoint (the paper's Fig. 5)", ""]
-    lines += checkpoint_section(attend, device, checkpoint or pick_checkpoint(runs), out, figures)
+    curvature = curvature_experiment(rows=curvature_rows)
+    figures.append(plot_curvature(curvature, out / "curvature.png"))
+    table = curvature_lines(curvature, curvature_rows, GRADIENT)
+    print("\n".join(table))
+    lines += ["", "### The curvature effect: one-signed although the rounding is unbiased", ""] + table
     return lines + ["", "### Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
-
-
-def checkpoint_section(attend, device, checkpoint, out, figures):
-    """Report lines of part 3 (appending its figure to `figures`), or why it was skipped."""
-    if checkpoint is None:
-        return [skip("no checkpoint (ckpt/step_*.pt under the runs, or --checkpoint PATH)")]
-    try:
-        errors, precision = per_head_delta_error(attend, Path(checkpoint), device)
-    except FileNotFoundError as e:  # the checkpoint, or the run's text file, is not on this machine
-        return [skip(str(e))]
-    name = f"{Path(checkpoint).parent.parent.name} step {checkpoint_step(checkpoint)}"
-    figures.append(plot_per_head(errors, f"mean signed delta error per layer and head: {name}, "
-                                         f"precision {precision}", out / "mechanism_per_head.png"))
-    return [f"Checkpoint `{checkpoint}`, precision {precision}. Mean over heads per layer "
-            "(fix off / fix on): " + ", ".join(
-                f"L{i} {off.mean():+.2e} / {on.mean():+.2e}"
-                for i, (off, on) in enumerate(zip(errors[False], errors[True]))) + "."]
-
-
-def skip(reason):
-    print(f"skipping the per-head part: {reason}")
-    return f"Skipped: {reason}."

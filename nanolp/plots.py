@@ -1,15 +1,11 @@
 """The shared look of analyze.py's figures, and the one plotting routine most of them use.
 
-Colour says what kind of attention a run used, the same in every figure: our flash attention
-with the fix off is red, with the fix on blue, torch SDPA grey. The mechanism controls are green:
-fp32 attention in pure greens, delta = rowsum(dP * P) instead of rowsum(dO * O) (delta_from_p, the
-paper's control) in olive greens, delta from an fp32 copy of O (delta_fp32) in purples. Shades within a colour
-separate variants (precision "fa2" / "paper", the amplifier's mantissa_bits) and arms the config cannot tell
-apart; line style is the seed, and also cycles once a family runs out of shades.
-A config key missing from an older run reads as 0 / False.
+A run is named by its arm, the train.py flags that set it apart from its preset (analyze.arm), and its seed.
+Colour says what kind of attention the arm used, the same in every figure: our flash attention with `--fix off`
+red, `--fix on` blue, `--fix paper` orange, torch SDPA grey, fp32 attention green, `--delta-from-p` (the paper's
+control) olive, `--delta-fp32` purple. Shades within a colour separate the arms of one kind; line style is the seed.
+A config key missing from an older run reads as train.py's default.
 """
-
-import re
 
 import matplotlib
 
@@ -17,11 +13,12 @@ matplotlib.use("Agg")  # figures go to files; never needs a display
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 PALETTE = {
     "fix off": ["tab:red", "darkred", "lightcoral", "orangered", "firebrick", "salmon"],
     "fix on": ["tab:blue", "navy", "lightskyblue", "tab:cyan", "royalblue", "steelblue"],
+    "fix paper": ["tab:orange", "darkgoldenrod", "sandybrown", "chocolate"],
     "fp32": ["tab:green", "darkgreen", "seagreen"],
     "delta from P": ["olivedrab", "yellowgreen", "darkolivegreen"],
     "delta from fp32 O": ["tab:purple", "indigo", "orchid"],
@@ -30,6 +27,7 @@ PALETTE = {
 # one per seed: the seed study has eight (dash patterns as (offset, (on, off, ...)) in points)
 LINESTYLES = ["-", "--", ":", "-.", (0, (5, 5)), (0, (1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (3, 5, 1, 5, 1, 5))]
 MAX_COLS = 3  # panels per figure row; wider grids wrap (6 layers -> 2 rows of 3)
+THOUSANDS = FuncFormatter(lambda step, _: f"{step / 1000:g}k" if step else "0")  # step axes: 150k, not 150000
 
 
 def flag(run, key):
@@ -38,90 +36,46 @@ def flag(run, key):
     return value.lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
 
 
-def mantissa_bits(run):
-    """The amplifier: P rounded to this many mantissa bits before P V; 0 (or absent) = plain bf16."""
-    try:
-        return int(run.setting("mantissa_bits", 0) or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-def amplifier(run):
-    """"P3b" (P at 3 bits), "VO1b" (V and O at 1 bit; amplify="vo"), or "" without the amplifier."""
-    bits = mantissa_bits(run)
-    return f"{str(run.setting('amplify', 'p')).upper()}{bits}b" if bits else ""
+def fix_word(run):
+    """--fix as train.py spells it: off, on or paper (older runs stored a bool)."""
+    fix = run.setting("fix", "off")
+    return ("on" if fix else "off") if isinstance(fix, bool) else str(fix)
 
 
 def family(run):
-    attn = str(run.setting("attn", "")).lower()
-    precision = str(run.setting("precision", "")).lower()
-    if "fp32" in attn or "float32" in attn or precision == "fp32":
+    """The colour a run is drawn in (a key of PALETTE)."""
+    attn = str(run.setting("attn", "kernel"))
+    if attn == "fp32":
         return "fp32"
-    if any(word in attn for word in ("sdpa", "torch", "math", "cudnn")):
+    if attn.startswith("sdpa"):
         return "sdpa"
     if flag(run, "delta_from_p"):
         return "delta from P"
     if flag(run, "delta_fp32"):
         return "delta from fp32 O"
-    return "fix on" if str(run.setting("fix", "off")).lower() == "on" else "fix off"
+    return f"fix {fix_word(run)}"
 
 
-def fix_word(run):
-    fix = run.setting("fix", "off")
-    return ("on" if fix else "off") if isinstance(fix, bool) else str(fix)
-
-
-def label(run):
-    """"<attn> <precision> fix <off|on>[ P<bits>b or VO<bits>b][ no-pos][ delta-from-p or delta-fp32] seed <s>"
-    ("fp32 seed 0" for the fp32 reference, which has no fix and no amplifier)."""
-    parts = [str(run.setting("attn", "?"))]
-    if family(run) != "fp32":
-        parts += [str(run.setting("precision", "?")), f"fix {fix_word(run)}"]
-        if amplifier(run):
-            parts.append(amplifier(run))
-        if run.setting("pos", "learned") == "none":
-            parts.append("no-pos")
-        if flag(run, "delta_from_p"):
-            parts.append("delta-from-p")
-        if flag(run, "delta_fp32"):
-            parts.append("delta-fp32")
-    return " ".join(parts + [f"seed {run.setting('seed', 0)}"])
-
-
-def variant(run):
-    """What separates runs of one family by shade: everything in the label but the seed."""
-    return (family(run), str(run.setting("attn")), str(run.setting("precision")), fix_word(run),
-            amplifier(run), str(run.setting("pos", "learned")), flag(run, "delta_from_p"), flag(run, "delta_fp32"))
-
-
-def run_styles(runs):
-    """Colour, line style and legend label of every run, decided once so that all figures agree.
-
-    A learning rate other than the most common one among `runs` is added to the label. Runs whose
-    labels still coincide (settings the label leaves out: a patched kernel copy, an older amplifier) get
-    their folder name appended, and each arm of them (the folder name less its "-s<seed>") its own
-    shade; two runs of one arm and seed, the next line style. So no two entries read or look the same."""
-    rates = [r.setting("lr") for r in runs]
-    usual_lr = max(set(rates), key=rates.count, default=None) if rates else None
-    labels = [label(r) + (f" lr {r.setting('lr'):g}" if isinstance(r.setting("lr"), (int, float))
-                          and r.setting("lr") != usual_lr else "") for r in runs]
-    twinned = {variant(r) for r, text in zip(runs, labels) if labels.count(text) > 1}
-    arm = {r.path: variant(r) + ((re.sub(r"-s\d+$", "", r.name),) if variant(r) in twinned else ()) for r in runs}
-    arms = sorted(set(arm.values()), key=str)
-    seeds = sorted({str(r.setting("seed", 0)) for r in runs})
+def run_styles(runs, arms):
+    """Colour, line style and legend label ("<arm>, seed <s>") of every run, decided once so that all figures
+    agree. arms: {run.path: the run's arm}. Each arm gets its own shade of its family's colour, each seed its own
+    line style; the same arm and seed twice (two folders) gets the folder names in the labels and the next line
+    style, so that no two entries read or look the same."""
+    seed = {run.path: str(run.setting("seed", 0)) for run in runs}
+    seeds = sorted(set(seed.values()))
+    labels = [f"{arms[run.path]}, seed {seed[run.path]}" for run in runs]
     styles, seen = {}, []
     for run, text in zip(runs, labels):
         kind = family(run)
-        shade = [a for a in arms if a[0] == kind].index(arm[run.path])
+        shade = sorted({arms[r.path] for r in runs if family(r) == kind}).index(arms[run.path])
         palette = PALETTE[kind]
-        twin = (arm[run.path], str(run.setting("seed", 0)))
-        # twins (same arm and seed) skip past every seed's dash, so they never borrow another seed's
-        dash = seeds.index(str(run.setting("seed", 0))) + len(seeds) * (shade // len(palette) + seen.count(twin))
+        twin = (arms[run.path], seed[run.path])
+        # twins skip past every seed's dash, so they never borrow another seed's
+        dash = seeds.index(seed[run.path]) + len(seeds) * (shade // len(palette) + seen.count(twin))
         seen.append(twin)
         styles[run.path] = dict(
-            color=palette[shade % len(palette)],
-            linestyle=LINESTYLES[dash % len(LINESTYLES)],
-            label=text if labels.count(text) == 1 else f"{text} ({run.name})")
+            color=palette[shade % len(palette)], linestyle=LINESTYLES[dash % len(LINESTYLES)],
+            label=text if labels.count(text) == 1 else f"{text} ({run.path.parent.name}/{run.path.name})")
     return styles
 
 
@@ -133,8 +87,7 @@ def auto_log_scale(ax, arrays, decades=2):
         ax.set_yscale("log")
 
 
-def legend(fig, runs, styles, extra=()):
-    handles = [Line2D([], [], **styles[run.path]) for run in runs] + list(extra)
+def legend(fig, handles):
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
 
 
@@ -165,6 +118,7 @@ def plot_grid(runs, styles, panels, title, ylabel, path, transform=None):
                 ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             auto_log_scale(ax, plotted)
             ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # six-digit step labels overlap in a narrow panel
+            ax.xaxis.set_major_formatter(THOUSANDS)
             ax.set_title(column, fontsize=9)
             ax.grid(alpha=0.3)
         for ax in row_axes[len(row):]:
@@ -175,5 +129,5 @@ def plot_grid(runs, styles, panels, title, ylabel, path, transform=None):
         ax.set_xlabel("step")
     fig.suptitle(title)
     fig.tight_layout()
-    legend(fig, runs, styles)
+    legend(fig, [Line2D([], [], **styles[run.path]) for run in runs])
     return save(fig, path)
