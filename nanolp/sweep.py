@@ -437,7 +437,7 @@ def write_csv(path, rows, columns):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows({k: cell(v) for k, v in row.items()} for row in rows)
 
@@ -469,8 +469,21 @@ def collect_study(study, out, results):
     for path in find_runs([Path(results) / "runs"]):
         if path.name not in {run["name"] for run in runs}:
             print(f"{path}: not a run of study {study.name}, left out of runs.csv")
-    write_csv(Path(results) / "runs.csv", rows, COLUMNS)
+    table = Path(results) / "runs.csv"
+    kept, columns = kept_rows(table, {row["name"] for row in rows})
+    write_csv(table, kept + rows, columns)
     return rows
+
+
+def kept_rows(table, names):
+    """The rows of an existing runs.csv whose runs are not among `names` (runs whose logs were never kept, known
+    only by their summaries), and the columns to write: COLUMNS, then any others that table has."""
+    if not table.exists():
+        return [], COLUMNS
+    with open(table, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = [row for row in reader if row["name"] not in names]
+        return rows, COLUMNS + [c for c in reader.fieldnames if c not in COLUMNS]
 
 
 # -----------------------------------------------------------------------------

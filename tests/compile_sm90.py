@@ -5,7 +5,7 @@ compiler (to PTX and a cubin through the ptxas bundled with Triton), on a machin
 
 The CPU interpreter the other tests use accepts code the compiler rejects (a loop-carried value changing dtype,
 a block shape the layouts cannot take) and runs no constexpr branch it is not given, so without this a kernel
-change would meet the compiler only on the next GPU session. The host functions (_flash_fwd, _flash_bwd) run on
+change would meet the compiler only on the next GPU run. The host functions (_flash_fwd, _flash_bwd) run on
 CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled:
 at head_dim 64 the forward in every combination of causal, fix, precision and amplifier (causal only with an
 amplifier) and the backward in both precisions with delta from O and from P; at every head_dim the plain forward

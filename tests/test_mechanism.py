@@ -296,7 +296,7 @@ def untied_errors(mantissa_bits, seed=0):
 
 
 def test_amplifier_shrinks_o_without_any_tie():
-    """Part of why the fix cannot stop the 3-bit collapse while delta = rowsum(dP * P) does (research.md, session 3).
+    """Part of why the fix cannot stop the 3-bit collapse while delta = rowsum(dP * P) does (results/amplifier/).
     Rounding to nearest is unbiased only where values spread evenly over each rounding interval; P = exp(S - m) of
     spread-out scores is denser near the bottom of each binade, so round(P) is low by about (2^-B)^2 / 24 of P on
     average (measured on rows like these: -6.1e-4 to -6.4e-4 at B = 3, -4e-6 to -6e-6 in bf16). l sums the
@@ -308,7 +308,7 @@ def test_amplifier_shrinks_o_without_any_tie():
       bf16:        O +1.3e-5, +7.8e-6, +1.2e-5 (s.e. 5e-6), about 50x smaller
     Normalising by the sum of the rounded P instead (O = sum round(P) V / sum round(P)) removes it at 3 bits
     (+3.5e-6, s.e. 4e-6, in float64 on the same kind of rows), but in training (CPU, P at 1 bit,
-    results/commands/cpu.sh) that alone did not slow the logit growth: the row max, P = 1 exactly and never
+    results/amplifier/tiny_cpu_runs.csv, results/amplifier/emulation_variants.py) that alone did not slow the logit growth: the row max, P = 1 exactly and never
     rounded, is a second one-sided term; removing both slowed it ~10x."""
     (o_off, se_off), (o_on, se_on), (d_o, se_d), (d_p, _) = untied_errors(3)
     assert o_off > T_MIN * se_off and o_on > T_MIN * se_on, "P at 3 bits should shrink O toward zero, fix or not"

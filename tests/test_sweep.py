@@ -362,6 +362,19 @@ def test_collect_only(tmp_path, capsys):
     assert not (tmp_path / "out" / "x-s1").exists()  # nothing was run
 
 
+def test_collect_keeps_the_rows_of_runs_without_logs(tmp_path):
+    """runs.csv may hold summaries of runs whose logs were never kept: collecting keeps them (and their extra
+    columns) and replaces only the rows of the runs it collects."""
+    studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = '--fix off'\n")
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "runs.csv").write_text("name,arm,steps,variant\nold-s3,old,999,patched\nx-s0,x,1,\n")
+    write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), dict(steps=40), [dict(step=40, elapsed_s=4)])
+    assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out"), "--collect"]) == 0
+    rows = read_csv(tmp_path / "s" / "runs.csv")
+    assert [(row["name"], row["steps"], row["variant"]) for row in rows] == [("old-s3", "999", "patched"),
+                                                                             ("x-s0", "40", "")]
+
+
 def test_collected_finished_run_is_not_overwritten(tmp_path):
     study = sweep.load_study(write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = ''\n"), "s")
     write_run(tmp_path / "out", "x-s0", {}, dict(steps=30), [dict(step=30)])              # restarted, unfinished

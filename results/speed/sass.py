@@ -3,7 +3,7 @@ main key loop, per kernel, compiled for the H200 (sm_90) on a machine without a 
 
     python results/speed/sass.py          # from the repository root, without TRITON_INTERPRET; ~30 s
 
-The H200 runs triton 3.6 (results/research.md); the code it compiles differs from later versions' (registers,
+The H200 runs triton 3.6 (results/speed/gpu_tests.txt); the code it compiles differs from later versions' (registers,
 so CTAs per SM), so compile with that version: pip install --no-deps --target /tmp/triton36 triton==3.6.0, then
 PYTHONPATH=/tmp/triton36 python results/speed/sass.py.
 

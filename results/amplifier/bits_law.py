@@ -1,0 +1,53 @@
+"""The bits law: how much later the default collapses per mantissa bit the amplifier leaves P, and what that
+predicts for plain bf16 (P at 7 bits), against the measured bf16 collapse. Reads the tables; seconds.
+
+    python results/amplifier/bits_law.py > results/amplifier/bits_law.txt
+
+From gpu_runs.csv: the default preset's runs with P rounded to B bits (--mantissa-bits B, --amplify p), fix off,
+seed 0, no variant. Per bit count, the median collapse step of the runs that collapsed (runs without a collapse
+only bound it from below); a least-squares line through log(collapse step) against B gives the factor per bit and
+the step it predicts at B = 7. From seed_study/runs.csv: the plain bf16 run of the same seed (off-s0).
+"""
+import csv
+import math
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BF16_BITS = 7
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+runs = [r for r in rows(HERE / "gpu_runs.csv") if r["fix"] == "off" and r["seed"] == "0" and r["amplify"] == "p"
+        and not r["variant"] and r["delta_from_p"] == "False" and r["delta_fp32"] == "False"
+        and r["precision"] == "fa2"]
+collapsed, censored = {}, {}
+for r in runs:
+    bits = int(r["mantissa_bits"])
+    if r["collapse_step"]:
+        collapsed.setdefault(bits, []).append(int(r["collapse_step"]))
+    else:
+        censored[bits] = max(censored.get(bits, 0), int(r["steps"]))
+points = {bits: statistics.median(steps) for bits, steps in sorted(collapsed.items())}
+for bits in sorted(set(collapsed) | set(censored)):
+    line = f"P at {bits} bits: "
+    if bits in collapsed:
+        line += f"collapsed at {', '.join(f'{s:,}' for s in sorted(collapsed[bits]))} (median {points[bits]:,.0f})"
+    if bits in censored and censored[bits] > max(collapsed.get(bits, [0])):
+        line += ("; " if bits in collapsed else "") + f"no collapse in {censored[bits]:,} steps"
+    print(line)
+
+x = list(points)
+y = [math.log(points[b]) for b in x]
+mx, my = statistics.mean(x), statistics.mean(y)
+slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+predicted = math.exp(my + slope * (BF16_BITS - mx))
+bf16 = next(r for r in rows(HERE.parent / "seed_study" / "runs.csv") if r["name"] == "off-s0")
+print(f"fit through {', '.join(map(str, x))} bits: {math.exp(slope):.2f}x later per bit; "
+      f"at {BF16_BITS} bits (plain bf16) {predicted:,.0f} steps")
+print(f"plain bf16, measured (seed_study/runs.csv, off-s0): collapsed at {int(bf16['collapse_step']):,} steps, "
+      f"{predicted / int(bf16['collapse_step']):.1f}x sooner than the fit")

@@ -1,0 +1,66 @@
+"""Does a backward's dS have rows that do not sum to zero, and does delta from P remove them? (CPU, ~20 s)
+
+    python results/paper_precision/row_sums.py > results/paper_precision/row_sums.txt
+
+An exact softmax backward gives dS = P * (dP - delta), whose rows sum to zero; whatever a kernel's dS sums to per
+row is an error of the one kind the paper's mechanism is about (it changes dS by a multiple of P, as an error in
+delta does; nanolp/diagnostics.py, delta_push). In the paper precision l is summed in bf16, so the backward's
+P = exp(S - lse) sums to 1 / (1 + eps) per row, not 1, and with delta = rowsum(dP * P) a row's dS sums to
+delta * (1 - rowsum(P)); --delta-from-p therefore divides by rowsum(P) there, which zeroes those row sums. This
+measures, with the PyTorch emulation of the kernel (bit for bit the kernel's numerics, tests/test_kernels.py), per
+arm the rms over rows of rowsum(dS) before dS's cast, and for each precision the mean and spread of 1 - rowsum(P),
+also by how sharp the row is. Random bf16 inputs (3 x 2 heads x 256 rows, q scaled by 1 / 3 / 8 for soft to sharp
+rows); the arm "paper, from P, undivided" leaves out the division.
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests import conftest  # noqa: E402,F401  (the tests' CPU set-up: Triton's interpreter, patched for bf16)
+from kernels import TIE_TOL  # noqa: E402
+from nanolp import emulate  # noqa: E402
+from tests.test_kernels import rand  # noqa: E402
+
+
+def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, undivided=False):
+    """(rowsum(dS) before its cast, 1 - rowsum(P)) per row, as the kernel's backward computes them; undivided: delta
+    from P without its division by rowsum(P) in the paper precision (kernel_variants.py paper-undivided)."""
+    o, o32, lse = emulate.forward(q, k, v, True, False, precision, 2.0, TIE_TOL)
+    P, dP = emulate._probs_and_dp(q, k, v, lse, do, True, precision)
+    delta = emulate.delta(q, k, v, o32 if delta_fp32 else o, lse, do, True, precision, delta_from_p)
+    if undivided:
+        delta = sum(emulate._rowsum((P * dP)[..., cols]) for cols in emulate._tiles(*q.shape[-2:]))
+    dS = P * (dP - delta.unsqueeze(-1))
+    exact = torch.softmax(emulate._mask(q.double() @ k.double().mT * q.shape[-1] ** -0.5, 0, q.shape[-2], True), -1)
+    return dS.double().sum(-1).flatten(), 1 - P.double().sum(-1).flatten(), exact.amax(-1).flatten()
+
+
+if __name__ == "__main__":
+    arms = {"fa2": ("fa2", False, False), "fa2, delta from P": ("fa2", True, False), "paper": ("paper", False, False),
+            "paper, --delta-fp32": ("paper", False, True), "paper, delta from P": ("paper", True, False),
+            "paper, from P, undivided": ("paper", True, False, True)}
+    print("rms over rows of rowsum(dS) (an exact backward: 0), x fa2's, by q scale 1 / 3 / 8; and 1 - rowsum(P)")
+    inputs = {scale: [((rand((1, 2, 256, 64), seed=200 + 10 * s).float() * scale).to(torch.bfloat16),
+                       *(rand((1, 2, 256, 64), seed=200 + 10 * s + i) for i in (1, 2, 3))) for s in range(3)]
+              for scale in (1, 3, 8)}
+    base, gaps = None, {}   # gaps: 1 - rowsum(P) and max P, per precision (the same in each of its arms)
+    for arm, args in arms.items():
+        rms, gap, max_p = [], [], []
+        for scale, batch in inputs.items():
+            sums, g, m = zip(*(row_sums(*qkvdo, *args) for qkvdo in batch))
+            rms.append(torch.cat(sums).pow(2).mean().sqrt().item())
+            gap, max_p = gap + list(g), max_p + list(m)
+        base = base or rms
+        gaps[args[0]] = gap, max_p = torch.cat(gap), torch.cat(max_p)
+        print(f"{arm:24s} rms {' / '.join(f'{r:.2e}' for r in rms)}  (x fa2 "
+              f"{' / '.join(f'{r / b:.2f}' for r, b in zip(rms, base))});  1 - rowsum(P): mean {gap.mean():+.1e}, "
+              f"rms {gap.pow(2).mean().sqrt():.1e}, > 0 in {(gap > 0).double().mean():.0%} of rows")
+    print("1 - rowsum(P) by the row's largest probability (float64), the rows above")
+    for precision, (gap, max_p) in gaps.items():
+        for lo, hi in ((0, 0.9), (0.9, 0.99), (0.99, 0.999), (0.999, 1)):
+            rows = (max_p > lo) & (max_p <= hi)
+            print(f"{precision:5s} max P in ({lo}, {hi}]: {int(rows.sum()):4d} rows, mean {gap[rows].mean():+.1e} "
+                  f"(1 - max P: {(1 - max_p[rows]).mean():.1e}), < 0 in {(gap[rows] < 0).double().mean():.0%}")
