@@ -18,6 +18,6 @@ def test_runs_on_cpu(capsys):
     gradbias.main(["--batch", "1", "--heads", "1", "--seq", "64", "--head-dim", "16", "--draws", "1",
                    "--logit-scale", "4"])
     rows = capsys.readouterr().out.strip().splitlines()
-    assert len(rows) == 3 and "ours, fix off" in rows[1] and "ours, fix on" in rows[2]
+    assert len(rows) == 4 and "ours, fix off" in rows[1] and "ours, fix paper" in rows[2] and "ours, fix on" in rows[3]
     rel_rms_o = float(rows[1].split()[4])                     # bf16 O: a relative error of ~1e-3
     assert 1e-4 < rel_rms_o < 1e-2
