@@ -1,7 +1,7 @@
 """train.py with kernels.py patched: the kernel variants behind the rows whose `variant` column names one here.
 
     python results/paper_precision/kernel_variants.py paper-s32 /tmp/s32      # a copy of the checkout, patched
-    (cd /tmp/s32 && python -m nanolp.sweep --out $PWD/runs --arm x="--precision paper --fix off" --seeds 0)
+    (cd /tmp/s32 && python train.py --precision paper --fix off --seed 0 --name paper-s32-s0)
 
 Experiments, not features: each takes one rounding out of the kernel, or adds one back, to see which rounding a
 run needs. NAME may join several with "+" (paper-s32+paper-undivided).
