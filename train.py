@@ -253,9 +253,11 @@ def load_checkpoint(run_dir, model, optimizer, device, columns):
     ckpt = torch.load(ckpts[-1], map_location=device)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    torch.set_rng_state(ckpt["rng"]["cpu"].cpu())
-    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu())
+    rng = ckpt.get("rng", {})   # (checkpoints written before it was saved have none)
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"].cpu())
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
     state = ckpt["state"]
     with open(run_dir / "log.csv", newline="") as f:
         rows = [row for row in csv.DictReader(f) if int(row["step"]) <= state["step"]]
