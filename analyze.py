@@ -12,10 +12,12 @@ every step. Layer 0's W_Q grows (spectral_norm.png), its logits run away (headli
 `--fix on`, the paper's shifted row max plus delta from the forward's fp32 O, keeps layer 0 flat. The paper's rule
 alone (`--fix paper`) removes the bias of rows with several tied maxima (--mechanism's tables), but ties are rare
 in layer 0 (tie_rate.png) and it does not stop the runaway.
-Why one sign, when round-to-nearest has none: dO is computed downstream of the rounded O, so it is correlated with
-the rounding error e, and the mean of rowsum(dO * e) is tr(H Sigma_e) > 0 near a minimum, H the loss's curvature
-in O. On a loss with known H that holds exactly (--mechanism's curvature.png); in the model, the probe finds the
-term positive but below the noise of delta's error at its checkpoints (--probe's delta_probe.png).
+Why one sign, when round-to-nearest has none? On synthetic sharp rows the cast drops the other keys' pull, which
+is one-signed where dO points along it (results/mechanism/sharp_rows.txt, tests/test_mechanism.py). A second
+candidate, a hypothesis the data have not confirmed: dO is computed downstream of the rounded O, so it is
+correlated with the rounding error e, and the mean of rowsum(dO * e) is tr(H Sigma_e) > 0 near a minimum, H the
+loss's curvature in O. On a loss with known H that holds exactly (--mechanism's curvature.png); in the model the
+probe finds the term positive early but below the noise of delta's error, and negative later (delta_probe.png).
 
 Runs are named by their arm: the train.py flags that set them apart from their preset.
 """
