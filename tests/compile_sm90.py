@@ -6,11 +6,12 @@ compiler (to PTX and a cubin through the ptxas bundled with Triton), on a machin
 The CPU interpreter the other tests use accepts code the compiler rejects (a loop-carried value changing dtype,
 a block shape the layouts cannot take) and runs no constexpr branch it is not given, so without this a kernel
 change would meet the compiler only on the next GPU run. The host functions (_flash_fwd, _flash_bwd) run on
-CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled:
-at head_dim 64 the forward in every combination of causal, fix, precision and amplifier (causal only with an
-amplifier) and the backward in both precisions with delta from O and from P; at every head_dim the plain forward
-and backward, the backward at a short and a long (pipelined) sequence. Compilation only: the numbers are the GPU
-tests' job.
+CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled
+as the GPU's JIT specializes it (specialize): the code that runs, not a generic version with scalar loads and
+other pipelining. At head_dim 64 the forward in every combination of causal, fix, precision and amplifier
+(causal only with an amplifier) and the backward in both precisions with delta from O and from P; at every
+head_dim the plain forward and backward, the backward at a short and a long (pipelined) sequence. Compilation
+only: the numbers are the GPU tests' job.
 """
 import itertools
 import os
@@ -19,14 +20,20 @@ import sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run without TRITON_INTERPRET: it compiles kernels"
 import kernels  # noqa: E402  (after the check: TRITON_INTERPRET is read at import)
 
 TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
 KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
-POINTEE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+# specialize() runs the JIT's own binder and _pack_args (triton/runtime/jit.py), internals that take and return
+# the same in triton 3.6, 3.8 and 3.9; another version may have changed them
+if not (3, 6) <= tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 10):
+    raise RuntimeError(f"triton {triton.__version__}: specialize() follows the JIT's internals of triton 3.6 to 3.9; "
+                       "check create_function_from_signature and JITFunction._pack_args in this version")
 
 
 class Recorder:
@@ -63,33 +70,32 @@ def record_launches():
     return launches
 
 
-def signature(kernel, args, meta):
-    """Triton's signature of one launch (a type per argument, "constexpr" for the meta-parameters), the
-    constexprs' values, and the compile options."""
-    options = {key: meta[key] for key in ("num_warps", "num_stages") if key in meta}
-    constexprs = {key: value for key, value in meta.items() if key not in options}
-    types = {}
-    for name, arg in zip(kernel.arg_names, args):
-        if isinstance(arg, torch.Tensor):
-            types[name] = POINTEE[arg.dtype]
-        else:
-            types[name] = "fp32" if isinstance(arg, float) else "i32" if abs(arg) < 2 ** 31 else "i64"
-    types.update(dict.fromkeys(constexprs, "constexpr"))
-    return types, constexprs, options
+def specialize(kernel, args, meta):
+    """The source and compile options the GPU's JIT makes of one launch, by the JIT's own steps (JITFunction.run,
+    _do_compile): 16-byte aligned pointers and integers divisible by 16 get tt.divisibility, integers equal to 1
+    become constants. CPU tensors from torch's allocator are as aligned as CUDA ones."""
+    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+    bound, specialization, options = binder(*args, **meta)
+    options, signature, constexprs, attrs = kernel._pack_args(BACKEND, meta, bound, specialization, options)
+    unaligned = [name for i, (name, arg) in enumerate(zip(kernel.arg_names, args))
+                 if isinstance(arg, torch.Tensor) and ["tt.divisibility", 16] not in attrs.get((i,), [])]
+    if unaligned:  # the JIT gives every aligned pointer the attribute: without it this compiles other code
+        raise RuntimeError(f"{kernel.fn.__name__}: no tt.divisibility on the pointers {unaligned}: the JIT's "
+                           f"specialization did not apply (attributes {attrs})")
+    return ASTSource(kernel, signature, constexprs, attrs), options.__dict__
 
 
 def main():
     compiled = set()
     for kernel, args, meta in record_launches():
-        types, constexprs, options = signature(kernel, args, meta)
-        key = (kernel.fn.__name__, *(tuple(sorted(d.items())) for d in (types, constexprs, options)))
+        source, options = specialize(kernel, args, meta)
+        key = (source.hash(), str(sorted(options.items())))
         if key in compiled:
             continue
-        positions = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
         try:
-            triton.compile(ASTSource(kernel, types, positions), target=TARGET, options=options)
+            triton.compile(source, target=TARGET, options=options)
         except Exception as error:
-            sys.exit(f"{kernel.fn.__name__} {constexprs} {options}: does not compile for sm_90:\n{error}")
+            sys.exit(f"{kernel.fn.__name__} {source.constants} {meta}: does not compile for sm_90:\n{error}")
         compiled.add(key)
     print(f"{len(compiled)} kernel specializations compile for sm_90 (triton {triton.__version__})")
 

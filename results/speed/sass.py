@@ -8,10 +8,10 @@ so CTAs per SM), so compile with that version: pip install --no-deps --target /t
 PYTHONPATH=/tmp/triton36 python results/speed/sass.py.
 
 Each launch is the one the benchmark makes (python -m nanolp.bench: batch 4, 2048 channels, seq 4096, causal,
-precision fa2, no amplifier), recorded from the host code as tests/compile_sm90.py does, and compiled with the
-argument specialization the GPU's JIT would give it (16-byte aligned pointers, strides divisible by 16): without
-that the loads are not vectorized and the pipeliner leaves the K/V loads unpipelined, so the code is not the one
-that ran. Prints markdown tables (results/speed/sass.md).
+precision fa2, no amplifier), recorded from the host code and compiled with the argument specialization the
+GPU's JIT gives it, both as tests/compile_sm90.py does (its specialize: 16-byte aligned pointers, strides divisible
+by 16; without that the loads are not vectorized and the pipeliner leaves the K/V loads unpipelined, so the code is
+not the one that ran). Prints markdown tables (results/speed/sass.md).
 """
 import os
 import re
@@ -22,12 +22,9 @@ from pathlib import Path
 
 import torch
 import triton
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.compile_sm90 import TARGET, Recorder  # noqa: E402  (asserts TRITON_INTERPRET is off, imports kernels)
+from tests.compile_sm90 import TARGET, Recorder, specialize  # noqa: E402  (asserts no TRITON_INTERPRET)
 import kernels  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -44,24 +41,6 @@ CLASSES = {
     "P2R/R2P": ("P2R", "R2P"), "FCHK/FRND": ("FCHK", "FRND"), "BRA/CALL": ("BRA", "CALL"),
     "BAR.SYNC": ("BAR.SYNC",), "WARPGROUP": ("WARPGROUP",), "LDGSTS": ("LDGSTS",),
 }
-
-
-def specialize(kernel, args, meta):
-    """Signature, constants and attributes of one launch, as the JIT computes them for GPU tensors of these
-    shapes (CPU tensors from torch's allocator are as aligned as CUDA ones)."""
-    signature, constants, attrs = {}, {}, {}
-    for i, (param, name) in enumerate(zip(kernel.params, kernel.arg_names)):
-        if name in meta:
-            signature[name], constants[(i,)] = "constexpr", meta[name]
-            continue
-        kind, attr = native_specialize_impl(CUDABackend, args[i], False, not param.do_not_specialize,
-                                            not param.do_not_specialize_on_alignment)
-        signature[name] = kind
-        if kind == "constexpr":           # an integer argument equal to 1
-            constants[(i,)] = attr
-        elif attr:
-            attrs[(i,)] = CUDABackend.parse_attr(attr)
-    return signature, constants, attrs
 
 
 def record(run):
@@ -98,10 +77,8 @@ def launches():
 
 
 def compile_launch(kernel, args, meta):
-    # the launch's compile options; those it does not pass take Triton's defaults
-    options = {key: meta[key] for key in ("num_warps", "num_stages", "maxnreg") if key in meta}
-    signature, constants, attrs = specialize(kernel, args, meta)
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=TARGET, options=options)
+    source, options = specialize(kernel, args, meta)
+    return triton.compile(source, target=TARGET, options=options)
 
 
 def main_loop(sass):
