@@ -64,6 +64,7 @@ from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig
 from nanolp.data import find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, FIX, NAMED, PRESETS, changed_settings
+from nanolp.runs import provenance
 
 # a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
 LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
@@ -296,6 +297,7 @@ def write_summary(run_dir, c, collapse):
         mfu=c["flops_per_token"] * tokens_per_s / H200_BF16_PEAK_FLOPS,
         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         name=c["name"], **{k: c[k] for k in ARM}, data_sha1=c["data_sha1"],   # the arm, whole
+        provenance=provenance(),   # of this invocation (a resumed run's config.json keeps its first one's)
     )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -337,6 +339,7 @@ def main(argv=None):
     else:   # (resolve_config made sure that the folder holds no run)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_rows(run_dir / "log.csv", [], columns, "w")
+    c.setdefault("provenance", provenance())   # (kept from the run's start on --resume)
     (run_dir / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     print(f"{run_dir}: {describe(c)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
           f"{c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")

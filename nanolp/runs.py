@@ -8,7 +8,9 @@ import csv
 import gzip
 import json
 import math
+import platform
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +89,26 @@ class Run:
             return self.summary["tokens_per_s"]
         speed = self.series("tokens_per_s")
         return None if speed is None else float(np.median(speed[1]))
+
+
+def provenance():
+    """What a run ran: the git commit of this checkout (and whether its tracked files had uncommitted changes),
+    and the versions and device it ran on. Recorded in config.json and summary.json, so that runs made before
+    and after a change of the code can be told apart. None where it cannot be known (no git, no GPU)."""
+    import torch
+    import triton
+
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *args: subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    try:
+        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        commit = head.stdout.strip() if head.returncode == 0 else None
+        dirty = bool(status.stdout.strip()) if commit and status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):   # no git on this machine
+        commit = dirty = None
+    return dict(commit=commit, dirty=dirty, python=platform.python_version(), torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
 
 def read_json(path):
