@@ -8,6 +8,7 @@ import csv
 import gzip
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -94,7 +95,8 @@ class Run:
 def provenance():
     """What a run ran: the git commit of this checkout (and whether its tracked files had uncommitted changes),
     and the versions and device it ran on. Recorded in config.json and summary.json, so that runs made before
-    and after a change of the code can be told apart. None where it cannot be known (no git, no GPU)."""
+    and after a change of the code can be told apart. A copy of the tree without its .git (a lent GPU machine)
+    names its commit in $NANOLP_COMMIT; None where nothing can be known (no git, no GPU)."""
     import torch
     import triton
 
@@ -106,6 +108,8 @@ def provenance():
         dirty = bool(status.stdout.strip()) if commit and status.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):   # no git on this machine
         commit = dirty = None
+    if commit is None:
+        commit = os.environ.get("NANOLP_COMMIT")
     return dict(commit=commit, dirty=dirty, python=platform.python_version(), torch=torch.__version__,
                 triton=triton.__version__, cuda=torch.version.cuda,
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
