@@ -4,6 +4,7 @@
                                                  figures, rates.csv (per arm: collapsed, medians)
     python analyze.py --probe RUN... --out DIR   delta_probe.png: the probe's terms, pooled before the runaway
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
+    python analyze.py --table STUDY/runs.csv     README.md's table of a study: per arm, how many collapsed, when
 
 With `--fix off` the backward's delta = rowsum(dO * O) reads the forward's O after its final bf16 cast. The char
 model memorises its text within ~20,000 steps and then trains on near-zero gradients; from there the error that
@@ -23,6 +24,7 @@ Runs are named by their arm: the train.py flags that set them apart from their p
 """
 
 import argparse
+import csv
 import os
 from pathlib import Path
 
@@ -119,8 +121,25 @@ def band(group, column):
     return steps, np.nanmedian(values, axis=0), np.nanmin(values, axis=0), np.nanmax(values, axis=0)
 
 
+def survival(group):
+    """(steps, share of runs not yet collapsed) of an arm, the Kaplan-Meier estimate over its seeds: at each
+    collapse the share falls by 1/(runs still training there); a run that stopped without collapsing leaves the
+    count where its log ends. The curve runs from step 0 to the arm's last logged step."""
+    ends = sorted((run.collapse_step if run.collapse_step is not None else run.steps or 0,
+                   run.collapse_step is not None) for run in group)
+    steps, share, alive = [0], [1.0], 1.0
+    for i, (step, collapsed) in enumerate(ends):
+        if collapsed:
+            alive *= 1 - 1 / (len(ends) - i)
+            steps.append(step), share.append(alive)
+    steps.append(ends[-1][0]), share.append(alive)
+    return np.array(steps), np.array(share)
+
+
 def plot_headline(runs, styles, path):
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    """Train loss and layer 0's max logit per arm (median and range over seeds, an X where a run collapsed), and
+    the share of each arm's runs not yet collapsed: how often, and how soon, at a glance."""
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=[1, 1, 0.8])
     handles = []
     for name, group in by_arm(runs).items():
         colour = styles[group[0].path]["color"]
@@ -134,19 +153,24 @@ def plot_headline(runs, styles, path):
                 ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
             for run in group:
                 mark_collapse(ax, run, column, colour)
+        axes[2].step(*survival(group), where="post", color=colour, linewidth=1.6)
         handles.append(Line2D([], [], color=colour, linewidth=1.4, label=f"{name} ({outcome(group)})"))
     if any(run.collapse_step is not None for run in runs):
         handles.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9, label="collapse"))
-    for ax, title in zip(axes, ("training loss (nats/token)", f"layer {PROBE_LAYER}'s max attention logit")):
-        ax.set_yscale("log")
+    titles = ("training loss (nats/token)", f"layer {PROBE_LAYER}'s max attention logit",
+              "share of seeds not yet collapsed")
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_formatter(THOUSANDS)
         ax.grid(alpha=0.3, which="both")
+    for ax in axes[:2]:
+        ax.set_yscale("log")
+    axes[2].set_ylim(-0.03, 1.03)
     spread = ": median over seeds, shaded min to max" if any(len(g) > 1 for g in by_arm(runs).values()) else ""
     fig.suptitle(f"per arm (the train.py flags that differ from the preset){spread}", fontsize=11)
     fig.tight_layout()
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=9)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9)
     return save(fig, path)
 
 
@@ -299,6 +323,77 @@ def analyze_runs(runs, out):
 
 
 # -----------------------------------------------------------------------------
+# The study's table: runs.csv by arm, written into README.md between markers, so it is never typed
+
+ALONE_TOKENS_PER_S = 2.5e6  # a default-preset run above this had the H200 alone (side by side: ~1.5M each)
+
+
+def span(values, spec=",.0f"):
+    """'median (low-high)' of numbers; one number alone; '-' for none."""
+    values = sorted(values)
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return format(values[0], spec)
+    return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
+
+
+def seed_list(seeds):
+    seeds = sorted(set(seeds))
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def study_table(rows, folder):
+    """The markdown table of a study's runs.csv rows, one line per arm in the order the arms first appear, and a
+    line on how long the fix-off arm takes to collapse alone on the GPU. Layer 0's peak comes from the runs whose
+    logs are kept in folder/runs/."""
+    arms, variants = {}, [row for row in rows if row.get("variant")]
+    for row in rows:
+        if not row.get("variant"):   # a patched kernel is no train.py command: results/README.md has those
+            arms.setdefault(row["arm"], []).append(row)
+    number = lambda row, key: float(row[key]) if row[key] not in ("", None) else None
+    lines = ["| arm | command | runs (seeds) | logs kept | collapsed | steps to collapse: median (range) "
+             f"| steps without a collapse: median (range) | training minutes to collapse | peak of {LOGIT} "
+             "(kept logs) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, group in arms.items():
+        fell = [row for row in group if row["collapsed"] == "True"]
+        stood = [row for row in group if row["collapsed"] != "True"]
+        cells = [f"`{name}`", f"`python train.py {group[0]['flags']}`",
+                 f"{len(group)} ({seed_list(int(row['seed']) for row in group)})",
+                 str(sum(row.get("log_kept") == "True" for row in group)), f"**{len(fell)} / {len(group)}**",
+                 span([number(row, "collapse_step") for row in fell]), span([number(row, "steps") for row in stood]),
+                 span([number(row, "collapse_minute") for row in fell], ".1f"),
+                 span([peak_logit(load_run(folder / "runs" / row["name"])) for row in group
+                       if row.get("log_kept") == "True"], ".3g")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if variants:
+        lines += ["", f"Not in the table: {len(variants)} runs of patched kernels (runs.csv's `variant` column)."]
+    off = [row for row in arms.get("off", []) if row["collapsed"] == "True"]
+    alone = [row for row in off if number(row, "tokens_per_s") > ALONE_TOKENS_PER_S]
+    if alone:   # steps a minute of the runs that had the GPU alone, evaluations and diagnostics included
+        pace = median([number(row, "collapse_step") / number(row, "collapse_minute") for row in alone])
+        lines += ["", f"Alone on one H200 a fix-off run trains {pace:,.0f} steps a minute (median of its "
+                      f"{len(alone)} runs that had the GPU alone: {', '.join(row['name'] for row in alone)}), so "
+                      f"its collapses come after {span([number(row, 'collapse_step') / pace for row in off], '.1f')} "
+                      f"minutes."]
+    return lines
+
+
+def update_readme(readme, table):
+    """Replace the lines between README's markers of this runs.csv with the table of its rows."""
+    begin, end = f"<!-- table: python analyze.py --table {table} -->", "<!-- end of table -->"
+    text = readme.read_text()
+    if begin not in text:
+        raise SystemExit(f"{readme} has no line {begin!r}: add it, and {end!r}, where the table goes")
+    with open(table, newline="") as f:
+        lines = study_table(list(csv.DictReader(f)), table.parent)
+    head, rest = text.split(begin, 1)
+    readme.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+
+
+# -----------------------------------------------------------------------------
 # The delta probe (nanolp/diagnostics.py): is delta's error the curvature term tr(H Sigma_e)?
 
 RUNAWAY_LOGIT = 30.0  # layer 0 of every arm stays below this before its runaway: checkpoints are pooled up to it
@@ -426,7 +521,11 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--probe", action="store_true", help="the delta probe's columns of the runs")
     mode.add_argument("--mechanism", action="store_true", help="the rounding bias on synthetic rows; no runs")
+    mode.add_argument("--table", type=Path, metavar="CSV",
+                      help="rewrite README.md's table of a study's runs.csv (between its markers); no runs")
     args = parser.parse_args(argv)
+    if args.table:
+        return update_readme(Path(__file__).resolve().parent / "README.md", args.table)
     if args.mechanism and args.runs:
         parser.error("--mechanism reads no runs")
 

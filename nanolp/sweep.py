@@ -70,7 +70,10 @@ COLUMNS = ["name", "arm", "flags", "seed", "attn", "precision", "fix", "delta_fr
            "mantissa_bits", "amplify", "lr", "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes",
            "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit", "tie_rate_final",
            "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s", "peak_mem_gb",
-           "first_growth_layer", "first_growth_head", "first_growth_step"]
+           "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
+# a row whose run folder was never kept (an earlier sample of the same arm and seed, known by its summary alone)
+# is named ARM-sSEED-nolog, so that a new run of that arm and seed, with its log, takes the plain name
+NO_LOG = "-nolog"
 
 
 class StudyError(ValueError):
@@ -419,7 +422,7 @@ def collect_row(path, arm=None, flags=""):
         final_val_loss=run.final_val_loss,
         final_train_loss=s.get("final_train_loss", last_finite(log["train_loss"]) if "train_loss" in log else None),
         tokens_per_s=run.tokens_per_s, peak_mem_gb=s.get("peak_mem_gb"),
-        first_growth_layer=layer, first_growth_head=head, first_growth_step=growth_step,
+        first_growth_layer=layer, first_growth_head=head, first_growth_step=growth_step, log_kept=True,
     )
 
 
@@ -476,14 +479,18 @@ def collect_study(study, out, results):
 
 
 def kept_rows(table, names):
-    """The rows of an existing runs.csv whose runs are not among `names` (runs whose logs were never kept, known
-    only by their summaries), and the columns to write: COLUMNS, then any others that table has."""
+    """The rows of an existing runs.csv that are not among `names` (the runs whose folders were just collected):
+    rows of runs whose logs were never kept, named ARM-sSEED-nolog (NO_LOG), and the columns to write: COLUMNS,
+    then any others that table has."""
     if not table.exists():
         return [], COLUMNS
     with open(table, newline="") as f:
         reader = csv.DictReader(f)
         rows = [row for row in reader if row["name"] not in names]
-        return rows, COLUMNS + [c for c in reader.fieldnames if c not in COLUMNS]
+    for row in rows:
+        row["log_kept"] = False
+        row["name"] += "" if row["name"].endswith(NO_LOG) else NO_LOG
+    return rows, COLUMNS + [c for c in reader.fieldnames if c not in COLUMNS]
 
 
 # -----------------------------------------------------------------------------

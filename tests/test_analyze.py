@@ -119,6 +119,22 @@ def test_band_is_the_median_and_range_of_the_runs_still_running():
     assert analyze.band([a], "val_loss") is None
 
 
+def ended_run(name, steps, collapse_step=None):
+    summary = dict(steps=steps, collapsed=collapse_step is not None, collapse_step=collapse_step)
+    return Run(Path(name), dict(fix="off", seed=name[-1]), summary, {})
+
+
+def test_survival_falls_at_each_collapse_among_the_runs_still_training():
+    runs = [ended_run("a-s0", 100, 100), ended_run("a-s1", 150), ended_run("a-s2", 300, 200),
+            ended_run("a-s3", 400)]
+    steps, share = analyze.survival(runs)
+    # at 100 one of 4 falls; a-s1 stops at 150 without collapsing; at 200 one of the 2 still training falls
+    assert steps.tolist() == [0, 100, 200, 400]
+    assert share.tolist() == [1.0, 0.75, 0.375, 0.375]
+    steps, share = analyze.survival([ended_run("b-s0", 500), ended_run("b-s1", 600)])
+    assert steps.tolist() == [0, 600] and share.tolist() == [1.0, 1.0]   # none collapsed: flat at all
+
+
 def test_headline_draws_each_arm_once_named_by_its_flags(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     for seed, collapse in ((0, True), (1, False), (2, False)):
@@ -133,8 +149,9 @@ def test_headline_draws_each_arm_once_named_by_its_flags(tmp_path, monkeypatch):
     assert texts == ["--preset tiny --fix off --delta-fp32 (1 seed; no collapse; stopped at 390 steps)",
                      "--preset tiny --fix off (3 seeds; 1 collapsed, median step 300; 2 stopped at 390 steps)",
                      "collapse"]
-    loss, logit = fig.axes
+    loss, logit, alive = fig.axes
     assert [len(ax.lines) for ax in (loss, logit)] == [1 + 1 + 1] * 2  # two medians and one collapse mark each
+    assert [np.round(line.get_ydata(), 6).tolist() for line in alive.lines] == [[1.0, 1.0], [1.0, 0.666667, 0.666667]]
     assert len(loss.collections) == 1  # a range only for the arm with several seeds
     median = analyze.band([r for r in runs if r.name.startswith("off")], "train_loss")[1]
     assert np.allclose(loss.lines[1].get_ydata(), median)
@@ -365,3 +382,27 @@ def test_mechanism_report(tmp_path):
     assert predicted["nearest", "4"] == pytest.approx(4 * predicted["nearest", "1"], rel=0.15)
     assert predicted["independent", "1"] == 0
     assert "`--fix on --precision fa2`" in report
+
+
+def test_readme_table_is_the_study_table_of_its_runs_csv():
+    """README.md's table is regenerated from runs.csv (python analyze.py --table), never typed."""
+    root = Path(analyze.__file__).parent
+    readme, table = root / "README.md", Path("results/seed_study/runs.csv")
+    with open(root / table, newline="") as f:
+        lines = analyze.study_table(list(csv.DictReader(f)), root / table.parent)
+    block = readme.read_text().split(f"<!-- table: python analyze.py --table {table} -->\n")[1]
+    assert block.split("<!-- end of table -->")[0] == "\n".join(lines) + "\n"
+
+
+def test_study_table_counts_collapses_per_arm(tmp_path):
+    rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=str(s), collapsed="True",
+                 collapse_step=str(step), collapse_minute=str(minute), steps=str(step), tokens_per_s=str(speed),
+                 log_kept="False") for s, step, minute, speed in ((0, 100, 1.0, 3e6), (1, 300, 6.0, 1.5e6))]
+    rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed="0", collapsed="False", collapse_step="",
+                     collapse_minute="", steps="500", tokens_per_s="3e6", log_kept="False"))
+    lines = analyze.study_table(rows, tmp_path)
+    assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 200 (100-300) | - " \
+                       "| 3.5 (1.0-6.0) | - |"
+    assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | - |"
+    # one run had the GPU alone: 100 steps a minute, so the collapses come after 1 and 3 minutes
+    assert lines[-1].endswith("so its collapses come after 2.0 (1.0-3.0) minutes.")

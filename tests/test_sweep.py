@@ -364,15 +364,16 @@ def test_collect_only(tmp_path, capsys):
 
 def test_collect_keeps_the_rows_of_runs_without_logs(tmp_path):
     """runs.csv may hold summaries of runs whose logs were never kept: collecting keeps them (and their extra
-    columns) and replaces only the rows of the runs it collects."""
+    columns) under ARM-sSEED-nolog, so that a new run of the same arm and seed, with its log, stands beside them."""
     studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = '--fix off'\n")
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "runs.csv").write_text("name,arm,steps,variant\nold-s3,old,999,patched\nx-s0,x,1,\n")
     write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), dict(steps=40), [dict(step=40, elapsed_s=4)])
-    assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out"), "--collect"]) == 0
-    rows = read_csv(tmp_path / "s" / "runs.csv")
-    assert [(row["name"], row["steps"], row["variant"]) for row in rows] == [("old-s3", "999", "patched"),
-                                                                             ("x-s0", "40", "")]
+    for _ in range(2):   # collecting again changes nothing
+        assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out"), "--collect"]) == 0
+        rows = read_csv(tmp_path / "s" / "runs.csv")
+        assert [(row["name"], row["steps"], row["variant"], row["log_kept"]) for row in rows] == [
+            ("old-s3-nolog", "999", "patched", "False"), ("x-s0", "40", "", "True")]
 
 
 def test_collected_finished_run_is_not_overwritten(tmp_path):
@@ -469,3 +470,39 @@ def test_tiny_study_on_cpu(tmp_path, text, gpus):
     assert row["final_val_loss"] and row["tie_rate_final"]
     assert "--seed 1" in (tmp_path / "out" / "sdpa-s1" / "stdout.log").read_text()
     assert load_run(tmp_path / "tiny" / "runs" / "sdpa-s1").steps == 20
+
+
+# -----------------------------------------------------------------------------
+# The committed studies: each runs.csv row of a kept run folder is what collecting that folder gives now
+
+
+def committed_rows():
+    for table in sorted(sweep.ROOT.glob("results/*/runs.csv")):
+        for row in read_csv(table):
+            yield table.parent, row
+
+
+def test_every_committed_run_folder_has_its_row():
+    folders = sorted(sweep.ROOT.glob("results/*/runs/*/summary.json"))
+    assert folders, "no committed run folders found"
+    rows = {(study, row["name"]) for study, row in committed_rows()}
+    for summary in folders:
+        assert (summary.parents[2], summary.parent.name) in rows, f"{summary.parent} has no row in runs.csv"
+
+
+def test_committed_rows_equal_their_run_folders():
+    """Rebuilds the row of every kept run folder from its summary.json and log and compares it with runs.csv,
+    cell by cell: a row's settings and outcome are its summary's."""
+    checked = 0
+    for study, row in committed_rows():
+        folder = study / "runs" / row["name"]
+        if row.get("log_kept") != "True":
+            assert not folder.exists() and row["name"].endswith(sweep.NO_LOG), row["name"]
+            continue
+        rebuilt = {k: str(sweep.cell(v)) for k, v in sweep.collect_row(folder, row["arm"], row["flags"]).items()}
+        assert {k: row[k] for k in rebuilt} == rebuilt, folder
+        summary = json.loads((folder / "summary.json").read_text())
+        for key in ("fix", "attn", "seed", "collapsed", "steps"):
+            assert row[key] == str(summary[key]), (folder, key)
+        checked += 1
+    assert checked >= 2

@@ -46,8 +46,8 @@ y = [math.log(points[b]) for b in x]
 mx, my = statistics.mean(x), statistics.mean(y)
 slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
 predicted = math.exp(my + slope * (BF16_BITS - mx))
-bf16 = next(r for r in rows(HERE.parent / "seed_study" / "runs.csv") if r["name"] == "off-s0")
+bf16 = next(r for r in rows(HERE.parent / "seed_study" / "runs.csv") if r["name"] == "off-s0-nolog")
 print(f"fit through {', '.join(map(str, x))} bits: {math.exp(slope):.2f}x later per bit; "
       f"at {BF16_BITS} bits (plain bf16) {predicted:,.0f} steps")
-print(f"plain bf16, measured (seed_study/runs.csv, off-s0): collapsed at {int(bf16['collapse_step']):,} steps, "
+print(f"plain bf16, measured (seed_study/runs.csv, off-s0-nolog): collapsed at {int(bf16['collapse_step']):,} steps, "
       f"{predicted / int(bf16['collapse_step']):.1f}x sooner than the fit")
