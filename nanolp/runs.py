@@ -95,12 +95,22 @@ class Run:
 def provenance():
     """What a run ran: the git commit of this checkout (and whether its tracked files had uncommitted changes),
     and the versions and device it ran on. Recorded in config.json and summary.json, so that runs made before
-    and after a change of the code can be told apart. A copy of the tree without its .git (a lent GPU machine)
-    names its commit in $NANOLP_COMMIT; None where nothing can be known (no git, no GPU)."""
+    and after a change of the code can be told apart. $NANOLP_COMMIT, where set, names the commit of a copy of the
+    tree whose own git metadata is missing or stale (a lent GPU machine); None where nothing can be known."""
     import torch
     import triton
 
-    root = Path(__file__).resolve().parent.parent
+    if os.environ.get("NANOLP_COMMIT"):   # the caller's word for the tree it copied; uncommitted changes unknown
+        commit, dirty = os.environ["NANOLP_COMMIT"], None
+    else:
+        commit, dirty = git_state(Path(__file__).resolve().parent.parent)
+    return dict(commit=commit, dirty=dirty, python=platform.python_version(), torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def git_state(root):
+    """(commit, whether tracked files differ from it) of the checkout at root; (None, None) without git."""
     git = lambda *args: subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     try:
         head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
@@ -108,11 +118,7 @@ def provenance():
         dirty = bool(status.stdout.strip()) if commit and status.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):   # no git on this machine
         commit = dirty = None
-    if commit is None:
-        commit = os.environ.get("NANOLP_COMMIT")
-    return dict(commit=commit, dirty=dirty, python=platform.python_version(), torch=torch.__version__,
-                triton=triton.__version__, cuda=torch.version.cuda,
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    return commit, dirty
 
 
 def read_json(path):

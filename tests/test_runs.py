@@ -1,0 +1,31 @@
+"""nanolp/runs.py: what a run records of the code and the machine it ran on."""
+
+import subprocess
+
+from nanolp import runs
+
+
+def test_provenance_names_the_commit_and_the_versions(tmp_path, monkeypatch):
+    monkeypatch.delenv("NANOLP_COMMIT", raising=False)
+    record = runs.provenance()
+    head = subprocess.run(["git", "-C", str(runs.Path(runs.__file__).parent), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode == 0:   # a checkout (CI's clean clone is one)
+        assert record["commit"] == head.stdout.strip() and isinstance(record["dirty"], bool)
+    assert record["torch"] and record["triton"] and record["python"]
+    assert set(record) == {"commit", "dirty", "python", "torch", "triton", "cuda", "gpu"}
+    monkeypatch.setenv("NANOLP_COMMIT", "0123abc")   # a copied tree: the caller names its commit
+    assert runs.provenance()["commit"] == "0123abc" and runs.provenance()["dirty"] is None
+
+
+def test_git_state_outside_a_checkout(tmp_path):
+    assert runs.git_state(tmp_path) == (None, None)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f").write_text("a")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["add", "f"], check=True)
+    subprocess.run(git + ["commit", "-qm", "f"], check=True)
+    commit, dirty = runs.git_state(tmp_path)
+    assert len(commit) == 40 and dirty is False
+    (tmp_path / "f").write_text("b")
+    assert runs.git_state(tmp_path) == (commit, True)
