@@ -2,7 +2,8 @@
 
     python analyze.py RUN... --out DIR           headline.png (loss and layer 0's max logit per arm), per-layer
                                                  figures, rates.csv (per arm: collapsed, medians)
-    python analyze.py --probe RUN... --out DIR   delta_probe.png: the probe's terms, pooled before the runaway
+    python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
+                                                 phase of layer 0's runaway; delta_probe.png: per run
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
     python analyze.py --table STUDY/runs.csv     README.md's table of a study: per arm, how many collapsed, when
 
@@ -32,7 +33,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
 
-from nanolp.diagnostics import PROBE_LAYER, PROBE_TERMS
+from nanolp import probe
+from nanolp.diagnostics import PROBE_LAYER
 from nanolp.mechanism import demonstrate
 from nanolp.plots import THOUSANDS, family, fix_word, plot_grid, run_styles, save
 from nanolp.runs import find_runs, load_run
@@ -394,104 +396,14 @@ def update_readme(readme, table):
 
 
 # -----------------------------------------------------------------------------
-# The delta probe (nanolp/diagnostics.py): is delta's error the curvature term tr(H Sigma_e)?
-
-RUNAWAY_LOGIT = 30.0  # layer 0 of every arm stays below this before its runaway: checkpoints are pooled up to it
-PROBE_NAMES = dict(total="rowsum(dO * e), what delta reads", lin="rowsum(dO_clean * e), dO not seeing e",
-                   curv="the curvature term, tr(H Sigma_e)", indep="an independent rounding of O")
-
-
-def probe_column(term, se=False):
-    return f"probe_{term}{'_se' if se else ''}_L{PROBE_LAYER}"
-
-
-def runaway_step(run):
-    """The first logged step where layer 0's max logit passes RUNAWAY_LOGIT; None if it never does."""
-    series = run.series(LOGIT)
-    if series is None or not (series[1] > RUNAWAY_LOGIT).any():
-        return None
-    return float(series[0][series[1] > RUNAWAY_LOGIT][0])
-
-
-def pooled_probe(run):
-    """{term: (mean, se, checkpoints)}, each term's inverse-variance weighted mean over the checkpoints before
-    runaway_step (all of them if the logit never gets there), and the standard error of that mean."""
-    stop = runaway_step(run)
-    pooled = {}
-    for term in PROBE_TERMS:
-        step, mean, se = (run.log.get(c, np.array([])) for c in ("step", probe_column(term), probe_column(term, True)))
-        keep = np.isfinite(mean) & np.isfinite(se) & (se > 0) & (step < stop if stop is not None else True)
-        weight = 1 / se[keep] ** 2
-        pooled[term] = ((float((weight * mean[keep]).sum() / weight.sum()), float(weight.sum() ** -0.5),
-                         int(keep.sum())) if keep.any() else (None, None, 0))
-    return pooled
-
-
-def probe_lines(run):
-    pooled, stop = pooled_probe(run), runaway_step(run)
-    where = (f"the {pooled['total'][2]} checkpoints before step {stop:,.0f}, where {LOGIT} first passes "
-             f"{RUNAWAY_LOGIT:g}" if stop is not None else f"all {pooled['total'][2]} checkpoints ({LOGIT} stays "
-             f"below {RUNAWAY_LOGIT:g})")
-    lines = [f"`{run.path}` (`{arm(run)}`), pooled over {where}; inverse-variance weighted:",
-             "", "| term | what it is | mean | s.e. | mean / s.e. |", "|---|---|---|---|---|"]
-    for term, (mean, se, _) in pooled.items():
-        lines.append(f"| probe_{term} | {PROBE_NAMES[term]} | {fmt(mean, '+.3e')} | {fmt(se, '.2e')} | "
-                     f"{fmt(mean / se if se else None, '+.1f')} |")
-    return lines
-
-
-def plot_probe(runs, path):
-    """Per run: the four terms' means with 2 s.e. bands against steps (the curvature term, ~100x smaller, in a
-    panel of its own scale below the other three), and layer 0's max logit beside them."""
-    fig = plt.figure(figsize=(13, 6.4 * len(runs)))
-    grid = fig.add_gridspec(2 * len(runs), 2, width_ratios=(2, 1))
-    colours = dict(total="black", lin="tab:blue", curv="tab:red", indep="tab:green")
-    for i, run in enumerate(runs):
-        terms = fig.add_subplot(grid[2 * i, 0])
-        panels = dict(total=terms, lin=terms, indep=terms, curv=fig.add_subplot(grid[2 * i + 1, 0], sharex=terms))
-        logit = fig.add_subplot(grid[2 * i:2 * i + 2, 1])
-        for term in PROBE_TERMS:
-            mean, se = run.series(probe_column(term)), run.series(probe_column(term, True))
-            if mean is None or se is None:
-                continue
-            ax = panels[term]
-            ax.plot(*mean, color=colours[term], linewidth=1.2, label=f"probe_{term}: {PROBE_NAMES[term]}")
-            ax.fill_between(se[0], mean[1] - 2 * se[1], mean[1] + 2 * se[1], color=colours[term], alpha=0.15,
-                            linewidth=0)
-        terms.set_title(f"{arm(run)}, seed {run.setting('seed', 0)}: the error delta reads from O's cast in layer "
-                        f"{PROBE_LAYER}, mean over the probe's rows (bands: 2 s.e.)", fontsize=10)
-        logit.plot(*run.series(LOGIT), color="tab:purple")
-        logit.axhline(RUNAWAY_LOGIT, color="k", linestyle=":", linewidth=0.8)
-        logit.set_yscale("log")
-        logit.set_title(f"layer {PROBE_LAYER}'s max logit (dotted: {RUNAWAY_LOGIT:g})", fontsize=10)
-        stop = runaway_step(run)
-        for ax in (terms, panels["curv"], logit):
-            if ax is not logit:
-                ax.axhline(0, color="k", linewidth=0.6)
-                ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-                ax.legend(fontsize=8, loc="upper left")
-            if stop is not None:
-                ax.axvline(stop, color="gray", linestyle="--", linewidth=0.8)
-            ax.set_xlabel("step")
-            ax.xaxis.set_major_formatter(THOUSANDS)
-            ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return save(fig, path)
+# The delta probe (nanolp/probe.py): is delta's error the curvature term tr(H Sigma_e)?
 
 
 def analyze_probe(runs, out):
-    runs = [run for run in runs if run.series(probe_column("total")) is not None]
+    runs = [run for run in runs if run.series(probe.column("total")) is not None]
     if not runs:
-        raise SystemExit(f"no run with the probe's columns ({probe_column('total')}, ...)")
-    lines = ["## Delta probe", "", f"The error the backward's delta would read from O's bf16 cast in layer "
-             f"{PROBE_LAYER}, split as the curvature hypothesis splits it (nanolp/diagnostics.py). Predicted: "
-             "probe_total = probe_curv > 0, probe_lin = probe_indep = 0. Dashed line in the figure: where the "
-             "pooling stops."]
-    for run in runs:
-        lines += [""] + probe_lines(run)
-        print("\n".join(probe_lines(run)))
-    figure = plot_probe(runs, out / "delta_probe.png")
-    return lines + ["", "### Figures", "", f"![{figure.stem}]({figure.name})"]
+        raise SystemExit(f"no run with the probe's columns ({probe.column('total')}, ...)")
+    return probe.report(runs, arm, out)
 
 
 # -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import analyze
-from nanolp import mechanism, plots
+from nanolp import mechanism, plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
 from nanolp.runs import Run, load_run
@@ -159,31 +159,68 @@ def test_headline_draws_each_arm_once_named_by_its_flags(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# The probe: pooled before layer 0's max logit first passes 30
+# The probe: per arm, pooled per phase of layer 0's max logit against its value at step 10,000
+
+TERM_SCALE = dict(total=1e-10, lin=-2e-10, curv=3e-12, indep=5e-10)  # each term its own size, lin negative
 
 
-def probe_run(logit, means, ses):
-    """A run with the probe's total term only in the rows that have a mean (NaN: not a probe row)."""
-    steps = 1000.0 * np.arange(1, len(logit) + 1)
-    log = dict(step=steps, max_logit_L0=np.asarray(logit, dtype=float))
-    for term in analyze.PROBE_TERMS:
-        log[analyze.probe_column(term)] = np.asarray(means, dtype=float)
-        log[analyze.probe_column(term, True)] = np.asarray(ses, dtype=float)
-    return Run(Path("p"), dict(fix="off"), {}, log)
+def write_probe_run(root, name, config, logits, values, ses):
+    """A run folder with a log row every 1,000 steps from step 1,000: layer 0's max logit and the probe's terms,
+    each term's values and standard errors scaled by TERM_SCALE (NaN: a row without the probe)."""
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(config))
+    with open(run / "log.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "max_logit_L0"] + [c for c in columns() if "probe_" in c])
+        writer.writeheader()
+        for i, (logit, value, se) in enumerate(zip(logits, values, ses)):
+            row = dict(step=1000 * (i + 1), max_logit_L0=logit)
+            for term, scale in TERM_SCALE.items():
+                row |= {probe.column(term): value * scale, probe.column(term, True): se * abs(scale)}
+            writer.writerow({k: "" if isinstance(v, float) and np.isnan(v) else v for k, v in row.items()})
 
 
-def test_pooled_probe_is_inverse_variance_weighted_before_the_runaway():
-    run = probe_run(logit=[10, 12, 20, 29, 31, 25, 200], means=[1.0, np.nan, 3.0, 2.0, 1e6, 1e6, 1e6],
-                    ses=[1.0, np.nan, 2.0, 0.5, 1.0, 1.0, 1.0])
-    assert analyze.runaway_step(run) == 5000  # 31 > 30; the dip to 25 afterwards does not reopen the pool
-    weights = np.array([1.0, 1 / 4, 4.0])
-    mean, se, checkpoints = analyze.pooled_probe(run)["total"]
-    assert mean == pytest.approx((weights * [1.0, 3.0, 2.0]).sum() / weights.sum())
-    assert se == pytest.approx(weights.sum() ** -0.5)
-    assert checkpoints == 3
-    flat = probe_run(logit=[10, 11, 12], means=[1.0, 3.0, 5.0], ses=[1.0, 1.0, 1.0])  # never passes 30: all
-    assert analyze.runaway_step(flat) is None
-    assert analyze.pooled_probe(flat)["curv"] == pytest.approx((3.0, 3 ** -0.5, 3))
+def test_probe_pooled_per_arm_text_and_phase(tmp_path, capsys):
+    """Two seeds of one arm whose probe read training batches are pooled, equally weighted per checkpoint; a run of
+    the same arm from the train.py that probed validation batches (its config.json has `schedule`) is pooled apart;
+    a run that never reached step 10,000 has no phases."""
+    runs, out = tmp_path / "runs", tmp_path / "probe"
+    # seed 0: 10 at step 10,000; a row without the probe; 19.9 is phase 1, 20 (2x) and 100 (10x) phase 2, 100.5
+    # phase 3, and the dip back to 15 phase 1 again
+    write_probe_run(runs, "off-s0", dict(fix="off", seed=0), [10] * 10 + [19.9, 20, 100, 100.5, 15],
+                    [1, 1, 1, 1, np.nan] + [1] * 6 + [1, 2, 2, 1], [1, 1, 1, 1, np.nan] + [1] * 6 + [1, 2, 3, 1])
+    # seed 1: 20 at step 10,000, then 5x (phase 2) and 20x (phase 3)
+    write_probe_run(runs, "off-s1", dict(fix="off", seed=1), [20] * 10 + [100, 400], [3] * 10 + [6, 4],
+                    [1] * 10 + [2, 4])
+    write_probe_run(runs, "off-s2", dict(fix="off", seed=2, schedule="constant"), [10] * 10, [-1] * 10, [1] * 10)
+    write_probe_run(runs, "on-s0", dict(fix="on", seed=0), [10] * 5, [1] * 5, [1] * 5)
+
+    analyze.main(["--probe", str(runs), "--out", str(out)])
+
+    with open(out / "probe_phases.csv", newline="") as f:
+        rows = {(r["arm"], r["probe_batches"], int(r["phase"]), r["term"]): r for r in csv.DictReader(f)}
+    expected = {  # (mean, s.e., checkpoints, runs) in units of each term's scale
+        ("train", 1): ((11 * 1 + 10 * 3) / 21, 21 ** 0.5 / 21, 21, 2),   # seed 0: 9 + 19.9 + the dip to 15
+        ("train", 2): ((1 + 2 + 6) / 3, (1 + 4 + 4) ** 0.5 / 3, 3, 2),
+        ("train", 3): ((2 + 4) / 2, (9 + 16) ** 0.5 / 2, 2, 2),
+        ("validation", 1): (-1, 10 ** -0.5, 10, 1),
+    }
+    assert sorted(rows) == sorted(("--fix off", *key, term) for key in expected for term in TERM_SCALE)
+    for (text, phase), (mean, se, checkpoints, n_runs) in expected.items():
+        for term, scale in TERM_SCALE.items():
+            row = rows["--fix off", text, phase, term]
+            assert float(row["mean"]) == pytest.approx(mean * scale, rel=1e-5)
+            assert float(row["se"]) == pytest.approx(se * abs(scale), rel=1e-5)
+            assert float(row["t"]) == pytest.approx(np.sign(scale) * mean / se, rel=1e-5)
+            assert (int(row["checkpoints"]), int(row["runs"])) == (checkpoints, n_runs)
+    assert (rows["--fix off", "train", 2, "total"]["first_step"], rows["--fix off", "train", 2, "total"]["last_step"]
+            ) == ("11000", "13000")
+    report = (out / "report.md").read_text()
+    assert f"- `{runs / 'on-s0'}` (`--fix on`, seed 0): probe on train batches; left out" in report
+    assert "| `--fix off` | train | 2 (2-10x) | 3 (2) | 11,000-13,000 | +3.00e-10 ± 1.0e-10 (t +3.0) |" in report
+    assert "| `--fix off` | validation | 1 (below 2x) | 10 (1) |" in capsys.readouterr().out
+    for figure in ("probe_phases", "delta_probe"):
+        assert (out / f"{figure}.png").stat().st_size > 0
 
 
 # -----------------------------------------------------------------------------
@@ -219,14 +256,15 @@ def test_runs_report_and_figures(tmp_path):
     assert (out / "rates.csv").stat().st_size > 0
 
 
-def test_probe_report(tmp_path, capsys):
+def test_probe_report_without_phases(tmp_path):
+    """A run with the probe's columns that never logged step 10,000: no pooled rows, the run named as left out."""
     rng = np.random.default_rng(0)
     write_run(tmp_path / "runs", "off-s0", 0, False, rng)
     analyze.main(["--probe", str(tmp_path / "runs"), "--out", str(tmp_path / "probe")])
     assert (tmp_path / "probe" / "delta_probe.png").stat().st_size > 0
+    assert (tmp_path / "probe" / "probe_phases.csv").read_text().strip() == ",".join(probe.CSV_COLUMNS)
     report = (tmp_path / "probe" / "report.md").read_text()
-    assert "## Delta probe" in report and "all 20 checkpoints" in report  # the synthetic logits stay below 30
-    assert "| probe_curv |" in capsys.readouterr().out
+    assert "## Delta probe" in report and "left out: no max_logit_L0 at step 10,000" in report
     with pytest.raises(SystemExit):
         analyze.main(["--mechanism", str(tmp_path / "runs")])  # --mechanism reads no runs
 

@@ -54,6 +54,7 @@ import torch
 
 import kernels
 from nanolp import emulate
+from nanolp.diagnostics import bf16_step
 from nanolp.tied import grad_out, mean_error, reference, tied_rows
 
 ROWS = 1024
@@ -84,6 +85,45 @@ def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys
     tied = slice(0, q.shape[-1])            # the tied rows (n_keys > head_dim pads q with zero rows)
     o, o64, do = o[..., tied, :].double(), reference(q, k, v)[..., tied, :], do[..., tied, :].double()
     return mean_error(o - o64), mean_error((do * o).sum(-1) - (do * o64).sum(-1))
+
+
+def test_the_papers_worked_example():
+    """The paper's worked example, one rounding by hand. Two tied keys have P = 1, so P V adds two bf16 values of V;
+    of one sign and one exponent, their sum needs one more bit than bf16 keeps, so it is exact or a midpoint between
+    two bf16 neighbours. The paper's pair lands on a midpoint, where round-to-nearest-even alone picks the even
+    neighbour, toward zero. But the fp32 sum also holds the other keys' tiny P_j v_j; of the same sign, any of them
+    moves it off the midpoint away from zero, and it rounds to -4.71875, as printed in the paper (from -4.70399).
+    With V mostly of one sign, every tied row rounds the same way: the bias."""
+    a, b = torch.tensor(-2.4071, dtype=torch.bfloat16), torch.tensor(-2.2969, dtype=torch.bfloat16)
+    assert (a.item(), b.item()) == (-2.40625, -2.296875)   # the two terms as bf16 holds them
+    exponent = torch.frexp(a.float()).exponent
+    assert exponent == torch.frexp(b.float()).exponent     # one exponent: both in [2, 4), bf16 step 2^-6
+
+    exact = a.double() + b.double()
+    pair = a.float() + b.float()
+    assert pair.double() == exact                          # the fp32 sum is exact
+    assert torch.frexp(pair).exponent == exponent + 1      # in [4, 8): bf16's step doubles, to 2^-5
+    step = bf16_step(pair).double()
+    toward = torch.sign(exact) * torch.floor(exact.abs() / step) * step   # the bf16 neighbours of the sum
+    away = toward + torch.sign(exact) * step
+    for neighbour in (toward, away):
+        assert neighbour.to(torch.bfloat16).double() == neighbour
+    assert exact == (toward + away) / 2                    # exactly on the midpoint: no bf16 value holds it
+
+    even = toward if (toward.abs() / step) % 2 == 0 else away   # the neighbour whose last mantissa bit is 0
+    rounded = pair.to(torch.bfloat16).double()
+    assert rounded == even == toward                       # ties to even: toward zero, -4.6875
+
+    g = torch.Generator().manual_seed(0)
+    other_keys = torch.exp(-12 - 6 * torch.rand(62, generator=g)) * -(0.5 + torch.rand(62, generator=g))
+    paper_tail = torch.tensor(-4.70399, dtype=torch.float64) - exact   # the paper's fp32 sum less the pair
+    smallest = -torch.finfo(torch.float32).eps * 4          # one fp32 step at |sum| in [4, 8)
+    tails = [other_keys.sum(), paper_tail.float(), torch.tensor(smallest)] + list(-torch.logspace(-6, -2.5, 8))
+    for tail in tails:
+        assert -step / 2 < tail < 0                        # tiny and negative, like the pair
+        assert (pair + tail).to(torch.bfloat16).double() == away, tail     # away from zero
+        assert (pair - tail).to(torch.bfloat16).double() == toward, tail   # the other sign: toward zero
+    assert away == -4.71875 and torch.tensor(-4.70399).to(torch.bfloat16).double() == away
 
 
 @pytest.mark.parametrize("what", [0, 1], ids=["O", "delta"])
