@@ -578,11 +578,28 @@ def _backward(ctx, do, _dlse, _do_delta):
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def check_device(q):
+    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once tests/interp_patch.py has
+    patched it (and marked the interpreter module so): the stock interpreter truncates bf16 casts and multiplies the
+    bit patterns of bf16 operands in tl.dot, so it would return wrong numbers, finite and silent."""
+    if INTERPRET:
+        from triton.runtime import interpreter
+        if getattr(interpreter, "nanolp_bf16_patch", False):
+            return
+        problem = "Triton's CPU interpreter computes bf16 wrongly unless tests/interp_patch.py patches it"
+    elif q.device.type == "cuda":
+        return
+    else:
+        problem = f"the kernel needs CUDA tensors, got {q.device}"
+    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in PyTorch "
+                     "(the same numbers)")
+
+
 def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
                     delta_fp32=False, mantissa_bits=0, amplify="p", stochastic_o="off"):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
-    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU under TRITON_INTERPRET=1); any
+    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any
         strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of the
         same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
     fix: False, True or "paper".
@@ -614,9 +631,7 @@ def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, 
         is stored, P staying in the input dtype.
     """
     check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32, fix, stochastic_o)
-    if q.device.type != "cuda" and not INTERPRET:
-        raise ValueError(f"flash_attention needs CUDA tensors (got {q.device}); on CPU run with TRITON_INTERPRET=1 "
-                         "or use nanolp.emulate.emulate_attention, which computes the same numbers")
+    check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
@@ -630,6 +645,7 @@ def flash_forward_fp32(q, k, v, causal=True, fix=False, precision="fa2", beta=2.
     """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix=True. For
     diagnostics and tests."""
     check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, fix=fix)
+    check_device(q)
     with torch.no_grad():
         v = amplified_v(v, mantissa_bits, amplify)
         return _flash_fwd(q, k, v, causal, fix is not False, precision, float(beta), float(tol), False, True,

@@ -69,11 +69,17 @@ def reference_attention(q, k, v):
         return (P @ v.float()).to(q.dtype)
 
 
+def implementation(attn, device_type):
+    """The backend that computes attn on a device: our Triton kernel needs CUDA, so anywhere else attn "kernel"
+    runs its PyTorch emulation, which has the kernel's numerics but not its code (nanolp/emulate.py)."""
+    return "emulate" if attn == "kernel" and device_type != "cuda" else attn
+
+
 def attention(q, k, v, config):
     """Causal attention on (batch, heads, seq, head_dim) tensors with the backend the config names."""
     if config.attn in ("kernel", "emulate"):
         # imported here so that this file (and the sdpa/fp32 backends) work without the kernel modules
-        if config.attn == "kernel" and q.is_cuda:
+        if implementation(config.attn, q.device.type) == "kernel":
             from kernels import flash_attention as fn
         else:  # the emulation has the kernel's numerics and runs anywhere
             from nanolp.emulate import emulate_attention as fn

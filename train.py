@@ -31,9 +31,14 @@ every setting of ARM) and ckpt/ (the last 3 checkpoints).
 Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for each setting of ARM that differs
 from the preset's (-delta_fp32, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_fp32-s0. A name
 longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. A new run refuses a
-folder that already holds a run. --resume continues a run with its own config.json and refuses a flag of ARM that
-differs from it (and a text whose content changed); --steps, --minutes, the intervals, --device and --compile
-may change.
+folder that holds a run's result (a checkpoint or summary.json) and replaces an attempt that stopped before its
+first checkpoint. --resume continues a run with its own config.json and refuses a flag of ARM that differs from it
+(and a text whose content changed); --steps, --minutes, the intervals, --device and --compile may change. A
+collapsed run is not resumed: the collapse is its result. No command touches a folder that a live run is writing
+(its lock file holds the run's process id).
+
+A command that cannot run (a bad setting or text, a folder it may not write) is refused before it writes
+anything: one line per problem on stderr, exit status 2, as argparse does for a malformed flag.
 
 Collapse, the event this project is about, is either of:
   - a non-finite training loss. The run stops at the next log row, naming the first bad step; no checkpoint
@@ -52,7 +57,9 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -60,11 +67,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig
-from nanolp.data import find_text, get_batch, prepare
+from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implementation
+from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
-from nanolp.presets import ARM, COMMON, FIX, NAMED, PRESETS, changed_settings
-from nanolp.runs import provenance
+from nanolp.presets import ARM, COMMON, FIX, NAMED, PRESETS, changed_settings, check_config, flag
+from nanolp.runs import RunError, latest_checkpoint, locked, provenance, read_json
 
 # a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
 LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
@@ -156,19 +163,18 @@ def run_name(c):
 
 
 def describe(c):
-    """A run's arm in words: its NAMED settings and the ones that differ from its preset."""
+    """A run's arm in words: its NAMED settings and the ones that differ from its preset (and, where attn kernel
+    runs as its emulation, that)."""
     settings = {k: c.get(k) for k in NAMED} | changed_settings(c)
+    if c.get("attn_impl", c["attn"]) != c["attn"]:
+        settings["attn"] = f"{c['attn']} (on {c['device']}: its PyTorch emulation, nanolp/emulate.py)"
     return ", ".join(f"{k} {v}" for k, v in settings.items())
 
 
-def flag(key):
-    return "--data (or $NANOLP_DATA)" if key == "data" else "--" + key.replace("_", "-")
-
-
 def resolve_config(args):
-    """The run's settings: COMMON, then the preset, then the flags given; a new run must find no run in its folder.
-    On --resume the run's own config.json replaces COMMON and the preset (COMMON only fills in settings added
-    after the run started), and a flag of ARM that differs from it is refused."""
+    """The run's settings: COMMON, then the preset, then the flags given, checked (check_config). On --resume the
+    run's own config.json replaces COMMON and the preset (COMMON only fills in settings added after the run
+    started), and a flag of ARM that differs from it is refused. RunError names every problem."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
     if "data" not in given and os.environ.get("NANOLP_DATA"):
         given["data"] = os.environ["NANOLP_DATA"]   # the text is part of the arm: recorded as if --data gave it
@@ -177,31 +183,60 @@ def resolve_config(args):
     preset = given.get("preset", "default")
     config = {**COMMON, **PRESETS[preset], "preset": preset, **given}
     config.setdefault("name", run_name(config))
-    run_dir = Path(config["out"]) / config["name"]
-    saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else None
+    problems = []
     if args.resume:
-        if saved is None:
-            raise FileNotFoundError(f"--resume: no run at {run_dir} (no config.json)")
+        run_dir = Path(config["out"]) / config["name"]
+        saved = read_json(run_dir / "config.json")
+        if not saved:
+            raise RunError(f"--resume: no run at {run_dir} (no config.json)")
         ran = {**COMMON, **saved}
-        changes = [f"  {flag(k)}: the run has {ran.get(k)!r}, this command {given[k]!r}"
-                   for k in ARM if k in given and given[k] != ran.get(k)]
-        if changes:
-            raise ValueError(f"--resume {run_dir}: these flags would change the run's numerics or data order:\n"
-                             + "\n".join(changes) + "\nleave them out to continue the run as it was, or start "
-                             "a new run (without --resume)")
+        problems += [f"--resume {run_dir}: {flag(k)}: the run has {ran.get(k)!r}, this command {given[k]!r}, which "
+                     f"would change its numerics or data order (leave it out to continue the run as it was, or "
+                     f"start a new run without --resume)" for k in ARM if k in given and given[k] != ran.get(k)]
         config = {**ran, **given}
-    elif (run_dir / "log.csv").exists():
-        if saved is None:
-            raise FileExistsError(f"{run_dir} holds a run without config.json: pass --name for a new run")
-        ran = {**COMMON, **saved}
-        differ = [f"{k} {config[k]!r} (the run: {ran.get(k)!r})" for k in ARM if config[k] != ran.get(k)]
-        advice = ("pass --resume to continue it, or --name for a new run" if not differ else
-                  f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)")
-        raise FileExistsError(f"{run_dir} exists, a run of {describe(ran)}: {advice}")
     config.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     # CUDA graphs: without them a step of a model this small waits on kernel launches
     config.setdefault("compile", "reduce-overhead" if config["device"].startswith("cuda") else "off")
+    problems += check_config(config)
+    if problems:
+        raise RunError("\n".join(problems))
     return config
+
+
+def claim_folder(run_dir, c, resume):
+    """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
+    is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
+    collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
+    first checkpoint has nothing to continue: a new run replaces it."""
+    ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
+    collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
+                if summary.get("collapsed") else None)
+    if resume:
+        if collapse:
+            raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
+        if ckpt is None:
+            raise RunError(f"--resume: no checkpoint in {run_dir / 'ckpt'} (the run stopped before its first): leave "
+                           f"out --resume to start it afresh")
+    elif ckpt or summary:
+        saved = read_json(run_dir / "config.json")
+        if not saved:
+            raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
+        ran = {**COMMON, **saved}
+        differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
+        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)"
+                  if differ else f"{collapse}: give a new run another --name" if collapse else
+                  "pass --resume to continue it, or --name for a new run")
+        raise RunError(f"{run_dir} exists, a run of {describe(ran)}: {advice}")
+    else:
+        attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
+        if attempt:
+            print(f"{run_dir}: replacing an attempt that stopped before its first checkpoint (no checkpoint, "
+                  f"no summary.json)")
+        for path in attempt:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def get_lr(step, c):
@@ -248,10 +283,7 @@ def save_checkpoint(run_dir, model, optimizer, state):
 
 def load_checkpoint(run_dir, model, optimizer, device, columns):
     """Restore the newest checkpoint and drop the log rows written after it (they will be written again)."""
-    ckpts = sorted((run_dir / "ckpt").glob("step_*.pt"))
-    if not ckpts:
-        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'ckpt'}")
-    ckpt = torch.load(ckpts[-1], map_location=device)
+    ckpt = torch.load(latest_checkpoint(run_dir), map_location=device)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     rng = ckpt.get("rng", {})   # (checkpoints written before it was saved have none)
@@ -304,19 +336,33 @@ def write_summary(run_dir, c, collapse):
 
 
 def main(argv=None):
+    """The command line. A command that cannot run as given (a setting, the text, the run folder) is refused before
+    it writes anything, as argparse refuses a malformed flag: one line per problem on stderr, exit status 2."""
     args = parse_args(argv)
-    c = resolve_config(args)
+    try:
+        c = resolve_config(args)
+        run_dir = Path(c["out"]) / c["name"]
+        text = find_text(c["data"])
+        sha1 = hashlib.sha1(text.read_bytes()).hexdigest()
+        if c.get("data_sha1", sha1) != sha1:   # (only a resumed run has one already)
+            raise RunError(f"--resume {run_dir}: the text {text} has changed since the run started "
+                           f"(sha1 {c['data_sha1'][:12]}, now {sha1[:12]})")
+        c["data_sha1"] = sha1
+        data = prepare(text, block_size=c["block_size"])
+        with locked(run_dir):   # no other run writes the folder while this one does
+            claim_folder(run_dir, c, args.resume)
+            return run(c, data, args.resume)
+    except (RunError, TextError) as e:
+        for line in str(e).splitlines():
+            print(f"train.py: error: {line}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(c, data, resume):
+    """Train the run that c describes, in its folder (on resume from its latest checkpoint); returns its summary."""
     run_dir = Path(c["out"]) / c["name"]
     device = torch.device(c["device"])
     B, T = c["batch_size"], c["block_size"]
-
-    text = find_text(c["data"])
-    sha1 = hashlib.sha1(text.read_bytes()).hexdigest()
-    if c.get("data_sha1", sha1) != sha1:   # (only a resumed run has one already)
-        raise ValueError(f"--resume {run_dir}: the text {text} has changed since the run started "
-                         f"(sha1 {c['data_sha1'][:12]}, now {sha1[:12]})")
-    c["data_sha1"] = sha1
-    data = prepare(text)
     train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
@@ -333,13 +379,13 @@ def main(argv=None):
 
     # the loop's whole state: a checkpoint of it (with model and optimizer) continues the run exactly
     state = dict(step=0, elapsed=0.0, ema=None, loss_min=math.inf)
-    if args.resume:
+    if resume:
         state = load_checkpoint(run_dir, model, optimizer, device, columns)
         print(f"resuming {run_dir} at step {state['step']}")
-    else:   # (resolve_config made sure that the folder holds no run)
-        run_dir.mkdir(parents=True, exist_ok=True)
+    else:   # (claim_folder made sure that the folder holds no run)
         write_rows(run_dir / "log.csv", [], columns, "w")
     c.setdefault("provenance", provenance())   # (kept from the run's start on --resume)
+    c["attn_impl"] = implementation(c["attn"], device.type)   # what computes attn here: on a CPU, kernel's emulation
     (run_dir / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     print(f"{run_dir}: {describe(c)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
           f"{c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")

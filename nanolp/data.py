@@ -5,6 +5,7 @@ data/<name>/. Batches are sampled on the device, from a generator seeded by (see
 """
 
 import hashlib
+import itertools
 import json
 import os
 import urllib.request
@@ -47,13 +48,18 @@ class Dataset:
         return "".join(self.itos[i] for i in ids)
 
 
+class TextError(ValueError):
+    """A text that cannot be trained on (missing, unreadable as UTF-8, too short), or none to download: the
+    message says which file and what to do, in one line (train.py prints it as it is)."""
+
+
 def find_text(path=None):
     """The text to train on: an explicit path, else $NANOLP_DATA, else the local TinyShakespeare,
     which is downloaded on first use."""
     path = path or os.environ.get("NANOLP_DATA")
     if path:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"no text file at {path}. " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
+            raise TextError(f"no text file at {path}. " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
         return Path(path)
     if not DEFAULT_TEXT.is_file():
         print(f"downloading TinyShakespeare from {DEFAULT_URL}")
@@ -61,9 +67,9 @@ def find_text(path=None):
             with urllib.request.urlopen(DEFAULT_URL, timeout=30) as response:
                 text = response.read()
         except OSError as e:  # URLError and timeouts are OSErrors
-            raise FileNotFoundError(
-                f"no text at {DEFAULT_TEXT} and the download from {DEFAULT_URL} failed ({e}). "
-                + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)) from e
+            raise TextError(
+                f"no text at {DEFAULT_TEXT} and the download from {DEFAULT_URL} failed "
+                f"({getattr(e, 'reason', e)}). " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)) from e
         DEFAULT_TEXT.parent.mkdir(parents=True, exist_ok=True)
         partial = DEFAULT_TEXT.with_suffix(".part")  # rename at the end, so a broken download never looks done
         partial.write_bytes(text)
@@ -71,10 +77,18 @@ def find_text(path=None):
     return DEFAULT_TEXT
 
 
-def prepare(path=None, data_dir=None):
-    """Tokenize the text (or reuse the cached tokens of the very same text) and return a Dataset."""
+def split_point(n):
+    """How many of a text's n tokens train (the first 90%); the rest validate."""
+    return int(0.9 * n)
+
+
+def prepare(path=None, data_dir=None, block_size=None):
+    """Tokenize the text (or reuse the cached tokens of the very same text) and return a Dataset. With block_size,
+    each split must hold at least one example (block_size + 1 tokens: a block and its next-token targets)."""
     text_path = find_text(path)
     raw = text_path.read_bytes()
+    if not raw:
+        raise TextError(f"{text_path} is empty. " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
     key = hashlib.sha1(raw).hexdigest()  # the cache follows the text's content, not its name or date
     # char-rnn data sets come as <name>/input.txt; any other file is named by itself
     name = text_path.parent.name if text_path.stem == "input" else text_path.stem
@@ -85,19 +99,30 @@ def prepare(path=None, data_dir=None):
         itos = meta["itos"]
         train, val = (np.fromfile(cache / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
     else:
-        text = raw.decode("utf-8")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TextError(f"{text_path} is not UTF-8 (byte {e.start}, 0x{raw[e.start]:02x}: {e.reason}); "
+                            "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 for a Latin-1 text)") from None
         codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         chars, ids = np.unique(codepoints, return_inverse=True)
         if len(chars) > 2**16:
-            raise ValueError(f"{text_path} has {len(chars)} distinct characters; uint16 tokens hold at most 65536")
+            raise TextError(f"{text_path} has {len(chars)} distinct characters; uint16 tokens hold at most 65536")
         itos = "".join(map(chr, chars))
         ids = ids.astype(np.uint16)
-        n = int(0.9 * len(ids))
+        n = split_point(len(ids))
         train, val = ids[:n], ids[n:]
         cache.mkdir(parents=True, exist_ok=True)
         train.tofile(cache / "train.bin")
         val.tofile(cache / "val.bin")
         meta_path.write_text(json.dumps({"sha1": key, "source": str(text_path), "itos": itos}))  # meta last
+    for split, tokens in (("training", train), ("validation", val)):
+        if block_size is not None and len(tokens) < block_size + 1:
+            need = next(n for n in itertools.count(block_size + 1)
+                        if min(split_point(n), n - split_point(n)) >= block_size + 1)
+            raise TextError(f"{text_path} is too short: {len(train) + len(val)} characters, so its {split} split "
+                            f"has {len(tokens)}, and one example takes block_size + 1 = {block_size + 1}; give a "
+                            f"text of at least {need} characters, or a smaller --block-size")
     return Dataset(torch.from_numpy(train), torch.from_numpy(val), itos)
 
 

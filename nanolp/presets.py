@@ -1,5 +1,5 @@
-"""The presets and what a run's arm is, shared by train.py (which runs them) and analyze.py (which names runs
-by the train.py flags that set them apart)."""
+"""The presets, what a run's arm is and which settings a run can have, shared by train.py (which runs them) and
+analyze.py (which names runs by the train.py flags that set them apart)."""
 
 COMMON = dict(
     fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, stochastic_o="off",
@@ -40,3 +40,59 @@ def changed_settings(c):
     """The settings of ARM, other than the NAMED ones, in which config c differs from its preset."""
     preset = {**COMMON, **PRESETS.get(c.get("preset"), {})}   # (an old run's preset may be gone)
     return {k: c.get(k) for k in ARM if k not in NAMED and c.get(k) != preset.get(k)}
+
+
+def flag(key):
+    """The train.py flag that gives a setting."""
+    return "--data (or $NANOLP_DATA)" if key == "data" else "--" + key.replace("_", "-")
+
+
+def check_config(c):
+    """Every problem with a run's resolved settings c, one line each naming its flags; [] if the run can go.
+    train.py checks before it makes a run folder, so that a bad setting neither leaves one behind nor fails
+    after minutes of training (or, worse, trains and records a nonsense result)."""
+    import torch   # only where a run is checked
+    at_least = dict(steps=1, batch_size=1, n_layer=1, n_head=1, n_embd=1, block_size=1, warmup=0, log_interval=1,
+                    eval_interval=1, diag_interval=1, ckpt_interval=1)
+    problems = [f"{flag(k)} must be at least {low}, got {c[k]}" for k, low in at_least.items() if c[k] < low]
+    problems += [f"{flag(k)} must be positive, got {c[k]}" for k in ("lr", "minutes")
+                 if c[k] is not None and not c[k] > 0]
+    ours = c["attn"] in ("kernel", "emulate")
+    shape_ok = c["n_head"] >= 1 and c["n_embd"] >= 1
+    if shape_ok and c["n_embd"] % c["n_head"]:
+        problems.append(f"--n-embd {c['n_embd']} is not divisible by --n-head {c['n_head']}: each head takes "
+                        f"n_embd / n_head channels")
+    elif shape_ok and ours and c["n_embd"] // c["n_head"] not in (16, 32, 64, 128):   # the kernel's tile sizes
+        problems.append(f"--attn {c['attn']} needs a head size (--n-embd / --n-head) of 16, 32, 64 or 128, "
+                        f"got {c['n_embd']} / {c['n_head']} = {c['n_embd'] // c['n_head']}")
+    if c["mantissa_bits"] not in range(0, 7):
+        problems.append(f"--mantissa-bits must be 0 (off) or 1-6, got {c['mantissa_bits']}")
+    if c["amplify"] != COMMON["amplify"] and c["mantissa_bits"] == 0:
+        problems.append(f"--amplify {c['amplify']} says what --mantissa-bits rounds: give --mantissa-bits 1-6")
+    experiments = [flag(k) if c[k] is True else f"{flag(k)} {c[k]}" for k in
+                   ("fix", "precision", "delta_from_p", "delta_fp32", "stochastic_o", "mantissa_bits", "amplify")
+                   if c[k] != COMMON[k]]
+    if experiments and not ours:
+        problems.append(f"{', '.join(experiments)}: only our kernel has {'these' if len(experiments) > 1 else 'it'} "
+                        f"(--attn kernel or emulate), not --attn {c['attn']}")
+    deltas = [way for way, on in (("--fix on", c["fix"] == "on"), ("--delta-from-p", c["delta_from_p"]),
+                                  ("--delta-fp32", c["delta_fp32"]),
+                                  ("--stochastic-o delta", c["stochastic_o"] == "delta")) if on]
+    if len(deltas) > 1 and deltas != ["--fix on", "--delta-fp32"]:   # (--fix on reads delta from the fp32 O too)
+        problems.append(f"{' and '.join(deltas)} are different ways of computing delta: choose one")
+    if c["dtype"] == "fp32" and c["attn"] not in ("sdpa", "fp32"):
+        problems.append(f"--dtype fp32 needs --attn sdpa or fp32: --attn {c['attn']} takes bf16 or fp16 only")
+    if c["name"] in ("", ".", "..") or set(c["name"]) & {"/", "\\", "\0"}:
+        problems.append(f"--name must be a plain folder name (no / or \\, not . or ..), got {c['name']!r}: the "
+                        f"run folder is made inside --out")
+    try:
+        device = torch.device(c["device"])
+    except RuntimeError:
+        problems.append(f"--device {c['device']!r} is not a device torch knows (cpu, cuda, cuda:1, ...)")
+    else:
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            problems.append(f"--device {c['device']}: this machine has {torch.cuda.device_count()} CUDA devices "
+                            f"(torch {torch.__version__})")
+        if c["attn"] == "sdpa-cudnn" and device.type != "cuda":
+            problems.append(f"--attn sdpa-cudnn needs a CUDA device, not {c['device']}")
+    return problems

@@ -1,4 +1,5 @@
-"""Read the run folders that train.py writes (config.json, log.csv, summary.json).
+"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/), and the lock that keeps
+two runs from writing one folder.
 
 A run folder may still be in progress or may come from an older train.py, so every file and
 every column is optional: missing files read as empty, empty cells read as NaN.
@@ -12,10 +13,19 @@ import os
 import platform
 import re
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+
+LOCK = "lock"   # in a run folder while a run writes it: that run's process id
+
+
+class RunError(Exception):
+    """A command that cannot run as given: a bad setting, or a run folder that it may not write or continue. The
+    message says why and what to do, one line per problem; train.py prints it and exits with status 2."""
 
 
 @dataclass
@@ -119,6 +129,55 @@ def git_state(root):
     except (OSError, subprocess.SubprocessError):   # no git on this machine
         commit = dirty = None
     return commit, dirty
+
+
+def latest_checkpoint(run_dir):
+    ckpts = sorted((Path(run_dir) / "ckpt").glob("step_*.pt"))
+    return ckpts[-1] if ckpts else None
+
+
+def lock_holder(run_dir):
+    """The process id in run_dir's lock if that process is alive (a run is writing the folder), else None: a lock
+    whose process is gone was left by a run that was killed, and is stale."""
+    try:
+        pid = int((Path(run_dir) / LOCK).read_text())
+        if pid <= 0:   # (os.kill would signal a process group)
+            return None
+        os.kill(pid, 0)   # signal 0 sends nothing: it only asks whether the process exists
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    except PermissionError:   # alive, another user's
+        pass
+    return pid
+
+
+@contextmanager
+def locked(run_dir):
+    """Hold run_dir's lock (making the folder) while the block writes the folder; RunError if a live run holds it."""
+    run_dir = Path(run_dir)
+    lock, mine = run_dir / LOCK, run_dir / f"{LOCK}.{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        mine.write_text(str(os.getpid()))
+    except OSError as e:
+        raise RunError(f"cannot write the run folder {run_dir}: {e.strerror}") from None
+    try:
+        while True:
+            try:
+                os.link(mine, lock)   # atomic, and the lock never exists without its process id in it
+                break
+            except FileExistsError:
+                pid = lock_holder(run_dir)
+                if pid is not None:
+                    raise RunError(f"{run_dir} is being written by a live run (process {pid}): wait for it to end, "
+                                   f"or give this run another --name (if no run is writing it, delete {lock})")
+                lock.unlink(missing_ok=True)   # stale
+    finally:
+        mine.unlink()
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
 
 
 def read_json(path):

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanolp.runs import find_runs, load_run, log_path, read_json, thin_log
+from nanolp.runs import find_runs, latest_checkpoint, load_run, log_path, read_json, thin_log
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -237,11 +237,6 @@ def plan(study, out, results):
                                  f"give the arm a new name")
     seed_rank = {run["name"]: study.arms[run["arm"]][1].index(run["seed"]) for run in runs}
     return sorted(runs, key=lambda run: (run["state"] != "resumable", seed_rank[run["name"]]))
-
-
-def latest_checkpoint(run_dir):
-    ckpts = sorted((run_dir / "ckpt").glob("step_*.pt"))
-    return ckpts[-1] if ckpts else None
 
 
 def trained_minutes(run_dir):

@@ -1,4 +1,7 @@
-"""nanolp/data.py: tokenizing, the token cache, the missing-text error, batches as a function of (seed, step)."""
+"""nanolp/data.py: tokenizing, the token cache, a clear error for every text that cannot be trained on, batches as a
+function of (seed, step)."""
+import re
+
 import pytest
 import torch
 
@@ -46,14 +49,42 @@ def test_env_var_then_explicit_path(text_file, tmp_path, monkeypatch):
 
 
 def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="--data PATH.*NANOLP_DATA"):
+    with pytest.raises(data.TextError, match="no text file at .*missing.txt. .*--data PATH.*NANOLP_DATA"):
         data.prepare(tmp_path / "missing.txt", data_dir=tmp_path)
-    # no default file and no network (a closed local port): the same advice, not a stack of urllib errors
+    # no default file and no network (a closed local port): where to put the file, not a stack of urllib errors
     monkeypatch.delenv("NANOLP_DATA", raising=False)
     monkeypatch.setattr(data, "DEFAULT_TEXT", tmp_path / "tinyshakespeare" / "input.txt")
     monkeypatch.setattr(data, "DEFAULT_URL", "http://127.0.0.1:9/input.txt")
-    with pytest.raises(FileNotFoundError, match="download .* failed.*--data PATH.*NANOLP_DATA.*input.txt"):
+    with pytest.raises(data.TextError) as error:
         data.prepare(data_dir=tmp_path)
+    assert re.fullmatch(r"no text at \S+/tinyshakespeare/input.txt and the download from http://127.0.0.1:9/input.txt "
+                        r"failed \(.*\)\. .*--data PATH.*NANOLP_DATA.*copy it to \S+/tinyshakespeare/input.txt\.",
+                        str(error.value))
+    assert "\n" not in str(error.value) and not (tmp_path / "tinyshakespeare").exists()
+
+
+def test_texts_that_cannot_be_trained_on(tmp_path):
+    """Each gets one line that names the file and says what to do."""
+    def error(content, block_size=None):
+        path = tmp_path / "text.txt"
+        path.write_bytes(content)
+        with pytest.raises(data.TextError) as raised:
+            data.prepare(path, data_dir=tmp_path / "cache", block_size=block_size)
+        assert str(path) in str(raised.value) and "\n" not in str(raised.value)
+        return str(raised.value)
+
+    assert "text.txt is empty" in error(b"")
+    assert error("naïve café ".encode("utf-8") + "garçon".encode("latin-1")).startswith(
+        f"{tmp_path / 'text.txt'} is not UTF-8 (byte 16, 0xe7: invalid continuation byte)")   # ç: 13 bytes, then g a r
+    # a training example is block_size + 1 characters, and the validation split (the last 10%) needs one too
+    assert "10 characters, so its training split has 9, and one example takes block_size + 1 = 65; give a text " \
+           "of at least 641 characters, or a smaller --block-size" in error(b"0123456789", block_size=64)
+    assert "640 characters, so its validation split has 64" in error(b"x" * 640, block_size=64)
+    data.prepare(tmp_path / "text.txt", data_dir=tmp_path / "cache", block_size=63)   # the same text, a block less
+    (tmp_path / "text.txt").write_bytes(b"x" * 641)
+    ds = data.prepare(tmp_path / "text.txt", data_dir=tmp_path / "cache", block_size=64)
+    assert (len(ds.train), len(ds.val)) == (576, 65)
+    data.get_batch(ds.val.long(), 4, 64, seed=0, step=0)   # the shortest split still gives a batch
 
 
 def test_batches_are_a_function_of_seed_and_step():

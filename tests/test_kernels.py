@@ -438,8 +438,22 @@ def test_bad_input():
 def test_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
     q = torch.randn(1, 1, 8, 16).bfloat16()
-    with pytest.raises(ValueError, match="CUDA"):
-        kernels.flash_attention(q, q, q)
+    for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
+        with pytest.raises(ValueError, match=r"needs CUDA tensors, got cpu; on the CPU use nanolp\.emulate"):
+            fn(q, q, q)
+
+
+def test_stock_interpreter_is_refused(monkeypatch):
+    """Triton's interpreter without tests/interp_patch.py returns bf16 results wrong by orders of magnitude, finite
+    and silent: the kernel refuses to run under it rather than return them."""
+    from triton.runtime import interpreter
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    monkeypatch.delattr(interpreter, "nanolp_bf16_patch", raising=False)   # as before the patch
+    q = torch.randn(1, 1, 8, 16).bfloat16()
+    for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
+        with pytest.raises(ValueError, match=r"interpreter computes bf16 wrongly unless tests/interp_patch\.py "
+                                             r"patches it; on the CPU use nanolp\.emulate\.emulate_attention"):
+            fn(q, q, q)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests compile what they run")

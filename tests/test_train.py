@@ -1,16 +1,24 @@
-"""train.py end to end on the CPU: a tiny run learns and writes its run folder; the default name tells every arm
-apart; --resume continues a run exactly and refuses to change its arm; a non-finite loss stops the run cleanly and
-keeps the last good checkpoint."""
+"""train.py end to end on the CPU: a tiny run learns and writes its run folder, with its provenance; the default name
+tells every arm apart; --resume continues a run exactly and refuses to change its arm; a non-finite loss stops the
+run cleanly and keeps the last good checkpoint. A command that cannot run (a bad setting or text, a folder holding a
+result or a live run, a collapsed run to resume) is refused in one line per problem, exit status 2, before it writes
+anything; an attempt that stopped before its first checkpoint is replaced."""
 import csv
 import json
+import os
+import platform
 import random
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
+import model
 import train
-from nanolp import data
+from nanolp import data, runs
 from nanolp.diagnostics import diag_columns
 
 OUTCOME = {"collapsed", "collapse_step", "collapse_minute", "reason", "steps", "minutes", "final_val_loss",
@@ -46,6 +54,18 @@ def run(tmp_path, text):
 def read_log(run_dir):
     with open(run_dir / "log.csv", newline="") as f:
         return list(csv.DictReader(f))
+
+
+def refusal(capsys, command):
+    """What command() says as it refuses to run, as argparse refuses a bad command line: exit status 2 and one
+    line per problem on stderr (no traceback)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        command()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err and all(line.startswith("train.py: error: ") for line in err.splitlines()), err
+    return err
 
 
 def test_smoke_run_learns_and_writes_its_folder(run):
@@ -90,8 +110,8 @@ def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
             ["--precision", "paper"], ["--delta-from-p"], ["--delta-fp32"], ["--stochastic-o", "forward"],
             ["--stochastic-o", "delta"], ["--mantissa-bits", "3"], ["--mantissa-bits", "3", "--amplify", "vo"],
             ["--pos", "none"], ["--lr", "3e-3"], ["--lr", "0.0030001"], ["--warmup", "50"], ["--n-layer", "4"],
-            ["--n-head", "4"], ["--n-embd", "128"], ["--block-size", "128"], ["--batch-size", "32"],
-            ["--dtype", "fp32"], ["--data", str(text)], ["--delta-fp32", "--lr", "3e-3"]]
+            ["--n-head", "12"], ["--n-embd", "192"], ["--block-size", "128"], ["--batch-size", "32"],
+            ["--dtype", "fp32", "--attn", "sdpa"], ["--data", str(text)], ["--delta-fp32", "--lr", "3e-3"]]
     names = [default_name(tmp_path, *flags) for flags in arms]
     assert len(set(names)) == len(names), names
     assert names[:3] == ["default-kernel-fixoff-s0", "default-kernel-fixon-s0", "default-kernel-fixpaper-s0"]
@@ -116,12 +136,11 @@ def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
     assert default_name(tmp_path, *sum(long, []), "--warmup", "10") != a
 
 
-def test_resume_reproduces_an_uninterrupted_run(run):
+def test_resume_reproduces_an_uninterrupted_run(run, capsys):
     whole = run("whole", "--steps", "40")
     part = run("part", "--steps", "30")
     assert (part / "ckpt" / "step_0000030.pt").exists()  # a run saves its last step too, to resume from there
-    with pytest.raises(FileExistsError, match="--resume"):
-        run("part", "--steps", "30")
+    assert "pass --resume to continue it" in refusal(capsys, lambda: run("part", "--steps", "30"))
     run("part", "--steps", "40", "--resume")
     # the same log, except that the first leg also evaluated and diagnosed its last step, 30
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
@@ -147,7 +166,7 @@ ARM_CHANGES = [("--preset", "default"), ("--attn", "emulate"), ("--fix", "on"), 
                ("--batch-size", "4"), ("--dtype", "fp32")]
 
 
-def test_resume_refuses_to_change_the_arm(run, text, tmp_path):
+def test_resume_refuses_to_change_the_arm(run, text, tmp_path, capsys):
     run_dir = run("r", "--steps", "20")
     config = json.loads((run_dir / "config.json").read_text())
     flagged = {"--" + k.replace("_", "-") for k in train.ARM if k in vars(train.parse_args([]))}
@@ -155,17 +174,15 @@ def test_resume_refuses_to_change_the_arm(run, text, tmp_path):
     for change in ARM_CHANGES:
         key = change[0][2:].replace("-", "_")
         new = vars(train.parse_args(list(change)))[key]
-        with pytest.raises(ValueError, match=re.escape(f"{change[0]}: the run has {config[key]!r}, this command "
-                                                       f"{new!r}")):
-            run("r", "--steps", "40", "--resume", *change)
+        assert f"{change[0]}: the run has {config[key]!r}, this command {new!r}" in refusal(
+            capsys, lambda: run("r", "--steps", "40", "--resume", *change))
     other = tmp_path / "other.txt"
     other.write_text(text.read_text()[::-1])
-    with pytest.raises(ValueError, match=re.escape(f"--data (or $NANOLP_DATA): the run has {str(text)!r}, "
-                                                   f"this command {str(other)!r}")):
-        run("r", "--steps", "40", "--resume", "--data", str(other))
+    assert f"--data (or $NANOLP_DATA): the run has {str(text)!r}, this command {str(other)!r}" in refusal(
+        capsys, lambda: run("r", "--steps", "40", "--resume", "--data", str(other)))
     text.write_text(text.read_text().upper())   # the same file, another text: another data order
-    with pytest.raises(ValueError, match="the text .*words.txt has changed since the run started"):
-        run("r", "--steps", "40", "--resume")
+    assert re.search("the text .*words.txt has changed since the run started",
+                     refusal(capsys, lambda: run("r", "--steps", "40", "--resume")))
     assert json.loads((run_dir / "config.json").read_text()) == config   # nothing was touched
     assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20]
 
@@ -181,21 +198,19 @@ def test_resume_may_change_the_length_and_intervals(run):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
 
 
-def test_a_new_run_never_continues_another(run):
+def test_a_new_run_never_continues_another(run, capsys):
     """A new run whose folder holds a run with other settings: the error names them, and the --resume it
     mentions refuses them (it used to continue the run under the new settings)."""
     run_dir = run("x", "--steps", "20")
-    with pytest.raises(FileExistsError, match=r"exists, a run of preset tiny, attn sdpa, fix off, seed 0, .*"
-                                              r"differs in delta_fp32 True \(the run: False\)"):
-        run("x", "--steps", "20", "--delta-fp32")
-    with pytest.raises(ValueError, match="--delta-fp32: the run has False, this command True"):
-        run("x", "--steps", "40", "--delta-fp32", "--resume")
-    assert json.loads((run_dir / "config.json").read_text())["delta_fp32"] is False
+    assert re.search(r"exists, a run of preset tiny, attn sdpa, fix off, seed 0, .*differs in dtype 'fp32' "
+                     r"\(the run: 'bf16'\)", refusal(capsys, lambda: run("x", "--steps", "20", "--dtype", "fp32")))
+    assert "--dtype: the run has 'bf16', this command 'fp32'" in refusal(
+        capsys, lambda: run("x", "--steps", "40", "--dtype", "fp32", "--resume"))
+    assert json.loads((run_dir / "config.json").read_text())["dtype"] == "bf16"
     # without --name, the other settings get a folder of their own
     other = run(None, "--steps", "20", "--lr", "0.01")
     assert other.name == "tiny-sdpa-fixoff-lr0.01-block32-batch8-data_words-s0"
-    with pytest.raises(FileExistsError, match="pass --resume to continue it"):   # the same settings again
-        run(None, "--steps", "20", "--lr", "0.01")
+    assert "pass --resume to continue it" in refusal(capsys, lambda: run(None, "--steps", "20", "--lr", "0.01"))
 
 
 def test_help_groups_the_flags(capsys):
@@ -243,6 +258,151 @@ def test_loss_spike_criterion():
 def test_minutes_budget_stops_the_run(run):
     summary = json.loads((run("budget", "--steps", "1000", "--minutes", "1e-6") / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["final_val_loss"] is not None  # the last row is evaluated
+
+
+def test_runs_record_their_provenance(run, monkeypatch):
+    """config.json and summary.json name the code (git commit, uncommitted changes) and the versions and device a
+    run ran on, so that runs from before and after a change of the kernel can be told apart."""
+    run_dir = run("provenance", "--steps", "10")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(train.__file__).parent, capture_output=True,
+                          text=True)
+    commit = head.stdout.strip() if head.returncode == 0 else os.environ.get("NANOLP_COMMIT")
+    for file in ("config.json", "summary.json"):
+        recorded = json.loads((run_dir / file).read_text())["provenance"]
+        assert recorded == dict(commit=commit, dirty=recorded["dirty"], python=platform.python_version(),
+                                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+        assert recorded["dirty"] in ((True, False) if head.returncode == 0 else (None,))
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+    monkeypatch.setattr(runs.subprocess, "run", no_git)   # a tree copied without git, as to a GPU machine
+    monkeypatch.setenv("NANOLP_COMMIT", "0123abc")
+    assert (runs.provenance()["commit"], runs.provenance()["dirty"]) == ("0123abc", None)
+
+
+# a bad setting of each kind (the run fixture's other flags are good), and the one line that says so
+BAD_SETTINGS = [
+    (("--steps", "0"), "--steps must be at least 1, got 0"),
+    (("--steps", "-5"), "--steps must be at least 1, got -5"),
+    (("--batch-size", "0"), "--batch-size must be at least 1, got 0"),
+    (("--n-layer", "0"), "--n-layer must be at least 1, got 0"),
+    (("--n-head", "3"), "--n-embd 64 is not divisible by --n-head 3: each head takes n_embd / n_head channels"),
+    (("--n-head", "0"), "--n-head must be at least 1, got 0"),
+    (("--block-size", "0"), "--block-size must be at least 1, got 0"),
+    (("--warmup", "-1"), "--warmup must be at least 0, got -1"),
+    (("--lr", "0"), "--lr must be positive, got 0.0"),
+    (("--minutes", "-1"), "--minutes must be positive, got -1.0"),
+    *[((f"--{kind}-interval", "0"), f"--{kind}-interval must be at least 1, got 0")
+      for kind in ("log", "eval", "diag", "ckpt")],
+    (("--attn", "emulate", "--mantissa-bits", "7"), "--mantissa-bits must be 0 (off) or 1-6, got 7"),
+    (("--attn", "emulate", "--amplify", "vo"), "--amplify vo says what --mantissa-bits rounds: give --mantissa-bits"),
+    (("--fix", "on", "--mantissa-bits", "3"), "--fix on, --mantissa-bits 3: only our kernel has these (--attn kernel "
+                                              "or emulate), not --attn sdpa"),
+    (("--attn", "emulate", "--n-head", "4", "--n-embd", "32"), "--attn emulate needs a head size (--n-embd / "
+                                                               "--n-head) of 16, 32, 64 or 128, got 32 / 4 = 8"),
+    (("--attn", "emulate", "--fix", "on", "--delta-from-p"), "--fix on and --delta-from-p are different ways of "
+                                                             "computing delta: choose one"),
+    (("--attn", "emulate", "--dtype", "fp32"), "--dtype fp32 needs --attn sdpa or fp32"),
+    (("--attn", "sdpa-cudnn"), "--attn sdpa-cudnn needs a CUDA device, not cpu"),
+    (("--device", "gpu"), "--device 'gpu' is not a device torch knows"),
+    (("--device", "cuda"), "--device cuda: this machine has 0 CUDA devices"),
+    *[(("--name", name), f"--name must be a plain folder name (no / or \\, not . or ..), got {name!r}")
+      for name in ("../../escape", "a/b", "..", ".", "")],
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_SETTINGS, ids=[" ".join(flags) for flags, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_refused_before_a_folder_is_made(flags, message, run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)   # a machine without CUDA, wherever this runs
+    err = refusal(capsys, lambda: run("bad", *flags))
+    assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists() and not (tmp_path.parent / "escape").exists()
+
+
+def test_every_bad_setting_gets_its_line(run, tmp_path, capsys):
+    err = refusal(capsys, lambda: run("bad", "--steps", "-5", "--batch-size", "0", "--n-head", "3"))
+    assert [line.split(": ")[2] for line in err.splitlines()] == [
+        "--steps must be at least 1, got -5", "--batch-size must be at least 1, got 0",
+        "--n-embd 64 is not divisible by --n-head 3"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_text_that_cannot_be_trained_on_is_refused_in_one_line(run, tmp_path, monkeypatch, capsys):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café".encode("latin-1") * 1000)
+    short = tmp_path / "short.txt"
+    short.write_text("0123456789")
+    for text, message in ((latin, f"{latin} is not UTF-8 (byte 3, 0xe9: invalid continuation byte)"),
+                          (short, f"{short} is too short: 10 characters, so its training split has 9, and one "
+                                  f"example takes block_size + 1 = 33"),
+                          (tmp_path / "missing.txt", f"no text file at {tmp_path / 'missing.txt'}")):
+        err = refusal(capsys, lambda: run("text", "--data", str(text)))
+        assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1
+    # no text given, none at the default place, and no network: where to put one
+    monkeypatch.setattr(data, "DEFAULT_TEXT", tmp_path / "tinyshakespeare" / "input.txt")
+    monkeypatch.setattr(data, "DEFAULT_URL", "http://127.0.0.1:9/input.txt")
+    err = refusal(capsys, lambda: train.main(["--preset", "tiny", "--attn", "sdpa", "--device", "cpu", "--out",
+                                              str(tmp_path / "runs")]))
+    assert re.fullmatch(r"train.py: error: no text at \S+/tinyshakespeare/input.txt and the download from \S+ "
+                        r"failed .*--data PATH.*copy it to \S+/tinyshakespeare/input.txt\.\n", err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tmp_path, monkeypatch, capsys):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as patched:
+        patched.setattr(train, "save_checkpoint", interrupted)   # Ctrl-C as the first checkpoint was due
+        with pytest.raises(KeyboardInterrupt):
+            run("early", "--steps", "40")
+    run_dir = tmp_path / "runs" / "early"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "log.csv"]   # and no lock left behind
+    assert "--resume: no checkpoint in" in refusal(capsys, lambda: run("early", "--steps", "40", "--resume"))
+    capsys.readouterr()
+    run("early", "--steps", "40")   # the same command again
+    assert f"{run_dir}: replacing an attempt that stopped before its first checkpoint" in capsys.readouterr().out
+    assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20, 30, 40]
+    # no command touches a folder that a live run is writing; a lock whose process is gone is stale, and ignored
+    (run_dir / runs.LOCK).write_text(str(os.getpid()))
+    for flags in ((), ("--resume",)):
+        assert f"{run_dir} is being written by a live run (process {os.getpid()})" in refusal(
+            capsys, lambda: run("early", "--steps", "60", *flags))
+    assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20, 30, 40]
+    killed = subprocess.Popen(["true"])
+    killed.wait()
+    (run_dir / runs.LOCK).write_text(str(killed.pid))
+    run("early", "--steps", "50", "--resume")
+    assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20, 30, 40, 50]
+    assert not (run_dir / runs.LOCK).exists()
+
+
+def test_a_collapsed_run_stays_collapsed(run, monkeypatch, capsys):
+    """--resume would continue from the last good checkpoint and write over the collapse, the result: it refuses. A
+    run that collapsed before its first checkpoint has a summary.json, a result too: never replaced."""
+    monkeypatch.setenv("NANOLP_NAN_AT_STEP", "25")
+    run_dir = run("collapsed", "--steps", "60")
+    monkeypatch.setenv("NANOLP_NAN_AT_STEP", "5")
+    early = run("collapsed-early", "--steps", "60")
+    monkeypatch.delenv("NANOLP_NAN_AT_STEP")
+    kept = {d: ((d / "summary.json").read_text(), read_log(d)) for d in (run_dir, early)}
+    assert (run_dir / "ckpt" / "step_0000020.pt").exists() and not (early / "ckpt").exists()
+    assert refusal(capsys, lambda: run("collapsed", "--steps", "60", "--resume")) == (
+        f"train.py: error: --resume: {run_dir} is kept as it ended: it collapsed at step 25 (non-finite loss at "
+        f"step 25); start a new run with another --name\n")
+    for name, step in (("collapsed", 25), ("collapsed-early", 5)):
+        assert f"it collapsed at step {step} (non-finite loss at step {step}): give a new run another --name" in (
+            refusal(capsys, lambda: run(name, "--steps", "60")))
+    assert "collapsed at step 5" in refusal(capsys, lambda: run("collapsed-early", "--steps", "60", "--resume"))
+    assert {d: ((d / "summary.json").read_text(), read_log(d)) for d in (run_dir, early)} == kept
+
+
+def test_attn_kernel_on_a_cpu_says_it_runs_the_emulation(run, capsys):
+    run_dir = run("kernel", "--attn", "kernel", "--steps", "10")
+    assert "attn kernel (on cpu: its PyTorch emulation, nanolp/emulate.py)" in capsys.readouterr().out
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["attn"], config["attn_impl"]) == ("kernel", "emulate")
+    assert model.implementation("kernel", "cuda") == "kernel" and model.implementation("sdpa", "cpu") == "sdpa"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
