@@ -92,7 +92,7 @@ def outcome(group):
     """An arm's runs in a few words: "1 seed; no collapse; stopped at 60,000 steps", "8 seeds; 8 collapsed,
     median step 94,395"."""
     collapsed = [run.collapse_step for run in group if run.collapse_step is not None]
-    open_steps = sorted(run.steps or 0 for run in group if run.collapse_step is None)
+    open_steps = sorted(run.outcome["steps"] for run in group if run.collapse_step is None)
     words = [f"{len(group)} seed{'s' if len(group) > 1 else ''}"]
     if collapsed:
         words.append(f"{len(collapsed)} collapsed, median step {median(collapsed):,.0f}")
@@ -127,7 +127,7 @@ def survival(group):
     """(steps, share of runs not yet collapsed) of an arm, the Kaplan-Meier estimate over its seeds: at each
     collapse the share falls by 1/(runs still training there); a run that stopped without collapsing leaves the
     count where its log ends. The curve runs from step 0 to the arm's last logged step."""
-    ends = sorted((run.collapse_step if run.collapse_step is not None else run.steps or 0,
+    ends = sorted((run.collapse_step if run.collapse_step is not None else run.outcome["steps"],
                    run.collapse_step is not None) for run in group)
     steps, share, alive = [0], [1.0], 1.0
     for i, (step, collapsed) in enumerate(ends):
@@ -227,9 +227,9 @@ def run_table(runs):
         collapsed = ("n/a (no summary.json)" if not run.summary else "no" if run.collapse_step is None
                      else f"step {run.collapse_step:,}, {fmt(run.summary.get('collapse_minute'), '.1f')} min")
         cells = [f"`{run.path}`", f"`{arm(run)}`", run.setting("seed", "n/a"),
-                 fmt(run.steps, ","), collapsed, fmt(run.summary.get("final_train_loss"), ".4f"),
-                 fmt(run.final_val_loss, ".4f"),
-                 fmt(peak_logit(run), ".3g"), fmt(run.tokens_per_s, ",.0f")]
+                 fmt(run.outcome["steps"], ","), collapsed, fmt(run.outcome.get("final_train_loss"), ".4f"),
+                 fmt(run.outcome["final_val_loss"], ".4f"),
+                 fmt(peak_logit(run), ".3g"), fmt(run.outcome["tokens_per_s"], ",.0f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -245,7 +245,7 @@ def arm_rates(runs):
         step, ratio = val_loss_vs(group, reference) if reference else (None, None)
         rows.append(dict(arm=name, collapsed=len(collapsed), runs=len(group),
                          median_collapse_minute=median([run.summary.get("collapse_minute") for run in collapsed]),
-                         **{f"median_{key}": median([getattr(run, key) for run in group])
+                         **{f"median_{key}": median([run.outcome[key] for run in group])
                             for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")},
                          val_step=step, val_loss_vs_fp32=ratio))
     return rows

@@ -58,7 +58,6 @@ import math
 import os
 import re
 import shutil
-import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -71,7 +70,7 @@ from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implement
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, FIX, NAMED, PRESETS, changed_settings, check_config, flag
-from nanolp.runs import RunError, latest_checkpoint, locked, provenance, read_json
+from nanolp.runs import RunError, latest_checkpoint, locked, log_outcome, provenance, read_json, read_log
 
 # a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
 LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
@@ -307,26 +306,17 @@ def write_rows(path, rows, columns, mode="a"):
 
 
 def write_summary(run_dir, c, collapse):
-    """summary.json, from log.csv (so a resumed run summarises all of itself) and the collapse, if any."""
-    with open(run_dir / "log.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    column = lambda name: [float(r[name]) for r in rows if r[name] != ""]
-    last = lambda name: column(name)[-1] if column(name) and math.isfinite(column(name)[-1]) else None
-    max_logits = [x for i in range(c["n_layer"]) for x in column(f"max_logit_L{i}")]
-    tokens_per_s = statistics.median(column("tokens_per_s")) if rows else 0.0  # the median skips compile time
+    """summary.json, from log.csv (so a resumed run summarises all of itself: nanolp.runs.log_outcome, which also
+    reads runs that ended without one) and the collapse, if any."""
+    outcome = log_outcome(read_log(run_dir / "log.csv"))
     device = torch.device(c["device"])
     summary = dict(
         collapsed=collapse is not None,
         collapse_step=(collapse or {}).get("step"),
         collapse_minute=(collapse or {}).get("minute"),
         reason=(collapse or {}).get("reason"),
-        steps=int(rows[-1]["step"]) if rows else 0,
-        minutes=float(rows[-1]["elapsed_s"]) / 60 if rows else 0.0,
-        final_val_loss=last("val_loss"),
-        final_train_loss=last("train_loss"),  # None after a non-finite loss
-        max_logit=max(max_logits) if max_logits else None,  # the largest seen over the whole run
-        tokens_per_s=tokens_per_s,
-        mfu=c["flops_per_token"] * tokens_per_s / H200_BF16_PEAK_FLOPS,
+        **outcome,   # steps, minutes, final losses (None after a non-finite loss), max logit, tokens/s
+        mfu=c["flops_per_token"] * (outcome["tokens_per_s"] or 0.0) / H200_BF16_PEAK_FLOPS,
         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         name=c["name"], **{k: c[k] for k in ARM}, data_sha1=c["data_sha1"],   # the arm, whole
         provenance=provenance(),   # of this invocation (a resumed run's config.json keeps its first one's)

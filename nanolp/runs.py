@@ -7,6 +7,7 @@ every column is optional: missing files read as empty, empty cells read as NaN.
 
 import csv
 import gzip
+import io
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import re
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -71,35 +73,27 @@ class Run:
     def collapse_step(self):
         return self.summary.get("collapse_step") if self.summary.get("collapsed") else None
 
-    @property
-    def steps(self):
-        """The last step reached."""
-        if self.summary.get("steps") is not None:
-            return self.summary["steps"]
-        step = self.series("step")
-        return None if step is None else int(step[1][-1])
+    @cached_property
+    def outcome(self):
+        """steps, minutes, final losses, max_logit, tokens_per_s and the rest of summary.json: the summary's where
+        it has them, else what the log says (log_outcome: a run in progress, or killed before its summary)."""
+        return {**log_outcome(self.log), **{k: v for k, v in self.summary.items() if v is not None}}
 
-    @property
-    def max_logit(self):
-        """The largest attention logit seen over the whole run, in any layer."""
-        if self.summary.get("max_logit") is not None:
-            return self.summary["max_logit"]
-        logits = [x for c in self.columns(r"max_logit_L\d+") for x in self.log[c][np.isfinite(self.log[c])]]
-        return float(max(logits)) if logits else None
 
-    @property
-    def final_val_loss(self):
-        if self.summary.get("final_val_loss") is not None:
-            return self.summary["final_val_loss"]
-        val = self.series("val_loss")
-        return None if val is None else float(val[1][-1])
-
-    @property
-    def tokens_per_s(self):
-        if self.summary.get("tokens_per_s") is not None:
-            return self.summary["tokens_per_s"]
-        speed = self.series("tokens_per_s")
-        return None if speed is None else float(np.median(speed[1]))
+def log_outcome(log):
+    """What a log (column -> array, as read_log gives) says of its run; train.py's summary.json is built from it.
+    The final train loss is the last row's (every row has one), None if it is not finite: the run ended in a
+    non-finite loss. The final val loss is the last evaluated one (only some rows have one)."""
+    finite = lambda column: log.get(column, np.array([]))[np.isfinite(log.get(column, np.array([])))]
+    last_row = lambda column: float(log[column][-1]) if column in log and len(log[column]) else None
+    val, speeds = finite("val_loss"), finite("tokens_per_s")
+    logits = np.concatenate([finite(c) for c in log if re.fullmatch(r"max_logit_L\d+", c)] or [np.array([])])
+    train_loss = last_row("train_loss")
+    return dict(steps=int(last_row("step") or 0), minutes=(last_row("elapsed_s") or 0.0) / 60,
+                final_val_loss=float(val[-1]) if len(val) else None,
+                final_train_loss=train_loss if train_loss is not None and math.isfinite(train_loss) else None,
+                max_logit=float(logits.max()) if len(logits) else None,   # the largest seen over the whole run
+                tokens_per_s=float(np.median(speeds)) if len(speeds) else None)   # the median skips compile time
 
 
 def provenance():
@@ -218,7 +212,7 @@ def thin_log(src, dst, every=100):
         rows = list(reader)
     keep = [r for i, r in enumerate(rows)
             if r.get("max_logit_L0") or r.get("val_loss") or i % every == 0 or i >= len(rows) - 5]
-    with gzip.open(dst, "wt", newline="") as f:
+    with gzip.GzipFile(dst, "wb", mtime=0) as raw, io.TextIOWrapper(raw, newline="") as f:   # same rows, same bytes
         writer = csv.DictWriter(f, fieldnames=reader.fieldnames)
         writer.writeheader()
         writer.writerows(keep)

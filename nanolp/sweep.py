@@ -393,12 +393,12 @@ def collect_row(path, arm=None, flags=""):
     """One CSV row (COLUMNS) of a run folder; arm defaults to the run's name less its -sSEED."""
     run = load_run(path)
     log = run.log
-    last_elapsed = last_finite(log["elapsed_s"]) if "elapsed_s" in log else None
     tie_rates = [last_finite(log[c]) for c in run.columns(r"tie_rate_L\d+")]
     tie_rates = [t for t in tie_rates if t is not None]
     head_peaks = [np.nanmax(log[c]) for c in run.columns(r"tie_rate_L\d+_H\d+") if np.isfinite(log[c]).any()]
     layer, head, growth_step = first_growth(log)
     s = run.summary
+    o = run.outcome
     return dict(
         name=run.name, arm=arm or run.arm, flags=flags, seed=run.setting("seed"),
         **{key: run.setting(key) for key in ("attn", "precision", "fix")},
@@ -407,16 +407,13 @@ def collect_row(path, arm=None, flags=""):
         mantissa_bits=run.setting("mantissa_bits", 0),
         amplify=run.setting("amplify", "p"),
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
-        # a run without summary.json (in progress, or killed) still has its log
-        steps=run.steps,
-        minutes=s.get("minutes", None if last_elapsed is None else last_elapsed / 60),
+        steps=o["steps"], minutes=o["minutes"],
         **{key: s.get(key) for key in ("collapsed", "collapse_step", "collapse_minute", "reason")},
-        max_logit=run.max_logit,
+        max_logit=o["max_logit"],
         tie_rate_final=max(tie_rates) if tie_rates else None,
         tie_rate_head_peak=max(head_peaks) if head_peaks else None,    # the paper's failure starts in a few heads
-        final_val_loss=run.final_val_loss,
-        final_train_loss=s.get("final_train_loss", last_finite(log["train_loss"]) if "train_loss" in log else None),
-        tokens_per_s=run.tokens_per_s, peak_mem_gb=s.get("peak_mem_gb"),
+        final_val_loss=o["final_val_loss"], final_train_loss=o["final_train_loss"],
+        tokens_per_s=o["tokens_per_s"], peak_mem_gb=s.get("peak_mem_gb"),
         first_growth_layer=layer, first_growth_head=head, first_growth_step=growth_step, log_kept=True,
     )
 

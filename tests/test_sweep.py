@@ -308,7 +308,7 @@ def test_study_on_two_gpus(tmp_path, text, fake_train, gpus, monkeypatch, capsys
     steps = [int(row["step"]) for row in thinned]
     assert len(steps) < 200 / 4  # of 200 rows: the 20 with diagnostics, every 100th, the last 5
     assert set(range(100, 2001, 100)) <= set(steps) and steps[-1] == 2000
-    assert load_run(kept).max_logit == 9.0  # the committed copy reads as a run
+    assert load_run(kept).outcome["max_logit"] == 9.0  # the committed copy reads as a run
 
     capsys.readouterr()
     assert sweep.main(argv) == 0  # again: all finished, nothing runs
@@ -469,7 +469,7 @@ def test_tiny_study_on_cpu(tmp_path, text, gpus):
         "sdpa-s1", "sdpa", "1", "sdpa", "20", "False")
     assert row["final_val_loss"] and row["tie_rate_final"]
     assert "--seed 1" in (tmp_path / "out" / "sdpa-s1" / "stdout.log").read_text()
-    assert load_run(tmp_path / "tiny" / "runs" / "sdpa-s1").steps == 20
+    assert load_run(tmp_path / "tiny" / "runs" / "sdpa-s1").outcome["steps"] == 20
 
 
 # -----------------------------------------------------------------------------
