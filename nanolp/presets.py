@@ -1,9 +1,14 @@
 """The presets and what a run's arm is, shared by train.py (which runs them) and analyze.py (which names runs
 by the train.py flags that set them apart)."""
+from dataclasses import asdict, fields
 
+from kernels import Numerics
+
+# The attention's numerics (kernels.Numerics): a run holds each field as a setting of its own (a flag, a key of
+# config.json and summary.json).
+NUMERICS = tuple(f.name for f in fields(Numerics))
 COMMON = dict(
-    fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, stochastic_o="off",
-    mantissa_bits=0, amplify="p", pos="learned", seed=0,
+    fix="off", attn="kernel", **asdict(Numerics()), pos="learned", seed=0,
     lr=1e-3, warmup=100, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
     steps=5000, minutes=None, dtype="bf16",
     log_interval=10, eval_interval=250, eval_iters=20, diag_interval=250, ckpt_interval=250,
@@ -30,9 +35,8 @@ FIX = {"off": False, "on": True, "paper": "paper"}
 # The arm: every setting that decides a run's numbers (its numerics and its data order). The default name spells
 # out each one that differs from the preset, --resume refuses to change any, summary.json records them all.
 # Not in it: the run's length and intervals, and --device/--compile (where and how fast the same steps run).
-ARM = ("preset", "attn", "fix", "precision", "delta_from_p", "delta_fp32", "stochastic_o", "mantissa_bits", "amplify",
-       "pos", "lr", "warmup", "beta1", "beta2", "weight_decay", "grad_clip", "n_layer", "n_head", "n_embd",
-       "block_size", "batch_size", "dtype", "data", "seed")
+ARM = ("preset", "attn", "fix", *NUMERICS, "pos", "lr", "warmup", "beta1", "beta2", "weight_decay", "grad_clip",
+       "n_layer", "n_head", "n_embd", "block_size", "batch_size", "dtype", "data", "seed")
 NAMED = ("preset", "attn", "fix", "seed")  # always in the name
 
 

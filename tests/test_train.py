@@ -57,7 +57,7 @@ def test_smoke_run_learns_and_writes_its_folder(run):
     assert all(r["val_loss"] and r["max_logit_L1"] and r["delta_err_L0_H1"] for r in rows if int(r["step"]) % 20 == 0)
     assert not rows[0]["val_loss"] and not rows[0]["sn_q_L0"]  # only every --eval/--diag-interval steps
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary) == OUTCOME | set(train.ARM) | {"name", "data_sha1"}
+    assert set(summary) == OUTCOME | set(train.ARM) | {"name", "data_sha1", "provenance"}
     assert summary["collapsed"] is False and summary["steps"] == 60 and summary["tokens_per_s"] > 0
     assert summary["final_val_loss"] == pytest.approx(float(rows[-1]["val_loss"]))
     config = json.loads((run_dir / "config.json").read_text())
