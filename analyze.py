@@ -39,13 +39,12 @@ from nanolp.mechanism import demonstrate
 from nanolp.plots import THOUSANDS, family, fix_word, plot_grid, run_styles, save
 from nanolp.runs import find_runs, load_run
 from nanolp.sweep import write_csv
-from nanolp.presets import COMMON, PRESETS, changed_settings
+from nanolp.presets import COMMON, NUMERICS, PRESETS, changed_settings
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
 
-OURS = ("kernel", "emulate")  # the attentions that take --fix and the other kernel options
-KERNEL_OPTIONS = ("precision", "delta_from_p", "delta_fp32", "stochastic_o", "mantissa_bits", "amplify")
+OURS = ("kernel", "emulate")  # the attentions that take --fix and the numerics (nanolp.presets.NUMERICS)
 
 
 def arm(run):
@@ -61,7 +60,7 @@ def arm(run):
         [] if settings["attn"] == COMMON["attn"] else [f"--attn {settings['attn']}"]) + (
         [f"--fix {fix_word(run)}"] if ours else [])
     changed = changed_settings(settings)
-    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in KERNEL_OPTIONS])
+    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS])
 
 
 def flag_text(key, value):

@@ -1,57 +1,161 @@
 """Flash attention in Triton, with the fix for the rounding bias that makes low-precision training fail.
 
     from kernels import flash_attention
-    o = flash_attention(q, k, v, causal=True, fix=True)     # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
+    o = flash_attention(q, k, v, causal=True, fix=True)   # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
 
 Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), and like it, O and
 the gradients are stored in q's layout (seq-major when q is a head view of a (batch, seq, channels) tensor);
 differentiable; head_dim 16/32/64/128; any sequence length; works inside torch.compile (it is a custom op).
 
+Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
+    S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
+    l = exp(m - m') l + rowsum(P)      acc = exp(m - m') acc + P V_j      O = acc / l,  lse = m + log l
+and in the backward, from the loss's gradient dO of O:
+    delta = rowsum(dO * O)      dP = dO V^T      dS = P * (dP - delta)      dQ = dS K * scale
+
 The paper (Qiu & Yao, arXiv 2510.04212): in bf16, training with flash attention collapses because the backward
-reads the forward's rounded O through delta = rowsum(dO * O), and the error it reads there has one sign, so dQ and
-dK carry a same-signed error that piles up in W_Q / W_K: logits grow and the loss explodes. The paper blames rows
-with several (near-)equal maxima, whose P are exactly 1 so that the rounding of P V always goes the same way, and
-shifts such a row's max up a little (_shifted_max). In our runs that is not enough: the error that fails them is O's
-final cast to bf16 as delta reads it (in sharp rows it rounds away the pull of every other key, and dO, computed
-downstream of the same rounded O, is correlated with that rounding: nanolp/curvature.py). So the fix has two parts,
-both marked THE FIX below:
+reads the forward's rounded O through delta, and the error it reads there has one sign, so dQ and dK carry a
+same-signed error that piles up in W_Q / W_K: logits grow and the loss explodes. The paper blames rows with
+several (near-)equal maxima, whose P are exactly 1 so that the rounding of P V always goes the same way, and
+shifts such a row's max up a little. In our runs that is not enough: the error that fails them is O's final
+cast to bf16 as delta reads it (in sharp rows it rounds away the pull of every other key, and dO, computed
+downstream of the same rounded O, is correlated with that rounding: nanolp/curvature.py). So the fix has two
+parts, both under THE FIX below:
     1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
     2. the backward: delta read from the forward's fp32 O, before its final cast (output_and_delta_o).
 fix=True is both; fix="paper" the first alone, kept as an ablation. Both are exact in real arithmetic.
 
-Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
-    S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
-    l = exp(m - m') l + rowsum(P)      acc = exp(m - m') acc + P V_j      O = acc / l,  lse = m + log l
 Two precision modes. "fa2" is what production kernels do: S, m, l and acc in fp32, P rounded to the input
 dtype right before P V, O rounded once at the end; it works in log2 units (exp2, scale folded into
 qk_scale = scale * log2(e)), the cheapest form on a GPU. "paper" reproduces the rounding points of the
 paper's PyTorch implementation run under bf16 autocast: S rounded (after Q K^T and again after the scale),
 S - m, P, rowsum(P), P V, m, l and acc each rounded to the input dtype, natural units. Every rounding point
-below is marked "ROUND". nanolp/emulate.py computes exactly the same thing in PyTorch.
+below is marked "ROUND". nanolp/emulate.py computes exactly the same thing in PyTorch. The precision mode and
+the other experiments on these numerics are the fields of Numerics.
 """
 import math
 import os
+from collections import namedtuple
+from dataclasses import dataclass, field, fields
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = math.log2(math.e)
-TILE_N = 64                      # keys per tile (fixed: the fix looks for ties within one tile)
-TIE_TOL = 2.0 ** -9              # nats: exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9
-SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # nats: the range the fix keeps its shift in
+TILE_N = 64                    # keys per tile (fixed: the fix looks for ties within one tile)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-FIX_SETTINGS = (False, True, "paper")    # flash_attention's fix: off, the complete fix, the paper's rule alone
-STOCHASTIC_O = ("off", "forward", "delta")  # an experiment: where O is stochastically rounded (flash_attention)
+# The shift (THE FIX, part 1), in nats. exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9, so
+# TIE_TOL catches every score whose P rounds to 1 (the official code's 1e-3 catches exact ties).
+TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
+BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
+SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# THE FIX, part 1 (the paper's rule): one small function, called once per key tile in the forward pass.
+# The experiments: variants of the numerics that test the mechanism, one object (flash_attention's numerics)
+
+def option(help, default, choices=None):
+    """A field of Numerics: what it does (also its train.py flag's help), its default, the values it takes."""
+    return field(default=default, metadata=dict(help=help, choices=choices))
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How the attention rounds, for studying the failure, not for training models; the defaults are plain
+    FlashAttention-2. Each field is a flag of train.py's "experiments" group, a key of a run's config.json and
+    summary.json, and a column of runs.csv, all made from this class."""
+    precision: str = option("fa2: S, m, l and acc in fp32 (production kernels); paper: the paper's roundings",
+                            "fa2", ("fa2", "paper"))
+    delta_from_p: bool = option("delta = rowsum(dP * P) from P recomputed in fp32 (the paper's control)",
+                                False)
+    delta_fp32: bool = option("delta from the forward's fp32 O, before its final cast, without the shift",
+                              False)
+    stochastic_o: str = option("O stochastically rounded in the forward, or only the O that delta reads",
+                               "off", ("off", "forward", "delta"))
+    mantissa_bits: int = option("the amplifier: P (or V and O) rounded to 1-6 mantissa bits (3: FP8); 0: off",
+                                0, range(7))
+    amplify: str = option("what mantissa_bits rounds: P before P V, or V and O (amplifies the tie bias)",
+                          "p", ("p", "vo"))
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if type(value) is not f.type:
+                raise ValueError(f"{f.name} must be a {f.type.__name__}, got {value!r}")
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        if self.amplify != "p" and self.mantissa_bits == 0:
+            raise ValueError(f"amplify={self.amplify!r} says what mantissa_bits rounds: give mantissa_bits 1-6")
+        if len(self._delta_options()) > 1:
+            names = " and ".join(name for name, _ in self._delta_options())
+            raise ValueError(f"{names} are different ways of computing delta: choose one")
+
+    def _delta_options(self):
+        """(option, what delta reads) for each option that sets what the backward's delta reads."""
+        return [(name, reads) for name, reads, on in (
+            ("delta_from_p", "P", self.delta_from_p), ("delta_fp32", "fp32 O", self.delta_fp32),
+            ('stochastic_o="delta"', "stochastic O", self.stochastic_o == "delta")) if on]
+
+    @property
+    def delta(self):
+        """What delta reads, the fix aside: "O", the O returned (the paper's channel); "fp32 O", O before its
+        final cast; "P", rowsum(dP * P) instead; "stochastic O", an independent stochastic rounding of the
+        fp32 O."""
+        return ([reads for _, reads in self._delta_options()] or ["O"])[0]
+
+    @property
+    def p_bits(self):
+        """The amplifier on P: mantissa bits P is rounded to before P V (0: the input dtype's)."""
+        return self.mantissa_bits if self.amplify == "p" else 0
+
+    @property
+    def o_bits(self):
+        """The amplifier on V and O: mantissa bits V is rounded to before attention reads it, and O before its
+        final cast (0: none)."""
+        return self.mantissa_bits if self.amplify == "vo" else 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# THE FIX. Its wiring, its forward part (the shifted row max, one small function called once per key tile)
+# and its backward part (the O that delta reads).
+
+def wire_fix(fix, numerics):
+    """fix's three values as the forward's shift (_shifted_max) and what the backward's delta reads:
+
+        fix        the shift    delta reads
+        False      off          numerics.delta ("O" unless an experiment says otherwise)
+        "paper"    on           numerics.delta
+        True       on           "fp32 O": O before its final cast (output_and_delta_o)
+    """
+    if not (isinstance(fix, bool) or fix == "paper"):
+        raise ValueError(f'fix must be False, True or "paper", got {fix!r}')
+    if fix is True and numerics.delta not in ("O", "fp32 O"):
+        raise ValueError(f"fix=True (delta from the fp32 O) and delta from {numerics.delta} are different "
+                         "ways of computing delta: choose one")
+    return fix is not False, "fp32 O" if fix is True else numerics.delta
+
+
+# The shift's constants in the kernel's units: a compile-time constant of the forward kernel, None there with
+# the shift off, so that no kernel that does not shift sees them.
+Shift = namedtuple("Shift", "beta tol lo hi span")
+
+
+def fix_constants(precision, p_bits=0):
+    """The shift's constants in the kernel's units (log2 units in "fa2"), computed once, in float64.
+
+    TIE_TOL and SHIFT_LO are set for P in bf16 (7 mantissa bits). The amplifier rounds P to fewer bits, which
+    widens the band of scores whose P rounds to exactly 1.0 by 2^(7 - bits); both widen with it, or the fix
+    would miss most of the near-ties the amplifier creates and shift some maxima by too little."""
+    unit = LOG2E if precision == "fa2" else 1.0
+    lo = SHIFT_LO * widening(p_bits)
+    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, (SHIFT_HI - lo) * unit)
+
 
 @triton.jit
-def _shifted_max(s, r, t, beta, tol, lo, hi, span):
-    """Row max to subtract from this tile's scores s (r = rowmax(s), t = the raw row max of the earlier tiles),
-    in the units of s; returns it and the new raw row max max(t, r).
+def _shifted_max(s, r, t, SHIFT: tl.constexpr):
+    """Row max to subtract from this tile's scores s (r = rowmax(s), t = the raw row max of the earlier
+    tiles), in the units of s; returns it and the new raw row max max(t, r).
 
     Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
     for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
@@ -67,25 +171,29 @@ def _shifted_max(s, r, t, beta, tol, lo, hi, span):
       offset would round the same way every time and keep the bias (the paper's appendix).
     - masked scores are -inf and never count; a fully masked tile (r = -inf) is left alone.
     """
-    n_near = tl.sum((s >= (r - tol)[:, None]).to(tl.int32), 1)
-    across = (r >= t - tol) & (t >= r - tol)
+    tl.static_assert(SHIFT.beta > 1.0)            # beta * r moves a positive max up: exact for any beta > 1
+    tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
+    n_near = tl.sum((s >= (r - SHIFT.tol)[:, None]).to(tl.int32), 1)
+    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
     tied = ((n_near > 1) | across) & (r > float("-inf"))
-    d = tl.where(r > 0, (beta - 1.0) * r, -r)
-    d = tl.where((d >= lo) & (d < hi), d, lo + d % span)
+    d = tl.where(r > 0, (SHIFT.beta - 1.0) * r, -r)
+    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, SHIFT.lo + d % SHIFT.span)
     return tl.where(tied, r + d, r), tl.maximum(t, r)
 
 
-@triton.jit
-def _round_bits(x, BITS: tl.constexpr):
-    """The amplifier (mantissa_bits): round fp32 x to BITS explicit mantissa bits, ties to even, on its bit
-    pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa), or on O before it is
-    stored (amplify="vo"). BITS = 0: no-op."""
-    if BITS > 0:
-        DROP: tl.constexpr = 23 - BITS
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
-        x = b.to(tl.float32, bitcast=True)
-    return x
+def output_and_delta_o(o32, dtype, stochastic, delta):
+    """The fix's backward part: from the forward's fp32 O, the O the caller gets and the O the backward's
+    delta reads (None: the same). The cast is what delta's one-signed error comes from in our runs; with the
+    fix the caller still gets the bf16 O, bit for bit as without it.
+
+    delta "O"             O = round(o32);       delta reads O            (the paper's channel)
+    delta "fp32 O"        O = round(o32);       delta reads o32          (the complete fix, fix=True)
+    stochastic            O = stochastic(o32);  delta reads O            (or o32 with delta "fp32 O")
+    delta "stochastic O"  O = round(o32);       delta reads an independent stochastic(o32)"""
+    o = stochastic_round(o32) if stochastic else o32.to(dtype)                        # ROUND: O's final cast
+    if delta == "fp32 O":
+        return o, o32
+    return o, stochastic_round(o32) if delta == "stochastic O" else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -96,27 +204,40 @@ def _round_bits(x, BITS: tl.constexpr):
 def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
     s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
     if PAPER:
-        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T stored in bf16 (autocast einsum)
+        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
         s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
     else:
         s = s * qk_scale                                         # fp32, log2 units
     return s
 
 
+@triton.jit
+def _round_bits(x, BITS: tl.constexpr):
+    """The amplifier (Numerics.mantissa_bits): round fp32 x to BITS explicit mantissa bits, ties to even, on
+    its bit pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa), or on O
+    before it is stored (amplify="vo"). BITS = 0: no-op."""
+    if BITS > 0:
+        tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
+        DROP: tl.constexpr = 23 - BITS
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
+        x = b.to(tl.float32, bitcast=True)
+    return x
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Forward
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
-               qk_scale, beta, tol, lo, hi, span,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr,
-               P_BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
+               SHIFT: tl.constexpr, P_BITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
     causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
-        kT_ptrs = K_tile + offs_d[:, None] + cols[None, :] * stride_kn
-        v_ptrs = V_tile + cols[:, None] * stride_vn + offs_d[None, :]
+        kT_ptrs = K + offs_d[:, None] + cols[None, :] * stride_kn
+        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :]
         if MASKED:
             kT = tl.load(kT_ptrs, mask=cols[None, :] < N, other=0.0)
             v = tl.load(v_ptrs, mask=cols[:, None] < N, other=0.0)
@@ -130,10 +251,10 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             s = tl.where(valid, s, float("-inf"))
-        # m' = max(m, rowmax(S))   (the fix only changes rowmax(S) here; t_i: the unshifted running max)
+        # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
         r = tl.max(s, 1)
-        if FIX:
-            r, t_i = _shifted_max(s, r, t_i, beta, tol, lo, hi, span)
+        if SHIFT is not None:
+            r, t_i = _shifted_max(s, r, t_i, SHIFT)
         if PAPER:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
@@ -163,47 +284,48 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, star
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE,
-                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                stride_ob, stride_oh, stride_om, H, N, qk_scale, beta, tol, lo, hi, span,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, FIX: tl.constexpr, PAPER: tl.constexpr, P_BITS: tl.constexpr,
-                O_BITS: tl.constexpr):
-    # One program per (query tile, batch * head).
-    pid_m = tl.program_id(0)
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr):
+    # One program per (query tile, batch * head); its pointers, offset once to its batch and head.
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
-    start_m = pid_m * BLOCK_M
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < N, other=0.0)
-    K_tile = K + b * stride_kb + h * stride_kh
-    V_tile = V + b * stride_vb + h * stride_vh
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     t_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Key tiles that need no mask: all full tiles (non-causal) or those left of the diagonal (causal).
     if CAUSAL:
-        stop_unmasked = start_m                       # start_m is a multiple of BLOCK_N
+        stop_unmasked = start_m
         stop = tl.minimum(start_m + BLOCK_M, N)
     else:
         stop_unmasked = (N // BLOCK_N) * BLOCK_N
         stop = N
-    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, 0, stop_unmasked,
-                                    offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                                    False, CAUSAL, FIX, PAPER, P_BITS, BLOCK_N)
-    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K_tile, V_tile, stride_kn, stride_vn, stop_unmasked,
-                                    stop, offs_m, offs_n, offs_d, N, qk_scale, beta, tol, lo, hi, span,
-                                    True, CAUSAL, FIX, PAPER, P_BITS, BLOCK_N)
-    # O = acc / l -> stored in the input dtype (ROUND; to O_BITS first with amplify="vo"); lse = m + log l in fp32
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    False, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    True, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
+    # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
     # (log2 units in "fa2").
     o = _round_bits(acc / l_i[:, None], O_BITS)
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
+    tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
+             mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))
-    tl.store(LSE + bh * N + offs_m, lse, mask=offs_m < N)
+    tl.store(LSE + offs_m, lse, mask=offs_m < N)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,24 +333,28 @@ def _fwd_kernel(Q, K, V, O, LSE,
 # program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
 #     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
 #     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
-# The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real arithmetic
-# (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's rounded O,
-# and every rounding that went into it, never reaches the gradient. In "paper" it is divided by rowsum(P): there
-# lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to zero, an error that
-# grew W_Q by itself in the paper mode's runs (docs/findings.md). In "fa2" P sums to 1 to fp32 rounding; dividing there
-# would only add a rounding of rowsum(P) near 1. With delta_fp32 the O read here is the forward's fp32 O, before
-# its final cast: P's rounding reaches the gradient, the cast's does not.
+# The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real
+# arithmetic (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's
+# rounded O, and every rounding that went into it, never reaches the gradient. In "paper" it is divided by
+# rowsum(P): there lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to
+# zero, an error that grew W_Q by itself in the paper mode's runs (docs/findings.md). In "fa2" P sums to 1 to
+# fp32 rounding; dividing there would only add a rounding of rowsum(P) near 1. With delta from the fp32 O the
+# O read here is the forward's O before its final cast: P's rounding reaches the gradient, the cast's does
+# not.
 
 @triton.jit
 def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr):
     # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
     bh = tl.program_id(1).to(tl.int64)
+    O += (bh // H) * stride_ob + (bh % H) * stride_oh
+    DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
+    DELTA += bh * N
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs = (bh // H) * stride_ob + (bh % H) * stride_oh + rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
+    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
     o = tl.load(O + offs, mask=rows[:, None] < N, other=0.0)
     do = tl.load(DO + offs, mask=rows[:, None] < N, other=0.0)
-    tl.store(DELTA + bh * N + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
+    tl.store(DELTA + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
 
 
 @triton.jit
@@ -246,72 +372,82 @@ def _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL: tl.constexpr, PAPER:
 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                     stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
+                     qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, PAPER: tl.constexpr):
+    # One program per (key tile, batch * head), looping over the queries; its pointers, offset once.
+    tl.static_assert(BLOCK_M == BLOCK_N)          # the host launches both backward kernels on one grid
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_ob + h * stride_oh           # dO, dK and dV are in O's layout
+    DK += b * stride_ob + h * stride_oh
+    DV += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    DELTA += bh * N
     start_n = tl.program_id(0) * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kT = tl.load(K + b * stride_kb + h * stride_kh + offs_d[:, None] + cols[None, :] * stride_kn,
-                 mask=cols[None, :] < N, other=0.0)
-    vT = tl.load(V + b * stride_vb + h * stride_vh + offs_d[:, None] + cols[None, :] * stride_vn,
-                 mask=cols[None, :] < N, other=0.0)
+    kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
+    vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    Q_tile = Q + b * stride_qb + h * stride_qh
-    O_tile = b * stride_ob + h * stride_oh          # dO, and dK, dV below, are stored in O's layout
     start = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0     # queries above the diagonal see no key here
     for start_m in range(start, N, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(Q_tile + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-        do = tl.load(DO + O_tile + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-        lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
-        delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
+        q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+        do = tl.load(DO + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+        lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
+        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
         p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
         dv += tl.dot(tl.trans(p.to(q.dtype)), do)                # ROUND: P to bf16
         dp = tl.dot(do, vT)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)                # ROUND: dS to bf16
-    out = O_tile + cols[:, None] * stride_om + offs_d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)
+    out = cols[:, None] * stride_om + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
 
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                   stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, PAPER: tl.constexpr, DELTA_FROM_P: tl.constexpr):
-    # One program per query tile, looping over keys. With DELTA_FROM_P the same pass is the paper's control
-    # instead: it accumulates delta = rowsum(dP * P) (over rowsum(P) in "paper") and stores it (O is never read);
-    # run before dK/dV and dQ.
+    # One program per (query tile, batch * head), looping over the keys; its pointers, offset once. With
+    # DELTA_FROM_P the same pass is the paper's control instead: it accumulates delta = rowsum(dP * P) (over
+    # rowsum(P) in "paper") and stores it (O is never read); run before dK/dV and dQ.
+    tl.static_assert(BLOCK_M == BLOCK_N)          # the host launches both backward kernels on one grid
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_ob + h * stride_oh           # dO and dQ are in O's layout
+    DQ += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    DELTA += bh * N
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=rows[:, None] < N, other=0.0)
-    o_rows = b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]   # dO and dQ: O's layout
-    do = tl.load(DO + o_rows, mask=rows[:, None] < N, other=0.0)
-    lse = tl.load(LSE + bh * N + rows, mask=rows < N, other=0.0)
+    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
     if DELTA_FROM_P:
         delta = tl.zeros([BLOCK_M], tl.float32)
         p_sum = tl.zeros([BLOCK_M], tl.float32)
     else:
-        delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
-    K_tile = K + b * stride_kb + h * stride_kh
-    V_tile = V + b * stride_vb + h * stride_vh
+        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
     for start_n in range(0, stop, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(K_tile + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
-        vT = tl.load(V_tile + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
+        kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
+        vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
         p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
         dp = tl.dot(do, vT)
         if DELTA_FROM_P:
@@ -323,24 +459,24 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     if DELTA_FROM_P:
         if PAPER:                   # (rows past N, never stored, have no keys: p_sum = 0)
             delta = delta / tl.where(rows < N, p_sum, 1.0)
-        tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
+        tl.store(DELTA + rows, delta, mask=rows < N)
     else:
-        tl.store(DQ + o_rows, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)
+        tl.store(DQ + rows[:, None] * stride_om + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=rows[:, None] < N)                                                    # ROUND: dQ
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Host side: checks, launches, and registration as a torch custom op (so torch.compile traces around it).
 
-# Tuning per head_dim, as (rows per program, warps, pipeline stages). Forward: a program owns BLOCK_M query rows
-# and walks the key tiles (TILE_N keys each, fixed: the fix looks for ties within one tile); 128 rows reuse each
-# loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while this one is
-# multiplied (software pipelining). Backward: 64 x 64 tiles in both passes, which keep dK, dV (or dQ) and the
-# recomputed P in registers; up to SHORT_SEQ keys its loops are at most 8 tiles long, too short to fill a
-# pipeline, so it runs unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward and 6 backward
-# settings timed on the H200; no autotune, so that a run's
-# numerics (the backward's summation order) never depend on a timing.
-# Forward rows must be a multiple of TILE_N (the causal split assumes it). Under the CPU interpreter, forward
-# programs own 64 rows and nothing is pipelined.
+# Tuning per head_dim, as (rows per program, warps, pipeline stages). Forward: a program owns BLOCK_M query
+# rows and walks the key tiles (TILE_N keys each, fixed: the fix looks for ties within one tile); 128 rows
+# reuse each loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while
+# this one is multiplied (software pipelining). Backward: 64 x 64 tiles in both passes, which keep dK, dV (or
+# dQ) and the recomputed P in registers; up to SHORT_SEQ keys its loops are at most 8 tiles long, too short
+# to fill a pipeline, so it runs unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward
+# and 6 backward settings timed on the H200; no autotune, so that a run's numerics (the backward's summation
+# order) never depend on a timing. Under the CPU interpreter, forward programs own 64 rows and nothing is
+# pipelined.
 FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
 BWD_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
 SHORT_SEQ = 512
@@ -349,11 +485,8 @@ if INTERPRET:
     BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
 
 
-def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amplify="p", delta_from_p=False,
-                 delta_fp32=False, fix=False, stochastic_o="off"):
-    """Clear errors instead of wrong answers (shared with nanolp/emulate.py)."""
-    if not (isinstance(fix, bool) or fix == "paper"):
-        raise ValueError(f'fix must be False, True or "paper", got {fix!r}')
+def check_inputs(q, k, v, numerics):
+    """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -362,7 +495,8 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amp
         if t.dim() != 4:
             raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
     if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -371,41 +505,8 @@ def check_inputs(q, k, v, precision, beta=2.0, tol=TIE_TOL, mantissa_bits=0, amp
         raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
     if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
         raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
-    if precision not in ("fa2", "paper"):
-        raise ValueError(f'precision must be "fa2" or "paper", got {precision!r}')
-    if not beta > 1.0:
-        raise ValueError(f"beta must be greater than 1 (it moves the max up), got {beta}")
-    if not tol >= 0.0:
-        raise ValueError(f"tol must be non-negative, got {tol}")
-    if mantissa_bits not in range(0, 7):
-        raise ValueError(f"mantissa_bits must be 0 (off) or 1-6, got {mantissa_bits}")
-    if amplify not in ("p", "vo"):
-        raise ValueError(f'amplify must be "p" or "vo", got {amplify!r}')
-    if stochastic_o not in STOCHASTIC_O:
-        raise ValueError(f"stochastic_o must be one of {STOCHASTIC_O}, got {stochastic_o!r}")
-    if stochastic_o != "off" and q.dtype != torch.bfloat16:
+    if numerics.stochastic_o != "off" and q.dtype != torch.bfloat16:
         raise TypeError(f"stochastic_o rounds to bfloat16; q, k, v are {q.dtype}")
-    deltas = [name for name, on in (("fix=True (delta from the fp32 O)", fix is True), ("delta_from_p", delta_from_p),
-                                    ("delta_fp32", delta_fp32), ('stochastic_o="delta"', stochastic_o == "delta"))
-              if on]
-    if len(deltas) > 1 and deltas != ["fix=True (delta from the fp32 O)", "delta_fp32"]:
-        raise ValueError(f"{' and '.join(deltas)} are different ways of computing delta: choose one")
-
-
-def fix_constants(precision, tol, mantissa_bits=0):
-    """The fix's constants in the kernel's units (log2 units in "fa2"), computed once, in float64.
-
-    tol and the shift's lower bound are set for P in bf16 (7 mantissa bits). The amplifier rounds P to fewer
-    bits, which widens the band of scores whose P rounds to exactly 1.0 by 2^(7 - bits); both widen with it,
-    or the fix would miss most of the near-ties the amplifier creates and shift some maxima by too little."""
-    unit = LOG2E if precision == "fa2" else 1.0
-    lo = SHIFT_LO * widening(mantissa_bits)
-    return tol * widening(mantissa_bits) * unit, lo * unit, SHIFT_HI * unit, (SHIFT_HI - lo) * unit
-
-
-def amplified_bits(mantissa_bits, amplify):
-    """The amplifier as (bits of P before P V, bits of O before its store); 0 = no extra rounding."""
-    return (mantissa_bits, 0) if amplify == "p" else (0, mantissa_bits)
 
 
 def round_mantissa(x, bits):
@@ -423,17 +524,18 @@ def round_mantissa(x, bits):
     return torch.where(torch.isfinite(x), out, x.float())
 
 
-def amplified_v(v, mantissa_bits, amplify):
-    """amplify="vo": V rounded to mantissa_bits before attention sees it, so the forward and the backward read
-    the same V; its gradient passes straight through to the unrounded V."""
-    if amplify != "vo" or not mantissa_bits:
+def amplified_v(v, bits):
+    """amplify="vo" (bits: Numerics.o_bits): V rounded to bits before attention sees it, so the forward and
+    the backward read the same V; its gradient passes straight through to the unrounded V."""
+    if not bits:
         return v
-    return round_mantissa(v, mantissa_bits).to(v.dtype).detach() + (v - v.detach())
+    return round_mantissa(v, bits).to(v.dtype).detach() + (v - v.detach())
 
 
-def widening(mantissa_bits):
-    """How much wider than in bf16 the band of scores is whose P rounds to 1.0, with P at mantissa_bits bits."""
-    return 2.0 ** (7 - mantissa_bits) if mantissa_bits else 1.0
+def widening(bits):
+    """How much wider than in bf16 the band of scores whose P rounds to 1.0 is, with P at `bits` mantissa bits
+    (0: bf16's own)."""
+    return 2.0 ** (7 - bits) if bits else 1.0
 
 
 def qk_scale(head_dim, precision):
@@ -441,10 +543,11 @@ def qk_scale(head_dim, precision):
 
 
 def empty_in_layout_of(t, dtype=None):
-    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is: (batch, seq, heads, head_dim) in
-    memory when t's heads sit inside its sequence (q, k, v viewed from a (batch, seq, 3 * channels) projection,
-    as in model.py), else (batch, heads, seq, head_dim). O, and dQ, dK, dV in the backward, get this layout, so
-    the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA. dtype: t's by default."""
+    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is: (batch, seq, heads, head_dim)
+    in memory when t's heads sit inside its sequence (q, k, v viewed from a (batch, seq, 3 * channels)
+    projection, as in model.py), else (batch, heads, seq, head_dim). O, and dQ, dK, dV in the backward, get
+    this layout, so the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA. dtype:
+    t's by default."""
     B, H, N, D = t.shape
     dtype = dtype or t.dtype
     if t.stride(1) < t.stride(2):
@@ -453,64 +556,47 @@ def empty_in_layout_of(t, dtype=None):
 
 
 def stochastic_round(x, generator=None):
-    """Round fp32 x to bfloat16 stochastically: up or down with probabilities that make the rounding unbiased
-    (E[result] = x), by adding 16 random bits below bf16's mantissa and truncating. Twice the error variance of
-    round-to-nearest on average; used by the stochastic_o experiment only."""
+    """Round fp32 x to bfloat16 stochastically: up or down with probabilities that make the rounding
+    unbiased (E[result] = x), by adding 16 random bits below bf16's mantissa and truncating. Twice the error
+    variance of round-to-nearest on average; used by the stochastic_o experiment only."""
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: rounds |x| up or down; exact in bf16
+    bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: |x| rounded up or down, to bf16
     rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
     return torch.empty_like(x, dtype=torch.bfloat16).copy_(rounded)    # in x's layout
 
 
-# THE FIX, part 2: the backward's delta reads the fp32 O the forward computed, not its bf16 cast. The cast is
-# what delta's one-signed error comes from in our runs; the caller still gets the bf16 O, bit for bit as before.
-
-def output_and_delta_o(o32, dtype, delta_fp32, stochastic_o):
-    """From the forward's fp32 O: the O the caller gets and the O the backward's delta reads (None: the same).
-
-    default           O = round(o32);             delta reads O          (the paper's channel)
-    delta_fp32        O = round(o32);             delta reads o32        (the complete fix, fix=True)
-    stochastic "forward"  O = stochastic(o32);    delta reads O          (or o32 with delta_fp32)
-    stochastic "delta"    O = round(o32);         delta reads an independent stochastic(o32)"""
-    o = stochastic_round(o32) if stochastic_o == "forward" else o32.to(dtype)          # ROUND: O's final cast
-    if delta_fp32:
-        return o, o32
-    return o, stochastic_round(o32) if stochastic_o == "delta" else None
-
-
-def needs_fp32_o(delta_fp32, stochastic_o):
-    return delta_fp32 or stochastic_o != "off"
-
+# The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
+# from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
+# and stochastic: O stochastically rounded in the forward).
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
-def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, precision: str,
-               beta: float, tol: float, delta_from_p: bool, delta_fp32: bool, mantissa_bits: int, amplify: str,
-               stochastic_o: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
+               precision: str, p_bits: int, o_bits: int, stochastic: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
-    shift: the paper's row-max shift (_shifted_max). delta_from_p is for the backward only (_setup_context)."""
+    delta "P" is for the backward only (_setup_context)."""
     B, H, N, D = q.shape
-    fp32_o = needs_fp32_o(delta_fp32, stochastic_o)   # the kernel then skips its final cast, done below
+    fp32_o = stochastic or delta in ("fp32 O", "stochastic O")   # the kernel skips its final cast, done below
     o = empty_in_layout_of(q, torch.float32 if fp32_o else None)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = FWD_TUNING[D]
-    p_bits, o_bits = amplified_bits(mantissa_bits, amplify)
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        H, N, qk_scale(D, precision), beta, *fix_constants(precision, tol, p_bits),
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal, FIX=shift, PAPER=precision == "paper",
+        H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
+        PAPER=precision == "paper", SHIFT=fix_constants(precision, p_bits) if shift else None,
         P_BITS=p_bits, O_BITS=o_bits, num_warps=warps, num_stages=stages)
     if not fp32_o:
         return o, lse, o.new_empty(0)
-    o, o_delta = output_and_delta_o(o, q.dtype, delta_fp32, stochastic_o)
+    o, o_delta = output_and_delta_o(o, q.dtype, stochastic, delta)
     return o, lse, o.new_empty(0) if o_delta is None else o_delta
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, shift, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify, stochastic_o):
+def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic):
     o = empty_in_layout_of(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if delta_fp32 or stochastic_o == "delta":
-        return o, lse, empty_in_layout_of(q, torch.float32 if delta_fp32 else None)
+    if delta in ("fp32 O", "stochastic O"):
+        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32 O" else None)
     return o, lse, o.new_empty(0)
 
 
@@ -521,18 +607,19 @@ def _bwd_launch(q, k, v, o, causal, precision):
     block, warps, stages = BWD_TUNING[D]
     if N <= SHORT_SEQ:
         stages = 1
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N, qk_scale(D, precision))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
+               qk_scale(D, precision))
     meta = dict(HEAD_DIM=D, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal, PAPER=precision == "paper",
                 num_warps=warps, num_stages=stages)
     return (triton.cdiv(N, block), B * H), strides, meta
 
 
-def _bwd_delta(do, q, k, v, o, lse, launch, delta_from_p):
-    """The backward's first step: delta = rowsum(dO * O), or with delta_from_p the paper's control, which does
+def _bwd_delta(do, q, k, v, o, lse, launch, from_p):
+    """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
     not read O. do must be in O's layout."""
     grid, strides, meta = launch
     delta = torch.empty_like(lse)
-    if delta_from_p:
+    if from_p:
         # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
         _bwd_dq_kernel[grid](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
     else:
@@ -543,14 +630,14 @@ def _bwd_delta(do, q, k, v, o, lse, launch, delta_from_p):
 
 @torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, precision: str, delta_from_p: bool
+               lse: torch.Tensor, causal: bool, precision: str, from_p: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if do.stride() != o.stride() or do.dtype != q.dtype:  # the kernels read dO with O's strides, in q's dtype
-        do = torch.empty_like(o, dtype=q.dtype).copy_(do)  # (exact: an fp32 dO from the cast holds bf16 values)
+    if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
+        do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
     launch = _bwd_launch(q, k, v, o, causal, precision)
     grid, strides, meta = launch
-    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, launch, delta_from_p))
-    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))  # o is dense: empty_like keeps its strides
+    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, launch, from_p))
+    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
     sm_scale = q.shape[-1] ** -0.5
     _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, sm_scale, **meta)
     _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
@@ -558,21 +645,21 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, precision, delta_from_p):
+def _(do, q, k, v, o, lse, causal, precision, from_p):
     return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, _, precision, _, _, delta_from_p, *_ = inputs
+    q, k, v, causal, _, delta, precision, *_ = inputs
     o, lse, o_delta = output
     ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
-    ctx.causal, ctx.precision, ctx.delta_from_p = causal, precision, delta_from_p
+    ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "P"
 
 
 def _backward(ctx, do, _dlse, _do_delta):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.delta_from_p)
-    return dq, dk, dv, *[None] * 10
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p)
+    return dq, dk, dv, *[None] * 7
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -595,58 +682,41 @@ def check_device(q):
                      "(the same numbers)")
 
 
-def flash_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                    delta_fp32=False, mantissa_bits=0, amplify="p", stochastic_o="off"):
+def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics()):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any
-        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of the
-        same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
-    fix: False, True or "paper".
+        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of
+        the same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
+    fix: False, True or "paper" (wire_fix).
         True, the complete fix: the paper's row-max shift (_shifted_max: no P is exactly 1 in a row with tied
-            maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final cast to q's
-            dtype. The returned O is unchanged (the same bits as with the fix off, up to the shift's rounding);
-            the backward keeps one fp32 O. Exact in real arithmetic.
+            maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final cast to
+            q's dtype. The returned O is unchanged (the same bits as with the fix off, up to the shift's
+            rounding); the backward keeps one fp32 O. Exact in real arithmetic.
         "paper": the paper's rule alone (the shift), an ablation: it removes the tie bias but not the error of
             O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
-    precision: "fa2" (fp32 statistics and accumulator, the production pattern) or "paper" (the rounding
-        points of the paper's PyTorch implementation under bf16 autocast).
-    beta: the paper's factor: a tied row max r > 0 becomes beta * r. Default 2, the official value; any
-        beta > 1 is exact, and the fold into [2^-6, 64) nats removes the official advice to retune it on NaN.
-    tol: scores within tol nats of a tile's row max count as tied. Default 2^-9: exp(-x) for x below that
-        rounds to exactly 1.0 in bf16, which is what makes a product P V exact and its rounding one-sided.
-        (The official code uses 1e-3; both catch exact ties, this one also every score whose P rounds to 1.)
-
-    Experiments (for studying the failure, not for training models):
-    delta_from_p: the paper's localisation control: delta = rowsum(dP * P) from P recomputed in fp32 (over
-        rowsum(P) in "paper", whose bf16 l leaves P summing to 1 + O(2^-9)); never reads O; one more pass.
-    delta_fp32: delta from the forward's fp32 O without the shift (the fix's second part alone).
-    stochastic_o: "off"; "forward": O stochastically rounded to bf16 (unbiased), so the next layer and delta both
-        see the same noisier O; "delta": O rounded to nearest as usual, delta reading an independent stochastic
-        rounding of the fp32 O. Together they separate "delta reads an error that dO is correlated with" from
-        "delta reads a biased O" (docs/findings.md).
-    mantissa_bits: the amplifier: round P before P V to this many mantissa bits (1-6; 3 is FP8 e4m3). 0, the
-        default: the input dtype's. The fix's tol and shift range widen to match (fix_constants).
-    amplify: what mantissa_bits rounds: "p" (the default) or "vo": V before attention reads it and O before it
-        is stored, P staying in the input dtype.
+    numerics: the experiments (Numerics), for studying the failure, not for training models; the default is
+        plain FlashAttention-2.
     """
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32, fix, stochastic_o)
+    check_inputs(q, k, v, numerics)
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
-    v = amplified_v(v, mantissa_bits, amplify)
-    return _flash_fwd(q, k, v, causal, fix is not False, precision, float(beta), float(tol), delta_from_p,
-                      delta_fp32 or fix is True, mantissa_bits, amplify, stochastic_o)[0]
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
+                             "call .contiguous()")
+    shift, delta = wire_fix(fix, numerics)
+    v = amplified_v(v, numerics.o_bits)
+    return _flash_fwd(q, k, v, causal, shift, delta, numerics.precision, numerics.p_bits, numerics.o_bits,
+                      numerics.stochastic_o == "forward")[0]
 
 
-def flash_forward_fp32(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, mantissa_bits=0,
-                       amplify="p"):
+def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):
     """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix=True. For
     diagnostics and tests."""
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, fix=fix)
+    check_inputs(q, k, v, numerics)
     check_device(q)
+    shift, _ = wire_fix(fix, numerics)
     with torch.no_grad():
-        v = amplified_v(v, mantissa_bits, amplify)
-        return _flash_fwd(q, k, v, causal, fix is not False, precision, float(beta), float(tol), False, True,
-                          mantissa_bits, amplify, "off")[2]
+        v = amplified_v(v, numerics.o_bits)
+        return _flash_fwd(q, k, v, causal, shift, "fp32 O", numerics.precision, numerics.p_bits,
+                          numerics.o_bits, False)[2]

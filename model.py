@@ -10,17 +10,20 @@ is pluggable, because the attention numerics are what this project studies:
     sdpa-cudnn  SDPA forced to its cuDNN backend
     fp32        plain softmax attention in float32: the control with no low-precision attention at all
 
-GPTConfig's second block holds the experiments (variants of our kernel's numerics, and a model without
-position embeddings); the demo leaves them at their defaults.
+GPTConfig's second block holds the experiments (variants of our kernel's numerics, kernels.Numerics, and a
+model without position embeddings); the demo leaves them at their defaults.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels import Numerics, flash_attention
+from nanolp.emulate import emulate_attention
 
 # Dense (no sparsity) bf16 tensor-core peak of one NVIDIA H200 SXM, from NVIDIA's datasheet: 989 TFLOPS.
 # MFU is always reported against this number, whatever device the run is on.
@@ -39,14 +42,7 @@ class GPTConfig:
     attn: str = "kernel"      # one of ATTN_BACKENDS
     fix: object = False       # kernel/emulate: False, True (the complete fix) or "paper" (the paper's rule alone)
     # ---- experiments: variants that test the mechanism; the defaults are the plain model and attention.
-    # All but pos act in our kernel only (attn kernel or emulate).
-    precision: str = "fa2"    # "fa2" (fp32 accumulator) or "paper" (accumulator rounded to bf16 per tile)
-    delta_from_p: bool = False  # delta = rowsum(dP * P), not from the forward's O (the paper's control)
-    delta_fp32: bool = False  # delta from the forward's fp32 O, before its final bf16 cast, without the shift
-    stochastic_o: str = "off"  # "forward": O stochastically rounded, so the next layer and delta see it;
-                               # "delta": only the O that delta reads is (an independent) stochastic rounding
-    mantissa_bits: int = 0    # the amplifier: P rounded to fewer bits before P V (0 = off)
-    amplify: str = "p"        # what the amplifier rounds: "p", or "vo" (V and O: amplifies the paper's tie bias)
+    numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds (kernels.Numerics)
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
                               # repeat of a row's best-matching token ties exactly (copies, which carry no bias)
 
@@ -78,14 +74,11 @@ def implementation(attn, device_type):
 def attention(q, k, v, config):
     """Causal attention on (batch, heads, seq, head_dim) tensors with the backend the config names."""
     if config.attn in ("kernel", "emulate"):
-        # imported here so that this file (and the sdpa/fp32 backends) work without the kernel modules
         if implementation(config.attn, q.device.type) == "kernel":
-            from kernels import flash_attention as fn
+            fn = flash_attention
         else:  # the emulation has the kernel's numerics and runs anywhere
-            from nanolp.emulate import emulate_attention as fn
-        return fn(q, k, v, causal=True, fix=config.fix, precision=config.precision,
-                  delta_from_p=config.delta_from_p, delta_fp32=config.delta_fp32, mantissa_bits=config.mantissa_bits,
-                  amplify=config.amplify, stochastic_o=config.stochastic_o)
+            fn = emulate_attention
+        return fn(q, k, v, causal=True, fix=config.fix, numerics=config.numerics)
     if config.attn == "fp32":
         return reference_attention(q, k, v)
     if config.attn == "sdpa":
@@ -157,11 +150,11 @@ class GPT(nn.Module):
         super().__init__()
         assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
         assert config.pos in ("learned", "none"), f'pos must be "learned" or "none", got {config.pos!r}'
-        kernel_only = {name: getattr(config, name) for name in ("fix", "delta_from_p", "delta_fp32", "mantissa_bits")}
-        kernel_only["stochastic_o"] = config.stochastic_o != "off"
-        if config.attn not in ("kernel", "emulate") and any(kernel_only.values()):
-            on = ", ".join(name for name, value in kernel_only.items() if value)
-            raise ValueError(f"{on}: only our kernel (attn kernel or emulate) has it, not attn {config.attn!r}")
+        changed = [f.name for f in fields(Numerics) if getattr(config.numerics, f.name) != f.default]
+        kernel_only = (["fix"] if config.fix else []) + changed
+        if config.attn not in ("kernel", "emulate") and kernel_only:
+            raise ValueError(f"{', '.join(kernel_only)}: only our kernel (attn kernel or emulate) has it, "
+                             f"not attn {config.attn!r}")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),

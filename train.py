@@ -61,15 +61,17 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from kernels import Numerics
 from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
-from nanolp.presets import ARM, COMMON, FIX, NAMED, PRESETS, changed_settings, check_config, flag
+from nanolp.presets import ARM, COMMON, FIX, NAMED, NUMERICS, PRESETS, changed_settings, check_config, flag
 from nanolp.runs import RunError, latest_checkpoint, locked, log_outcome, provenance, read_json, read_log
 
 # a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
@@ -119,18 +121,12 @@ def parse_args(argv):
         shape.add_argument(f"--{dim}", type=int)
     experiments = p.add_argument_group("experiments", "variants of the numerics and the model that test the "
                                                       "mechanism (all but --pos only in attn kernel or emulate)")
-    experiments.add_argument("--precision", choices=["fa2", "paper"],
-                             help="fa2: fp32 accumulator (default); paper: the accumulator rounded to bf16 per tile")
-    experiments.add_argument("--delta-from-p", action=argparse.BooleanOptionalAction,
-                             help="delta = rowsum(dP * P), not from the forward's O (the paper's control)")
-    experiments.add_argument("--delta-fp32", action=argparse.BooleanOptionalAction,
-                             help="delta from the forward's fp32 O, before its final bf16 cast, without the shift")
-    experiments.add_argument("--stochastic-o", choices=["off", "forward", "delta"],
-                             help="O stochastically rounded in the forward, or only the O that delta reads")
-    experiments.add_argument("--mantissa-bits", type=int,
-                             help="the amplifier: P rounded to 1-6 mantissa bits before P V (default 0, off)")
-    experiments.add_argument("--amplify", choices=["p", "vo"],
-                             help="what --mantissa-bits rounds: P (default) or V and O (amplifies the tie bias)")
+    for f in fields(Numerics):   # our attention's numerics: a flag per field, with the help and values it declares
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            experiments.add_argument(flag, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+        else:
+            experiments.add_argument(flag, type=f.type, choices=f.metadata["choices"], help=f.metadata["help"])
     experiments.add_argument("--pos", choices=["learned", "none"],
                              help="position embeddings; none: layer 0 sees tokens only, so repeated tokens tie")
     return p.parse_args(argv)
@@ -356,9 +352,8 @@ def run(c, data, resume):
     train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
-                          n_embd=c["n_embd"], attn=c["attn"], fix=FIX[c["fix"]], precision=c["precision"],
-                          delta_from_p=c["delta_from_p"], delta_fp32=c["delta_fp32"], mantissa_bits=c["mantissa_bits"],
-                          amplify=c["amplify"], stochastic_o=c["stochastic_o"], pos=c["pos"])).to(device)
+                          n_embd=c["n_embd"], attn=c["attn"], fix=FIX[c["fix"]],
+                          numerics=Numerics(**{k: c[k] for k in NUMERICS}), pos=c["pos"])).to(device)
     c["vocab_size"], c["flops_per_token"] = data.vocab_size, model.flops_per_token()
     # weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2
     params = list(model.parameters())

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from model import causal_scores
 from nanolp.emulate import emulate_forward_fp32, scores
-from kernels import TIE_TOL, amplified_bits, amplified_v, stochastic_round, widening  # TIE_TOL: exp(-x) rounds to 1.0
+from kernels import TIE_TOL, amplified_v, stochastic_round, widening  # TIE_TOL: exp(-x) rounds to 1.0
 
 SHARP_EPS = 1e-3  # below it, delta's error from O's cast copies the dominant logit's gradient
 PROBE_LAYER = 0    # the layer that runs away
@@ -126,13 +126,11 @@ def spectral_norms(model):
 def fp32_output(q, k, v, config):
     """The attention's O before its final cast, as config's attention computes it (float32 attention for the
     torch backends, which have no fp32 O of their own to read)."""
-    options = dict(fix=config.fix, precision=config.precision, mantissa_bits=config.mantissa_bits,
-                   amplify=config.amplify)
     if config.attn == "kernel" and q.is_cuda:
         from kernels import flash_forward_fp32
-        return flash_forward_fp32(q, k, v, **options)
+        return flash_forward_fp32(q, k, v, fix=config.fix, numerics=config.numerics)
     if config.attn in ("kernel", "emulate"):
-        return emulate_forward_fp32(q, k, v, **options)
+        return emulate_forward_fp32(q, k, v, fix=config.fix, numerics=config.numerics)
     with torch.no_grad():
         return causal_scores(q, k).softmax(dim=-1) @ v.float()
 
@@ -198,11 +196,11 @@ def diagnose(model, x, y, ctx, probe=None):
     training step."""
     out = spectral_norms(model)
     out.update(delta_probe(model, probe or [(x, y)], ctx))
-    c = model.config
-    p_bits, _ = amplified_bits(c.mantissa_bits, c.amplify)   # the tie band: scores whose P rounds to 1.0
+    numerics = model.config.numerics
+    tol = TIE_TOL * widening(numerics.p_bits)                # the tie band: scores whose P rounds to 1.0
     for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):
-        v = amplified_v(v, c.mantissa_bits, c.amplify)       # the V attention read
-        max_logit, *per_head = attention_stats(q, k, v, O, dO, TIE_TOL * widening(p_bits), c.precision)
+        v = amplified_v(v, numerics.o_bits)                  # the V attention read
+        max_logit, *per_head = attention_stats(q, k, v, O, dO, tol, numerics.precision)
         out[f"max_logit_L{i}"] = max_logit
         for name, values in zip(("tie_rate", "sharp_rate", "delta_err", "delta_push"), per_head):
             out[f"{name}_L{i}"] = values.mean()

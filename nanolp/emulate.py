@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import (BWD_TUNING, TIE_TOL, TILE_N, amplified_bits, amplified_v, check_inputs, fix_constants,
-                     output_and_delta_o, qk_scale, round_mantissa)
+from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants, output_and_delta_o,
+                     qk_scale, round_mantissa, wire_fix)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -63,8 +63,9 @@ def _round(x, dtype):
 # ---------------------------------------------------------------------------------------------------------
 # The fix
 
-def shifted_max(S, r, t, beta, tol, lo, hi, span):
-    """The row max to subtract from this tile's scores S, and the new raw row max (kernels._shifted_max).
+def shifted_max(S, r, t, shift):
+    """The row max to subtract from this tile's scores S, and the new raw row max (kernels._shifted_max; shift:
+    its constants, kernels.fix_constants).
 
     r = rowmax(S), t = the raw (unshifted) row max of the earlier tiles. If two or more unmasked scores of this
     tile lie within tol of r, or r lies within tol of t (a tie across tiles), move the max up by d > 0, so that
@@ -72,11 +73,11 @@ def shifted_max(S, r, t, beta, tol, lo, hi, span):
     shift ((beta - 1) r for r > 0, -r for r < 0, i.e. max -> beta r or 0), folded into [lo, hi) when it leaves
     that range: never so small that exp(-d) rounds back to 1, never so large that exp(-d) underflows.
     """
-    n_near = (S >= (r - tol).unsqueeze(-1)).sum(-1)
-    across = (r >= t - tol) & (t >= r - tol)
+    n_near = (S >= (r - shift.tol).unsqueeze(-1)).sum(-1)
+    across = (r >= t - shift.tol) & (t >= r - shift.tol)
     tied = ((n_near > 1) | across) & (r > -math.inf)          # a fully masked tile (r = -inf) is never a tie
-    d = torch.where(r > 0, (torch.tensor(beta, dtype=torch.float32) - 1.0) * r, -r)
-    d = torch.where((d >= lo) & (d < hi), d, lo + torch.fmod(d, span))
+    d = torch.where(r > 0, (torch.tensor(shift.beta, dtype=torch.float32) - 1.0) * r, -r)
+    d = torch.where((d >= shift.lo) & (d < shift.hi), d, shift.lo + torch.fmod(d, shift.span))
     return torch.where(tied, r + d, r), torch.maximum(t, r)
 
 
@@ -101,13 +102,14 @@ def _mask(S, col0, n_keys, causal):
     return S.masked_fill(~valid, -math.inf)
 
 
-def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0, amplify="p"):
-    """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units). The
-    kernel keeps the fp32 O only with delta_fp32; the mechanism tests use it to show what it carries."""
+def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
+    """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units), with
+    the fix's shift on or off. The kernel keeps the fp32 O only when delta reads it; the mechanism tests use it
+    to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
-    p_bits, o_bits = amplified_bits(mantissa_bits, amplify)                                   # the amplifier
-    low = (lambda x: round_mantissa(x, p_bits)) if p_bits else (lambda x: x)
+    precision, p_bits, o_bits = numerics.precision, numerics.p_bits, numerics.o_bits
+    low = (lambda x: round_mantissa(x, p_bits)) if p_bits else (lambda x: x)                 # the amplifier
     q, k, v = q.float(), k.float(), v.float()
     m = torch.full((B, H, N), -math.inf, device=q.device)
     t = m.clone()                      # the raw running max (the fix's shift is not in it)
@@ -117,8 +119,8 @@ def forward(q, k, v, causal, fix, precision, beta, tol, mantissa_bits=0, amplify
         kt, vt = k[:, :, col0:col0 + TILE_N], v[:, :, col0:col0 + TILE_N]
         S = _mask(scores(q, kt, precision, dtype), col0, N, causal)
         r = S.amax(-1)
-        if fix:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
-            r, t = shifted_max(S, r, t, beta, *fix_constants(precision, tol, p_bits))
+        if shift:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
+            r, t = shifted_max(S, r, t, fix_constants(precision, p_bits))
         if precision == "fa2":
             m_new = torch.maximum(m, r)
             alpha = _exp2(m - m_new)
@@ -171,12 +173,12 @@ def delta(q, k, v, o, lse, do, causal, precision, from_p=False):
     return delta
 
 
-def backward(q, k, v, o, lse, do, causal, precision, delta_from_p=False):
+def backward(q, k, v, o, lse, do, causal, precision, from_p=False):
     dtype = q.dtype
     N, D = q.shape[-2:]
     scale = D ** -0.5
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
-    dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, delta_from_p).unsqueeze(-1)), dtype)
+    dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, from_p).unsqueeze(-1)), dtype)
     P = _round(P, dtype)
     dq = sum(_dot(dS[..., cols], k[..., cols, :]) for cols in _tiles(N, D)) * scale       # over key tiles
     dk = sum(_dot(dS[..., rows, :].mT, q[..., rows, :]) for rows in _tiles(N, D)) * scale  # over query tiles
@@ -186,36 +188,32 @@ def backward(q, k, v, o, lse, do, causal, precision, delta_from_p=False):
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, shift, precision, beta, tol, delta_from_p, delta_fp32, mantissa_bits, amplify,
-                stochastic_o):
-        _, o32, lse = forward(q, k, v, causal, shift, precision, beta, tol, mantissa_bits, amplify)
-        o, o_delta = output_and_delta_o(o32, q.dtype, delta_fp32, stochastic_o)   # as kernels._flash_fwd
+    def forward(ctx, q, k, v, causal, shift, delta, numerics):
+        _, o32, lse = forward(q, k, v, causal, shift, numerics)
+        o, o_delta = output_and_delta_o(o32, q.dtype, numerics.stochastic_o == "forward", delta)   # as the kernel
         ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
-        ctx.args = (causal, precision, delta_from_p)
+        ctx.args = (causal, numerics.precision, delta == "P")
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 10)
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 4)
 
 
-def emulate_attention(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, delta_from_p=False,
-                      delta_fp32=False, mantissa_bits=0, amplify="p", stochastic_o="off"):
+def emulate_attention(q, k, v, causal=True, fix=False, numerics=Numerics()):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, delta_from_p, delta_fp32, fix, stochastic_o)
-    v = amplified_v(v, mantissa_bits, amplify)
+    check_inputs(q, k, v, numerics)
+    shift, delta = wire_fix(fix, numerics)
+    v = amplified_v(v, numerics.o_bits)
     with torch.autocast(q.device.type, enabled=False):
-        return _EmulatedAttention.apply(q, k, v, causal, fix is not False, precision, float(beta), float(tol),
-                                        delta_from_p, delta_fp32 or fix is True, mantissa_bits, amplify, stochastic_o)
+        return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics)
 
 
-def emulate_forward_fp32(q, k, v, causal=True, fix=False, precision="fa2", beta=2.0, tol=TIE_TOL, mantissa_bits=0,
-                         amplify="p"):
+def emulate_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):
     """kernels.flash_forward_fp32's result: the forward's O before its final cast."""
-    check_inputs(q, k, v, precision, beta, tol, mantissa_bits, amplify, fix=fix)
+    check_inputs(q, k, v, numerics)
+    shift, _ = wire_fix(fix, numerics)
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        v = amplified_v(v, mantissa_bits, amplify)
-        return forward(q, k, v, causal, fix is not False, precision, float(beta), float(tol), mantissa_bits,
-                       amplify)[1]
+        return forward(q, k, amplified_v(v, numerics.o_bits), causal, shift, numerics)[1]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kernels import Numerics
 from nanolp.curvature import ROUNDINGS, synthetic_delta_error
 from nanolp.emulate import emulate_attention, emulate_forward_fp32, round_bf16
 from nanolp.plots import PALETTE, save
@@ -75,8 +76,9 @@ def worked_example():
 def delta_errors(attend, forward_fp32, q, k, v, do, precision, fix):
     """Errors of O and of delta = rowsum(dO * O) against float64. delta is computed as the kernel's backward does,
     summed in fp32 from bf16 dO and the O it reads: the stored bf16 O, or with --fix on the forward's fp32 O."""
-    o = attend(q, k, v, causal=False, fix=FIXES[fix], precision=precision)
-    read = forward_fp32(q, k, v, causal=False, fix=FIXES[fix], precision=precision) if fix == "on" else o
+    numerics = Numerics(precision=precision)
+    o = attend(q, k, v, causal=False, fix=FIXES[fix], numerics=numerics)
+    read = forward_fp32(q, k, v, causal=False, fix=FIXES[fix], numerics=numerics) if fix == "on" else o
     o64 = reference(q, k, v)
     delta = (do.float() * read.float()).sum(-1).double()
     delta64 = (do.double() * o64).sum(-1)

@@ -1,9 +1,15 @@
 """The presets, what a run's arm is and which settings a run can have, shared by train.py (which runs them) and
 analyze.py (which names runs by the train.py flags that set them apart)."""
+import re
+from dataclasses import asdict, fields
 
+from kernels import Numerics, wire_fix
+
+# The attention's numerics (kernels.Numerics): a run holds each field as a setting of its own (a flag, a key of
+# config.json and summary.json).
+NUMERICS = tuple(f.name for f in fields(Numerics))
 COMMON = dict(
-    fix="off", attn="kernel", precision="fa2", delta_from_p=False, delta_fp32=False, stochastic_o="off",
-    mantissa_bits=0, amplify="p", pos="learned", seed=0,
+    fix="off", attn="kernel", **asdict(Numerics()), pos="learned", seed=0,
     lr=1e-3, warmup=100, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
     steps=5000, minutes=None, dtype="bf16",
     log_interval=10, eval_interval=250, eval_iters=20, diag_interval=250, ckpt_interval=250,
@@ -30,9 +36,8 @@ FIX = {"off": False, "on": True, "paper": "paper"}
 # The arm: every setting that decides a run's numbers (its numerics and its data order). The default name spells
 # out each one that differs from the preset, --resume refuses to change any, summary.json records them all.
 # Not in it: the run's length and intervals, and --device/--compile (where and how fast the same steps run).
-ARM = ("preset", "attn", "fix", "precision", "delta_from_p", "delta_fp32", "stochastic_o", "mantissa_bits", "amplify",
-       "pos", "lr", "warmup", "beta1", "beta2", "weight_decay", "grad_clip", "n_layer", "n_head", "n_embd",
-       "block_size", "batch_size", "dtype", "data", "seed")
+ARM = ("preset", "attn", "fix", *NUMERICS, "pos", "lr", "warmup", "beta1", "beta2", "weight_decay", "grad_clip",
+       "n_layer", "n_head", "n_embd", "block_size", "batch_size", "dtype", "data", "seed")
 NAMED = ("preset", "attn", "fix", "seed")  # always in the name
 
 
@@ -45,6 +50,12 @@ def changed_settings(c):
 def flag(key):
     """The train.py flag that gives a setting."""
     return "--data (or $NANOLP_DATA)" if key == "data" else "--" + key.replace("_", "-")
+
+
+def in_flags(message):
+    """A kernel's message about its arguments (fix=True, delta_fp32, ...) in train.py's flags (--fix on, ...)."""
+    names = "|".join(rf"\b{name}\b" for name in ("fix=True", "fix", *NUMERICS))
+    return re.sub(names, lambda m: "--fix on" if m[0] == "fix=True" else flag(m[0]), message)
 
 
 def check_config(c):
@@ -65,21 +76,14 @@ def check_config(c):
     elif shape_ok and ours and c["n_embd"] // c["n_head"] not in (16, 32, 64, 128):   # the kernel's tile sizes
         problems.append(f"--attn {c['attn']} needs a head size (--n-embd / --n-head) of 16, 32, 64 or 128, "
                         f"got {c['n_embd']} / {c['n_head']} = {c['n_embd'] // c['n_head']}")
-    if c["mantissa_bits"] not in range(0, 7):
-        problems.append(f"--mantissa-bits must be 0 (off) or 1-6, got {c['mantissa_bits']}")
-    if c["amplify"] != COMMON["amplify"] and c["mantissa_bits"] == 0:
-        problems.append(f"--amplify {c['amplify']} says what --mantissa-bits rounds: give --mantissa-bits 1-6")
-    experiments = [flag(k) if c[k] is True else f"{flag(k)} {c[k]}" for k in
-                   ("fix", "precision", "delta_from_p", "delta_fp32", "stochastic_o", "mantissa_bits", "amplify")
-                   if c[k] != COMMON[k]]
+    try:   # the kernel's own rules for its options (kernels.Numerics, kernels.wire_fix), told in flags
+        wire_fix(FIX[c["fix"]], Numerics(**{k: c[k] for k in NUMERICS}))
+    except ValueError as e:
+        problems.append(in_flags(str(e)))
+    experiments = [flag(k) if c[k] is True else f"{flag(k)} {c[k]}" for k in ("fix", *NUMERICS) if c[k] != COMMON[k]]
     if experiments and not ours:
         problems.append(f"{', '.join(experiments)}: only our kernel has {'these' if len(experiments) > 1 else 'it'} "
                         f"(--attn kernel or emulate), not --attn {c['attn']}")
-    deltas = [way for way, on in (("--fix on", c["fix"] == "on"), ("--delta-from-p", c["delta_from_p"]),
-                                  ("--delta-fp32", c["delta_fp32"]),
-                                  ("--stochastic-o delta", c["stochastic_o"] == "delta")) if on]
-    if len(deltas) > 1 and deltas != ["--fix on", "--delta-fp32"]:   # (--fix on reads delta from the fp32 O too)
-        problems.append(f"{' and '.join(deltas)} are different ways of computing delta: choose one")
     if c["dtype"] == "fp32" and c["attn"] not in ("sdpa", "fp32"):
         problems.append(f"--dtype fp32 needs --attn sdpa or fp32: --attn {c['attn']} takes bf16 or fp16 only")
     if c["name"] in ("", ".", "..") or set(c["name"]) & {"/", "\\", "\0"}:

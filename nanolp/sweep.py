@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nanolp.presets import COMMON, NUMERICS
 from nanolp.runs import find_runs, latest_checkpoint, load_run, log_path, read_json, thin_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +67,10 @@ DONE = ("finished", "collected")
 # (early training triples every norm from its initial value, so the first rows are no baseline)
 GROWTH = 3.0
 
-COLUMNS = ["name", "arm", "flags", "seed", "attn", "precision", "fix", "delta_from_p", "delta_fp32", "stochastic_o",
-           "mantissa_bits", "amplify", "lr", "batch_size", "block_size", "n_layer", "n_embd", "steps", "minutes",
-           "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit", "tie_rate_final",
-           "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s", "peak_mem_gb",
-           "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
+COLUMNS = ["name", "arm", "flags", "seed", "attn", "fix", *NUMERICS, "lr", "batch_size", "block_size", "n_layer",
+           "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit",
+           "tie_rate_final", "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s",
+           "peak_mem_gb", "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
 # a row whose run folder was never kept (an earlier sample of the same arm and seed, known by its summary alone)
 # is named ARM-sSEED-nolog, so that a new run of that arm and seed, with its log, takes the plain name
 NO_LOG = "-nolog"
@@ -401,11 +401,8 @@ def collect_row(path, arm=None, flags=""):
     o = run.outcome
     return dict(
         name=run.name, arm=arm or run.arm, flags=flags, seed=run.setting("seed"),
-        **{key: run.setting(key) for key in ("attn", "precision", "fix")},
-        delta_from_p=run.setting("delta_from_p", False), delta_fp32=run.setting("delta_fp32", False),
-        stochastic_o=run.setting("stochastic_o", "off"),
-        mantissa_bits=run.setting("mantissa_bits", 0),
-        amplify=run.setting("amplify", "p"),
+        **{key: run.setting(key) for key in ("attn", "fix")},
+        **{key: run.setting(key, COMMON[key]) for key in NUMERICS},   # (a run older than an option ran without it)
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
         steps=o["steps"], minutes=o["minutes"],
         **{key: s.get(key) for key in ("collapsed", "collapse_step", "collapse_minute", "reason")},

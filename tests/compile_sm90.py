@@ -8,7 +8,7 @@ a block shape the layouts cannot take) and runs no constexpr branch it is not gi
 change would meet the compiler only on the next GPU run. The host functions (_flash_fwd, _flash_bwd) run on
 CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled
 as the GPU's JIT specializes it (specialize): the code that runs, not a generic version with scalar loads and
-other pipelining. At head_dim 64 the forward in every combination of causal, fix, precision and amplifier
+other pipelining. At head_dim 64 the forward in every combination of causal, shift, precision and amplifier
 (causal only with an amplifier) and the backward in both precisions with delta from O and from P; at every
 head_dim the plain forward and backward, the backward at a short and a long (pipelined) sequence. Compilation
 only: the numbers are the GPU tests' job.
@@ -52,14 +52,14 @@ def record_launches():
         setattr(kernels, name, Recorder(getattr(kernels, name), launches))
     for D in (16, 32, 64, 128):
         q = k = v = torch.zeros(1, 2, kernels.SHORT_SEQ, D, dtype=torch.bfloat16)
-        forward = [(True, False, "fa2", 0, "p")]
-        if D == 64:  # every constexpr combination: the amplifiers with causal masking only
-            amplifiers = ((0, "p"), (3, "p"), (2, "vo"))
-            forward = [(causal, fix, precision, bits, amplify) for causal, fix, precision, (bits, amplify)
+        forward = [(True, False, "fa2", (0, 0))]
+        if D == 64:  # every constexpr combination: the amplifiers (P_BITS, O_BITS) with causal masking only
+            amplifiers = ((0, 0), (3, 0), (0, 2))
+            forward = [(causal, shift, precision, bits) for causal, shift, precision, bits
                        in itertools.product((True, False), (False, True), ("fa2", "paper"), amplifiers)
-                       if causal or not bits]
-        for causal, fix, precision, bits, amplify in forward:
-            kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, False, bits, amplify, "off")
+                       if causal or bits == (0, 0)]
+        for causal, shift, precision, bits in forward:
+            kernels._flash_fwd(q, k, v, causal, shift, "O", precision, *bits, False)
         backward = [(N, "fa2", False) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)]  # unpipelined, pipelined
         if D == 64:
             backward += [(kernels.SHORT_SEQ, precision, from_p)

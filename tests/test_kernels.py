@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import Numerics
 from nanolp import emulate
 
 INTERPRETED = kernels.INTERPRET
@@ -74,8 +76,8 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
-    o, lse = kernels._flash_fwd(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL, False, False, 0, "p", "off")[:2]
-    o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, precision, 2.0, kernels.TIE_TOL)
+    o, lse = kernels._flash_fwd(q, k, v, causal, fix, "O", precision, 0, 0, False)[:2]
+    o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, Numerics(precision=precision))
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
 
@@ -87,8 +89,8 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     monkeypatch.setitem(kernels.FWD_TUNING, 64, (128, 4, 1))
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in (False, True):
-        o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, False, 0, "p", "off")[:2]
-        o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
+        o, lse = kernels._flash_fwd(q, k, v, True, fix, "O", precision, 0, 0, False)[:2]
+        o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, Numerics(precision=precision))
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
 
 
@@ -101,19 +103,21 @@ def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     is emulated exactly, and so is the fp32 O that delta_fp32 keeps (rounded to O_BITS with "vo", not cast)."""
     q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 9, :]
-    o, lse = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, False, 3, amplify, "off")[:2]
-    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3, amplify)
+    numerics = Numerics(precision=precision, mantissa_bits=3, amplify=amplify)
+    bits = numerics.p_bits, numerics.o_bits
+    o, lse = kernels._flash_fwd(q, k, v, True, fix, "O", precision, *bits, False)[:2]
+    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, numerics)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
-    o_bf16, _, _ = emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL)
+    o_bf16, _, _ = emulate.forward(q, k, v, True, fix, Numerics(precision=precision))
     assert not torch.equal(o, o_bf16), "the amplifier must change the result"
-    o32 = kernels._flash_fwd(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, False, True, 3, amplify, "off")[2]
-    assert torch.equal(o32, emulate.forward(q, k, v, True, fix, precision, 2.0, kernels.TIE_TOL, 3, amplify)[1])
+    o32 = kernels._flash_fwd(q, k, v, True, fix, "fp32 O", precision, *bits, False)[2]
+    assert torch.equal(o32, emulate.forward(q, k, v, True, fix, numerics)[1])
 
 
 # -------------------------------------------------------------------------------------------------------
 # Gradients: bit for bit against the emulation, with delta from O, from P (the paper's control) or from an fp32 O
 
-DELTAS = {"O": {}, "P": dict(delta_from_p=True), "fp32 O": dict(delta_fp32=True)}
+DELTAS = {"O": Numerics(), "P": Numerics(delta_from_p=True), "fp32 O": Numerics(delta_fp32=True)}
 
 def grads(attention, q, k, v, do, **kw):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -129,26 +133,23 @@ def grads(attention, q, k, v, do, **kw):
 def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from, poisoned):
     """delta itself first: the gradients show its last bits only where they tip a rounding of dS to bf16."""
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    flags = DELTAS[delta_from]
-    from_p, fp32 = flags.get("delta_from_p", False), flags.get("delta_fp32", False)
-    o, lse, o32 = kernels._flash_fwd(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL, from_p, fp32, 0, "p",
-                                     "off")
-    o_want, o32_want, _ = emulate.forward(q, k, v, causal, False, precision, 2.0, kernels.TIE_TOL)
+    numerics = replace(DELTAS[delta_from], precision=precision)
+    o, lse, o32 = kernels._flash_fwd(q, k, v, causal, False, delta_from, precision, 0, 0, False)
+    o_want, o32_want, _ = emulate.forward(q, k, v, causal, False, numerics)
     assert torch.equal(o, o_want)                         # the returned O is the same with every delta
-    if fp32:
+    if delta_from == "fp32 O":
         assert torch.equal(o32, o32_want)                 # delta_fp32 keeps O before its cast for delta
         o = o32
     launch = kernels._bwd_launch(q, k, v, o, causal, precision)
-    delta = kernels._bwd_delta(do, q, k, v, o, lse, launch, from_p)
-    assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, from_p))
-    kw = dict(causal=causal, precision=precision, **flags)
-    ours = grads(kernels.flash_attention, q, k, v, do, **kw)
-    want = grads(emulate.emulate_attention, q, k, v, do, **kw)
+    delta = kernels._bwd_delta(do, q, k, v, o, lse, launch, delta_from == "P")
+    assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from == "P"))
+    ours = grads(kernels.flash_attention, q, k, v, do, causal=causal, numerics=numerics)
+    want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, numerics=numerics)
     for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
         assert a.dtype == q.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
             f"{name} differs from the emulation"
-    other = grads(emulate.emulate_attention, q, k, v, do, causal=causal, precision=precision,
-                  **DELTAS["P" if delta_from == "O" else "O"])
+    other = grads(emulate.emulate_attention, q, k, v, do, causal=causal,
+                  numerics=replace(DELTAS["P" if delta_from == "O" else "O"], precision=precision))
     assert not torch.equal(ours[0], other[0]), "two ways of computing delta must give different bits here"
 
 
@@ -159,9 +160,10 @@ def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through()
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     v3 = kernels.round_mantissa(v, 3).to(v.dtype)
     assert not torch.equal(v3, v)
+    vo = Numerics(mantissa_bits=3, amplify="vo")
     for attention in (kernels.flash_attention, emulate.emulate_attention):
-        ours = grads(attention, q, k, v, do, mantissa_bits=3, amplify="vo")
-        on_v3 = grads(attention, q, k, v3, do, mantissa_bits=3, amplify="vo")
+        ours = grads(attention, q, k, v, do, numerics=vo)
+        on_v3 = grads(attention, q, k, v3, do, numerics=vo)
         for name, a, b in zip(("dQ", "dK", "dV"), ours, on_v3):
             assert torch.equal(a, b), f"{attention.__name__}: {name} must equal the gradient at the rounded V"
     plain = grads(kernels.flash_attention, q, k, v3, do)
@@ -171,12 +173,12 @@ def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through()
 # -------------------------------------------------------------------------------------------------------
 # Forward and gradients against float64, within twice the error of plain bf16 attention
 
-def check_against_float64(q, k, v, causal, precision="fa2", fix=False, attention=kernels.flash_attention,
+def check_against_float64(q, k, v, causal, numerics=Numerics(), fix=False, attention=kernels.flash_attention,
                           factor=2.0, autocast=False):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     do = rand(q.shape, q.dtype)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-        o = attention(q, k, v, causal=causal, fix=fix, precision=precision)
+        o = attention(q, k, v, causal=causal, fix=fix, numerics=numerics)
     o.backward(do)
     ours = (o, q.grad, k.grad, v.grad)
     ref, leaves = reference(q, k, v, causal)
@@ -217,7 +219,7 @@ def test_gradients_every_tuning_setting(N, D, poisoned):
 @pytest.mark.parametrize("fix", [False, True])
 def test_gradients_precision_modes(precision, fix):
     q, k, v = (rand((1, 2, 96, 64), scale=s) for s in (2.0, 1.0, 1.0))
-    check_against_float64(q, k, v, True, precision, fix)
+    check_against_float64(q, k, v, True, Numerics(precision=precision), fix)
 
 
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
@@ -228,7 +230,7 @@ def test_gradients_autocast_large_logits(precision):
     q = q * (300 / (q @ k.transpose(-1, -2) / 8).amax())
     q = q.to(torch.bfloat16)
     for fix in (False, True):
-        check_against_float64(q, k, v, True, precision, fix, autocast=True)
+        check_against_float64(q, k, v, True, Numerics(precision=precision), fix, autocast=True)
 
 
 
@@ -264,30 +266,30 @@ def test_runaway_logits_stay_finite_and_exact(logit):
 def test_emulation_gradients_against_float64():
     q, k, v = (rand((2, 2, 70, 32)) for _ in range(3))
     for precision in ("fa2", "paper"):
-        check_against_float64(q, k, v, True, precision, True, attention=emulate.emulate_attention)
+        check_against_float64(q, k, v, True, Numerics(precision=precision), True, attention=emulate.emulate_attention)
 
 
 @pytest.mark.parametrize("delta_from", ["P", "fp32 O"])
 def test_delta_controls_against_float64(delta_from):
     q, k, v = (rand((1, 2, 80, 64)) for _ in range(3))
     for precision in ("fa2", "paper"):
-        check_against_float64(q, k, v, True, precision,
-                              attention=lambda *a, **kw: kernels.flash_attention(*a, **kw, **DELTAS[delta_from]))
+        check_against_float64(q, k, v, True, replace(DELTAS[delta_from], precision=precision))
 
 
 def test_delta_from_the_fp32_o_returns_the_plain_forward_in_q_layout():
     """delta from the fp32 O (fix=True, or delta_fp32 alone) changes only what the backward reads: the O returned
     is the one without it, bit for bit, in q's dtype and layout; and so is O with stochastic_o="delta"."""
     q, k, v = (rand((1, 37, 2, 32), seed=s).transpose(1, 2) for s in range(3))   # heads inside the sequence
-    for plain, options in ((dict(fix="paper"), dict(fix=True)), (dict(fix=False), dict(delta_fp32=True)),
-                           (dict(fix=False), dict(stochastic_o="delta"))):
+    for plain, options in ((dict(fix="paper"), dict(fix=True)), ({}, dict(numerics=Numerics(delta_fp32=True))),
+                           ({}, dict(numerics=Numerics(stochastic_o="delta")))):
         want = kernels.flash_attention(q, k, v, **plain)
         o = kernels.flash_attention(q, k, v, **options)
         assert o.dtype == q.dtype and o.stride() == want.stride() and torch.equal(o, want), options
 
 
-OPTIONS = {"fix": dict(fix=True), "paper rule": dict(fix="paper"), "SR forward": dict(stochastic_o="forward"),
-           "SR delta": dict(stochastic_o="delta"), "SR forward, fp32 delta": dict(stochastic_o="forward", delta_fp32=True)}
+OPTIONS = {"fix": (True, {}), "paper rule": ("paper", {}), "SR forward": (False, dict(stochastic_o="forward")),
+           "SR delta": (False, dict(stochastic_o="delta")),
+           "SR forward, fp32 delta": (False, dict(stochastic_o="forward", delta_fp32=True))}
 
 
 @requires_interpreter
@@ -302,7 +304,8 @@ def test_fix_and_stochastic_rounding_bitwise_equal_emulation(option, precision, 
     for attention in (kernels.flash_attention, emulate.emulate_attention):
         torch.manual_seed(0)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        o = attention(*inputs, precision=precision, **OPTIONS[option])
+        fix, numerics = OPTIONS[option]
+        o = attention(*inputs, fix=fix, numerics=Numerics(precision=precision, **numerics))
         o.backward(do)
         results.append([o] + [t.grad for t in inputs])
     for name, a, b in zip(("O", "dQ", "dK", "dV"), *results):
@@ -315,7 +318,8 @@ def test_stochastic_forward_rounds_o_unbiased_within_one_step():
     step."""
     q, k, v = (rand((4, 2, 128, 64), seed=s) for s in range(3))
     o32 = kernels.flash_forward_fp32(q, k, v).double()
-    draws = torch.stack([kernels.flash_attention(q, k, v, stochastic_o="forward").double() for _ in range(8)])
+    forward = Numerics(stochastic_o="forward")
+    draws = torch.stack([kernels.flash_attention(q, k, v, numerics=forward).double() for _ in range(8)])
     step = (o32.abs() * 2.0 ** -7).clamp_min(1e-30)               # at least one bf16 step (2^-7 relative, or less)
     assert ((draws - o32).abs() <= step).all()
     assert not torch.equal(draws[0], draws[1]), "two draws should differ"
@@ -331,8 +335,8 @@ def test_stochastic_forward_rounds_o_unbiased_within_one_step():
 def test_fix_changes_only_rounding(precision):
     q, k, v = (rand((2, 2, 150, 64)) for _ in range(3))
     k[..., 10, :] = k[..., 20, :]
-    o_off = kernels.flash_attention(q, k, v, fix=False, precision=precision)
-    o_on = kernels.flash_attention(q, k, v, fix=True, precision=precision)
+    o_off = kernels.flash_attention(q, k, v, fix=False, numerics=Numerics(precision=precision))
+    o_on = kernels.flash_attention(q, k, v, fix=True, numerics=Numerics(precision=precision))
     ref, _ = reference(q, k, v, True)
     assert rel(o_on, o_off) < 2 * max(rel(o_off, ref), rel(o_on, ref)) + 1e-6
     assert rel(o_on, ref) < (2e-2 if precision == "paper" else 5e-3)
@@ -363,7 +367,7 @@ def test_fix_adversarial_ties(logit, precision, poisoned):
     for n_tied, all_equal in ((2, False), (7, False), (130, True)):
         q, k, v = structured(logit, n_tied, all_equal=all_equal)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        o = kernels.flash_attention(q, k, v, causal=False, fix=True, precision=precision)
+        o = kernels.flash_attention(q, k, v, causal=False, fix=True, numerics=Numerics(precision=precision))
         o.backward(torch.ones_like(o))
         assert all(torch.isfinite(t).all() for t in (o, q.grad, k.grad, v.grad)), (logit, n_tied)
         ref, _ = reference(q, k, v, False)
@@ -374,8 +378,7 @@ def test_fix_adversarial_ties(logit, precision, poisoned):
 def test_fix_shift_stays_in_range_and_value_dependent():
     """The shift d = m' - r lies in [2^-6, 64) nats for every tied max, and depends on the max; a tile's max tied
     with an earlier tile's (t) counts as a tie, one 1 nat apart does not, and a fully masked tile is left alone."""
-    paper = kernels.fix_constants("paper", kernels.TIE_TOL)
-    shift = lambda S, r, t: emulate.shifted_max(S, r, t, 2.0, *paper)  # noqa: E731
+    shift = lambda S, r, t: emulate.shifted_max(S, r, t, kernels.fix_constants("paper"))  # noqa: E731
     r = torch.tensor([-1e4, -300.0, -87.0, -1.0, -1e-6, 0.0, 1e-6, 1e-3, 1.0, 63.0, 87.0, 300.0, 1e4])
     none = torch.full_like(r, -math.inf)                   # no earlier tile
     S = torch.stack([r, r, r - 5], -1)                     # two exact ties per row
@@ -411,26 +414,28 @@ def test_bad_input():
         wide = rand((1, 2, 16, 128))[..., ::2]
         kernels.flash_attention(wide, wide, wide)
     with pytest.raises(ValueError, match="precision"):
-        kernels.flash_attention(q, q, q, precision="fp8")
-    with pytest.raises(ValueError, match="beta"):
-        kernels.flash_attention(q, q, q, fix=True, beta=1.0)
+        Numerics(precision="fp8")
     with pytest.raises(ValueError, match="mantissa_bits"):
-        kernels.flash_attention(q, q, q, mantissa_bits=7)
+        Numerics(mantissa_bits=7)
+    with pytest.raises(ValueError, match="mantissa_bits"):
+        Numerics(mantissa_bits=True)
     with pytest.raises(ValueError, match="amplify"):
-        kernels.flash_attention(q, q, q, mantissa_bits=3, amplify="o")
+        Numerics(mantissa_bits=3, amplify="o")
+    with pytest.raises(ValueError, match="delta_fp32"):
+        Numerics(delta_fp32="yes")
     with pytest.raises(ValueError, match="choose one"):
-        kernels.flash_attention(q, q, q, delta_from_p=True, delta_fp32=True)
+        Numerics(delta_from_p=True, delta_fp32=True)
     with pytest.raises(ValueError, match="choose one"):
-        kernels.flash_attention(q, q, q, fix=True, delta_from_p=True)
+        kernels.flash_attention(q, q, q, fix=True, numerics=Numerics(delta_from_p=True))
     with pytest.raises(ValueError, match="choose one"):
-        kernels.flash_attention(q, q, q, stochastic_o="delta", delta_fp32=True)
+        Numerics(stochastic_o="delta", delta_fp32=True)
     for fix in ("on", 1, None):
         with pytest.raises(ValueError, match="fix must be"):
             kernels.flash_attention(q, q, q, fix=fix)
     with pytest.raises(ValueError, match="stochastic_o"):
-        kernels.flash_attention(q, q, q, stochastic_o="up")
+        Numerics(stochastic_o="up")
     with pytest.raises(TypeError, match="bfloat16"):
-        kernels.flash_attention(q.half(), q.half(), q.half(), stochastic_o="forward")
+        kernels.flash_attention(q.half(), q.half(), q.half(), numerics=Numerics(stochastic_o="forward"))
     with pytest.raises(TypeError, match="torch.Tensor"):
         kernels.flash_attention(q.tolist(), q, q)
 
@@ -495,15 +500,15 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, poisoned):
 
 
 @pytest.mark.parametrize("seq_major", [True, False])
-@pytest.mark.parametrize("delta_fp32, stochastic_o", [(False, "off"), (True, "off"), (False, "delta"),
-                                                      (False, "forward"), (True, "forward")])
-def test_custom_ops_pass_torch_opcheck(seq_major, delta_fp32, stochastic_o):
+@pytest.mark.parametrize("delta, stochastic", [("O", False), ("fp32 O", False), ("stochastic O", False),
+                                               ("O", True), ("fp32 O", True)])
+def test_custom_ops_pass_torch_opcheck(seq_major, delta, stochastic):
     """torch's own check of a custom op: schema, autograd registration, and fake (meta) outputs whose shapes,
     strides and dtypes match the real ones, which torch.compile relies on."""
     q, k, v = (rand((1, 20, 2, 16), seed=s).transpose(1, 2) if seq_major else rand((1, 2, 20, 16), seed=s)
                for s in range(3))
-    fwd_args = (q, k, v, True, True, "fa2", 2.0, kernels.TIE_TOL, False, delta_fp32, 0, "p", stochastic_o)
-    if stochastic_o != "off":   # opcheck compares two calls: the same draws each time
+    fwd_args = (q, k, v, True, True, delta, "fa2", 0, 0, stochastic)
+    if stochastic or delta == "stochastic O":   # opcheck compares two calls: the same draws each time
         torch.library.opcheck(kernels._flash_fwd, fwd_args, test_utils=("test_schema", "test_faketensor",
                                                                         "test_autograd_registration"))
         return
@@ -517,8 +522,9 @@ def test_torch_compile_traces_through_the_op(amplify, delta_fp32):
     """train.py compiles the model: the custom ops' fake implementations must accept exactly what the ops do,
     or dynamo logs an error, breaks the graph and runs that part eagerly (at half the speed, silently)."""
     q, k, v = (rand((1, 2, 70, 32), seed=s).requires_grad_() for s in range(3))
+    numerics = Numerics(mantissa_bits=3, amplify=amplify, delta_fp32=delta_fp32)
     def f(q, k, v):
-        return kernels.flash_attention(q, k, v, fix=True, mantissa_bits=3, amplify=amplify, delta_fp32=delta_fp32)
+        return kernels.flash_attention(q, k, v, fix=True, numerics=numerics)
     torch._dynamo.reset()
     o = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
     o.float().square().sum().backward()

@@ -53,6 +53,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import Numerics
 from nanolp import emulate
 from nanolp.diagnostics import bf16_step
 from nanolp.tied import grad_out, mean_error, reference, tied_rows
@@ -75,12 +76,13 @@ def inputs(n_tied, seed, tie_gap, n_keys=None, copies=False):
 def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys=None, copies=False, amplify="p"):
     """(mean, s.e.) of the error of O and of delta = rowsum(dO * O), kernel against float64."""
     q, k, v, do = inputs(n_tied, seed, tie_gap, n_keys, copies)
-    v = kernels.amplified_v(v, mantissa_bits, amplify)     # "vo": the float64 reference gets the rounded V too
-    o, _ = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix, precision, 2.0,
-                              kernels.TIE_TOL, False, False, mantissa_bits, amplify, "off")[:2]
+    numerics = Numerics(precision=precision, mantissa_bits=mantissa_bits, amplify=amplify)
+    v = kernels.amplified_v(v, numerics.o_bits)            # "vo": the float64 reference gets the rounded V too
+    o, _ = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix, "O", precision,
+                              numerics.p_bits, numerics.o_bits, False)[:2]
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
-        want = emulate.forward(q, k, v, False, fix, precision, 2.0, kernels.TIE_TOL, mantissa_bits, amplify)[0]
+        want = emulate.forward(q, k, v, False, fix, numerics)[0]
         assert torch.equal(o, want)
     tied = slice(0, q.shape[-1])            # the tied rows (n_keys > head_dim pads q with zero rows)
     o, o64, do = o[..., tied, :].double(), reference(q, k, v)[..., tied, :], do[..., tied, :].double()
@@ -167,7 +169,8 @@ def test_amplifier_near_ties_fix_widens_with_the_bits():
     second key up to 2^-5 nats below the max) bias O (-7.9e-3 over 1024 rows, 52 s.e.). The fix's tol and shift
     widen with the bits (kernels.fix_constants) and remove it (3 seeds: +1.1e-4 to +8.8e-4, within 1.3 s.e. of 0); with the bf16
     constants it changed nothing (-7.9e-3)."""
-    assert kernels.fix_constants("paper", kernels.TIE_TOL, 3)[:2] == (2.0 ** -5, 2.0 ** -2)
+    shift = kernels.fix_constants("paper", 3)
+    assert (shift.tol, shift.lo) == (2.0 ** -5, 2.0 ** -2)
     (m_off, se_off), (m_on, _) = (measure("fa2", 2, fix, mantissa_bits=3, tie_gap=2.0 ** -5)[0] for fix in (0, 1))
     assert m_off < -T_MIN * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed (negative)"
     assert abs(m_on) * FACTOR < abs(m_off), f"fix on: mean {m_on:.2e} not {FACTOR}x below fix off {m_off:.2e}"
@@ -224,8 +227,8 @@ def delta_error_with_fix(rows, fix, seed=0):
     """(mean, s.e.) of the error of the delta the backward reads, fa2, against float64: from the bf16 O (fix off,
     the paper's rule) or from the fp32 O (fix=True), the forward run by the kernel."""
     q, k, v, do = sharp_inputs(seed) if rows == "sharp" else inputs(2, seed, 0.0)
-    out = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix is not False, "fa2", 2.0,
-                             kernels.TIE_TOL, False, fix is True, 0, "p", "off")
+    out = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, *kernels.wire_fix(fix, Numerics()),
+                             "fa2", 0, 0, False)
     read = (out[2] if fix is True else out[0]).cpu().double()
     return mean_error((do.double() * read).sum(-1) - (do.double() * reference(q, k, v)).sum(-1))
 
@@ -262,7 +265,7 @@ def test_paper_precision_needs_delta_from_p(rows):
     and -5.9e-8 (t=-0.5). Seed 0, 1024 rows, the emulation (the kernel's numbers)."""
     q, k, v, do = sharp_inputs(0) if rows == "sharp" else inputs(2, 0, 0.0)
     want = (do.double() * reference(q, k, v)).sum(-1)
-    _, o32, lse = emulate.forward(q, k, v, False, True, "paper", 2.0, kernels.TIE_TOL)
+    _, o32, lse = emulate.forward(q, k, v, False, True, Numerics(precision="paper"))
     m_fix, se_fix = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "paper").double() - want)
     m_p, se_p = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "paper", from_p=True).double() - want)
     assert abs(m_fix) > 3 * se_fix, f"fix=True in paper precision: mean {m_fix:.2e} (s.e. {se_fix:.1e})"
@@ -276,7 +279,7 @@ def delta_errors(precision, seed=0, mantissa_bits=0, tie_gap=0.0):
     before its final cast (an fp32 copy of O, the control this repo used before); rowsum(dP * P), P recomputed
     from lse (delta_from_p, the paper's control; in "paper" divided by rowsum(P))."""
     q, k, v, do = inputs(2, seed, tie_gap)
-    o, o32, lse = emulate.forward(q, k, v, False, False, precision, 2.0, kernels.TIE_TOL, mantissa_bits)
+    o, o32, lse = emulate.forward(q, k, v, False, False, Numerics(precision=precision, mantissa_bits=mantissa_bits))
     want = (do.double() * reference(q, k, v)).sum(-1)
     return [mean_error(emulate.delta(q, k, v, x, lse, do, False, precision, from_p).double() - want)
             for x, from_p in ((o, False), (o32, False), (o, True))]
@@ -328,7 +331,7 @@ def untied_errors(mantissa_bits, seed=0):
     want = (do.double() * o64).sum(-1)
     errors = []
     for fix in (False, True):
-        o, _, lse = emulate.forward(q, k, v, True, fix, "fa2", 2.0, kernels.TIE_TOL, mantissa_bits)
+        o, _, lse = emulate.forward(q, k, v, True, fix, Numerics(mantissa_bits=mantissa_bits))
         errors.append(mean_error(o.double() - o64))
     errors += [mean_error(emulate.delta(q, k, v, o, lse, do, True, "fa2", from_p).double() - want)
                for from_p in (False, True)]

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from kernels import Numerics
 from model import GPT, GPTConfig, attention, reference_attention
 from nanolp.diagnostics import attention_stats, diag_columns, diagnose
 
@@ -112,9 +113,9 @@ def test_delta_options_reach_the_backward_only():
     """delta_fp32 and delta_from_p change the gradients the model gets (in their last bits), never the loss."""
     x, y = batch(2)
     results = []
-    for option in ({}, dict(delta_fp32=True), dict(delta_from_p=True)):
+    for numerics in (Numerics(), Numerics(delta_fp32=True), Numerics(delta_from_p=True)):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**SMALL, attn="emulate", **option))
+        model = GPT(GPTConfig(**SMALL, attn="emulate", numerics=numerics))
         with BF16:
             _, loss = model(x, y)
         loss.backward()
@@ -127,10 +128,11 @@ def test_delta_options_reach_the_backward_only():
 
 def test_kernel_options_need_our_kernel():
     """--fix on with torch's SDPA would silently train without the fix: refuse it, naming the option."""
-    for option in (dict(fix=True), dict(delta_fp32=True), dict(mantissa_bits=3)):
-        with pytest.raises(ValueError, match=f"{next(iter(option))}: only our kernel"):
+    for name, option in (("fix", dict(fix=True)), ("delta_fp32", dict(numerics=Numerics(delta_fp32=True))),
+                         ("mantissa_bits", dict(numerics=Numerics(mantissa_bits=3)))):
+        with pytest.raises(ValueError, match=f"{name}: only our kernel"):
             GPT(GPTConfig(**SMALL, attn="sdpa", **option))
-    GPT(GPTConfig(**SMALL, attn="emulate", delta_fp32=True))   # fine
+    GPT(GPTConfig(**SMALL, attn="emulate", numerics=Numerics(delta_fp32=True)))   # fine
 
 
 def test_tie_rate_counts_near_ties_only():

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels import Numerics  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 VOCAB, T, B, WIDTH = 32, 32, 32, 32
@@ -25,7 +26,7 @@ def main(arm, seed, steps, every=4000):
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=1, n_head=1, n_embd=WIDTH, attn="emulate",
-                          delta_fp32=arm == "dfp32"))
+                          numerics=Numerics(delta_fp32=arm == "dfp32")))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(1)
     print("step loss |W_Q|*|W_K|", flush=True)

@@ -21,7 +21,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from kernels import TIE_TOL  # noqa: E402
 from model import GPT, GPTConfig, causal_scores  # noqa: E402
 from nanolp import emulate  # noqa: E402
 from nanolp.data import get_batch, prepare  # noqa: E402
@@ -31,7 +30,7 @@ from nanolp.diagnostics import attention_stats, capture_attention  # noqa: E402
 def pushes(q, k, v, dO):
     """Per head: the push of P's rounding, of O's cast, and the exact gradient's own push. The first two are
     nanolp.diagnostics' delta_push of O before its cast, and of the bf16 O less that."""
-    o, o32, _ = emulate.forward(q, k, v, True, False, "fa2", 2.0, TIE_TOL)
+    o, o32, _ = emulate.forward(q, k, v, True, False)
     *_, push_p = attention_stats(q, k, v, o32, dO)
     *_, push_all = attention_stats(q, k, v, o, dO)
     S = causal_scores(q, k).double()

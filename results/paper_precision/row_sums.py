@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests import conftest  # noqa: E402,F401  (the tests' CPU set-up: Triton's interpreter, patched for bf16)
-from kernels import TIE_TOL  # noqa: E402
+from kernels import Numerics  # noqa: E402
 from nanolp import emulate  # noqa: E402
 from tests.test_kernels import rand  # noqa: E402
 
@@ -28,7 +28,7 @@ from tests.test_kernels import rand  # noqa: E402
 def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, undivided=False):
     """(rowsum(dS) before its cast, 1 - rowsum(P)) per row, as the kernel's backward computes them; undivided: delta
     from P without its division by rowsum(P) in the paper precision (kernel_variants.py paper-undivided)."""
-    o, o32, lse = emulate.forward(q, k, v, True, False, precision, 2.0, TIE_TOL)
+    o, o32, lse = emulate.forward(q, k, v, True, False, Numerics(precision=precision))
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, True, precision)
     delta = emulate.delta(q, k, v, o32 if delta_fp32 else o, lse, do, True, precision, delta_from_p)
     if undivided:

@@ -31,6 +31,8 @@ import kernels  # noqa: E402
 from tests.test_kernels import check_against_float64, rand, reference, rel  # noqa: E402
 from kernel_variants import patched_kernels  # noqa: E402
 
+PAPER = kernels.Numerics(precision="paper")
+
 
 def load_variant(name):
     path = Path(tempfile.mkdtemp()) / f"kernels_{name.replace('-', '_')}.py"
@@ -58,8 +60,7 @@ def tied_dv(module, logit):
 def delta_error(module, q, k, v, do, fp32_o=False, precision="paper"):
     """delta = rowsum(dO * O) as the backward computes it, less rowsum(dP * P) from the backward's own P (what
     --delta-from-p computes): the error the forward's O brings into dS, all rows flattened."""
-    o, lse, o32 = module._flash_fwd(q, k, v, True, False, precision, 2.0, module.TIE_TOL, False, fp32_o, 0, "p",
-                                    "off")
+    o, lse, o32 = module._flash_fwd(q, k, v, True, False, "fp32 O" if fp32_o else "O", precision, 0, 0, False)
     o_delta = o32 if fp32_o else o   # the O that delta reads
     launch = module._bwd_launch(q, k, v, o_delta, True, precision)
     from_o, from_p = (module._bwd_delta(do, q, k, v, o_delta, lse, launch, p) for p in (False, True))
@@ -75,9 +76,9 @@ def paper_variant(name, module):
         q = (q.float() * torch.linspace(1, 8, shape[2])[:, None]).to(torch.bfloat16)  # rows from soft to sharp
         ref, _ = reference(q, k, v, True)
         for label, attention in (("paper", kernels), (name, module)):
-            errors[label].append(rel(attention.flash_attention(q, k, v, causal=True, precision="paper"), ref))
+            errors[label].append(rel(attention.flash_attention(q, k, v, causal=True, numerics=PAPER), ref))
         assert errors[name][-1] != errors["paper"][-1], f"{name} left the paper mode's O unchanged"
-        check_against_float64(q, k, v, True, precision="paper", attention=module.flash_attention)
+        check_against_float64(q, k, v, True, PAPER, attention=module.flash_attention)
     assert sum(errors[name]) <= sum(errors["paper"]), f"{name}: O further from float64 than the paper mode's"
     return (f"{name}: O's error against float64 {', '.join(f'{e:.2e}' for e in errors[name])} (paper mode "
             f"{', '.join(f'{e:.2e}' for e in errors['paper'])}); O, dQ, dK, dV within twice plain bf16's")

@@ -10,9 +10,10 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import flash_attention  # noqa: E402
+from kernels import Numerics, flash_attention  # noqa: E402
 
-VARIANTS = {"off": {}, "shift": dict(fix="paper"), "o32": dict(delta_fp32=True), "both": dict(fix=True)}
+VARIANTS = {"off": {}, "shift": dict(fix="paper"), "o32": dict(numerics=Numerics(delta_fp32=True)),
+            "both": dict(fix=True)}
 
 for D in (64, 128):
     N, B, H = 4096, 4, 2048 // D

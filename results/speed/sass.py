@@ -64,8 +64,8 @@ def launches():
         q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
         for shift in (False, True):
             for fp32_o in (False, True):
-                (launch,) = record(lambda: kernels._flash_fwd(q, q, q, True, shift, "fa2", 2.0, kernels.TIE_TOL, False,
-                                                              fp32_o, 0, "p", "off"))
+                (launch,) = record(lambda: kernels._flash_fwd(q, q, q, True, shift, "fp32 O" if fp32_o else "O",
+                                                              "fa2", 0, 0, False))
                 out.append((f"fwd d{D} shift {'on' if shift else 'off'}, O {'fp32' if fp32_o else 'bf16'}", *launch))
         lse = torch.empty(q.shape[:3])
         delta, dkdv, dq = record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False))
