@@ -56,8 +56,6 @@ import hashlib
 import json
 import math
 import os
-import re
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -71,12 +69,10 @@ from kernels import Numerics
 from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
-from nanolp.presets import ARM, COMMON, FIX, NAMED, NUMERICS, PRESETS, changed_settings, check_config, flag
-from nanolp.runs import RunError, latest_checkpoint, locked, log_outcome, provenance, read_json, read_log
+from nanolp.presets import ARM, COMMON, FIX, NUMERICS, PRESETS
+from nanolp.runconfig import claim_folder, describe, resolve_config
+from nanolp.runs import RunError, latest_checkpoint, locked, log_outcome, provenance, read_log
 
-# a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
-LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
-MAX_NAME = 80
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum (see the docstring)
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
@@ -85,153 +81,68 @@ DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A malformed flag in one line, as train.py refuses every command that cannot run."""
+        print(f"train.py: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # every default is None, so that a flag the user gave can be told from one they did not (the preset's value)
+    return parser().parse_args(argv)
+
+
+def parser():
+    """The flags. Every default is None, so that a flag the user gave can be told from one they did not (the
+    preset's value); --help shows the default preset's values."""
+    default = {**COMMON, **PRESETS["default"]}
+    show = lambda key: f" (default {default[key]})"
+    p = Parser(
+        description="Train a char-level GPT in bf16 and watch flash attention's rounding collapse it (--fix off), "
+                    "or not (--fix on). Details: the top of train.py and README.md.")
     demo = p.add_argument_group("the demo")
-    demo.add_argument("--fix", choices=list(FIX),
-                      help="off: plain bf16 (default); on: the complete fix, the paper's row-max shift and delta "
-                           "from the forward's fp32 O; paper: the paper's rule alone")
-    demo.add_argument("--attn", choices=ATTN_BACKENDS, help="the attention (model.py; default kernel)")
-    demo.add_argument("--seed", type=int, help="initial weights and data order (default 0)")
-    demo.add_argument("--steps", type=int, help="step target (default: the preset's)")
-    demo.add_argument("--minutes", type=float, help="training-time budget, counted over resumes; the run stops at "
-                                                    "whichever of steps/minutes comes first")
-    demo.add_argument("--data", help="a UTF-8 text file (default $NANOLP_DATA, else TinyShakespeare)")
+    demo.add_argument("--fix", choices=list(FIX), help="off: plain bf16; on: the complete fix; paper: the paper's "
+                                                       "rule alone" + show("fix"))
+    demo.add_argument("--attn", choices=ATTN_BACKENDS, help="which attention (model.py)" + show("attn"))
+    demo.add_argument("--seed", type=int, help="initial weights and data order" + show("seed"))
+    demo.add_argument("--steps", type=int, help="steps to train" + show("steps"))
+    demo.add_argument("--minutes", type=float, help="stop after this many training minutes, counted over resumes "
+                                                    "(default: no limit)")
+    demo.add_argument("--data", help="a UTF-8 text file (default: $NANOLP_DATA, else TinyShakespeare; data/README.md)")
     demo.add_argument("--preset", choices=PRESETS, help="default: the demo; tiny: a CPU smoke run; gpt2: GPT-2 "
-                                                        "small's shape")
-    demo.add_argument("--out", help="folder of run folders (default runs/)")
-    demo.add_argument("--name", help="run folder name (default: from the settings, see above)")
-    demo.add_argument("--resume", action="store_true",
-                      help="continue the run from its latest checkpoint, with the settings it has")
+                                                        "small's shape (default default)")
+    demo.add_argument("--out", help="where run folders go" + show("out"))
+    demo.add_argument("--name", help="the run's folder name (default: made from the settings)")
+    demo.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     training = p.add_argument_group("training")
-    training.add_argument("--lr", type=float, help="learning rate, constant after the warmup")
-    training.add_argument("--warmup", type=int, help="steps of linear lr warmup")
-    training.add_argument("--batch-size", type=int)
-    training.add_argument("--dtype", choices=["bf16", "fp32"],
-                          help="bf16 autocast (default) or plain fp32 (fp32 needs --attn sdpa or fp32)")
+    training.add_argument("--lr", type=float, help="learning rate, constant after the warmup" + show("lr"))
+    training.add_argument("--warmup", type=int, help="steps of linear lr warmup" + show("warmup"))
+    training.add_argument("--batch-size", type=int, help="sequences per step" + show("batch_size"))
+    training.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16 autocast, or fp32 (with --attn sdpa or "
+                                                                    "fp32)" + show("dtype"))
     training.add_argument("--compile", choices=["off", "default", "reduce-overhead"],
-                          help="torch.compile mode (default: reduce-overhead, i.e. CUDA graphs, on cuda; off on cpu)")
-    training.add_argument("--device", help="default cuda if available, else cpu")
+                          help="torch.compile mode (default: reduce-overhead, CUDA graphs, on a GPU; off on a CPU)")
+    training.add_argument("--device", help="default: cuda if there is one, else cpu")
     for interval, what in (("log", "log rows"), ("eval", "val losses"), ("diag", "diagnostics"),
                            ("ckpt", "checkpoints")):
-        training.add_argument(f"--{interval}-interval", type=int, help=f"steps between {what}")
-    shape = p.add_argument_group("model shape (default: the preset's)")
-    for dim in ("n-layer", "n-head", "n-embd", "block-size"):
-        shape.add_argument(f"--{dim}", type=int)
-    experiments = p.add_argument_group("experiments", "variants of the numerics and the model that test the "
-                                                      "mechanism (all but --pos only in attn kernel or emulate)")
-    for f in fields(Numerics):   # our attention's numerics: a flag per field, with the help and values it declares
-        flag = "--" + f.name.replace("_", "-")
+        training.add_argument(f"--{interval}-interval", type=int,
+                              help=f"steps between {what}" + show(f"{interval}_interval"))
+    shape = p.add_argument_group("model shape")
+    for dim in ("n_layer", "n_head", "n_embd", "block_size"):
+        shape.add_argument("--" + dim.replace("_", "-"), type=int, help=show(dim).strip(" ()"))
+    experiments = p.add_argument_group("experiments", "the attention's numerics (kernels.Numerics; --attn kernel "
+                                                      "or emulate only) and the model, to test the mechanism")
+    for f in fields(Numerics):   # a flag per field, with the help and values it declares
+        name = "--" + f.name.replace("_", "-")
         if f.type is bool:
-            experiments.add_argument(flag, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+            experiments.add_argument(name, action=argparse.BooleanOptionalAction,
+                                     help=f.metadata["help"] + show(f.name))
         else:
-            experiments.add_argument(flag, type=f.type, choices=f.metadata["choices"], help=f.metadata["help"])
+            experiments.add_argument(name, type=f.type, choices=f.metadata["choices"],
+                                     help=f.metadata["help"] + show(f.name))
     experiments.add_argument("--pos", choices=["learned", "none"],
-                             help="position embeddings; none: layer 0 sees tokens only, so repeated tokens tie")
-    return p.parse_args(argv)
-
-
-def suffix(key, value):
-    """How a run name spells one setting (LABELS)."""
-    label = LABELS.get(key, key)
-    if isinstance(value, bool):
-        return label if value else f"no_{label}"
-    if isinstance(value, (int, float)):
-        return f"{label}{'_' if label[-1].isdigit() else ''}{value!r}"   # repr: the shortest exact spelling
-    if key == "data" and value is not None:
-        text = Path(value)
-        value = text.parent.name if text.stem == "input" else text.stem   # as nanolp/data.py names its cache
-    return label + "_" + re.sub(r"[^\w.+-]", "_", str(value))
-
-
-def run_name(c):
-    """The default name: <preset>-<attn>-fix<fix>, a suffix per changed setting, -s<seed> (as nanolp/sweep.py
-    ends its names, so the arm is the name less -s<seed>); past MAX_NAME characters a hash replaces the suffixes."""
-    changed = changed_settings(c)
-    head, tail = f"{c['preset']}-{c['attn']}-fix{c['fix']}", f"-s{c['seed']}"
-    name = head + "".join(f"-{suffix(k, v)}" for k, v in changed.items()) + tail
-    if len(name) > MAX_NAME:
-        digest = hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
-        name = f"{head}-{digest}{tail}"
-    return name
-
-
-def describe(c):
-    """A run's arm in words: its NAMED settings and the ones that differ from its preset (and, where attn kernel
-    runs as its emulation, that)."""
-    settings = {k: c.get(k) for k in NAMED} | changed_settings(c)
-    if c.get("attn_impl", c["attn"]) != c["attn"]:
-        settings["attn"] = f"{c['attn']} (on {c['device']}: its PyTorch emulation, nanolp/emulate.py)"
-    return ", ".join(f"{k} {v}" for k, v in settings.items())
-
-
-def resolve_config(args):
-    """The run's settings: COMMON, then the preset, then the flags given, checked (check_config). On --resume the
-    run's own config.json replaces COMMON and the preset (COMMON only fills in settings added after the run
-    started), and a flag of ARM that differs from it is refused. RunError names every problem."""
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
-    if "data" not in given and os.environ.get("NANOLP_DATA"):
-        given["data"] = os.environ["NANOLP_DATA"]   # the text is part of the arm: recorded as if --data gave it
-    if "data" in given:
-        given["data"] = str(Path(given["data"]).resolve())   # one spelling per file, from wherever train.py runs
-    preset = given.get("preset", "default")
-    config = {**COMMON, **PRESETS[preset], "preset": preset, **given}
-    config.setdefault("name", run_name(config))
-    problems = []
-    if args.resume:
-        run_dir = Path(config["out"]) / config["name"]
-        saved = read_json(run_dir / "config.json")
-        if not saved:
-            raise RunError(f"--resume: no run at {run_dir} (no config.json)")
-        ran = {**COMMON, **saved}
-        problems += [f"--resume {run_dir}: {flag(k)}: the run has {ran.get(k)!r}, this command {given[k]!r}, which "
-                     f"would change its numerics or data order (leave it out to continue the run as it was, or "
-                     f"start a new run without --resume)" for k in ARM if k in given and given[k] != ran.get(k)]
-        config = {**ran, **given}
-    config.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-    # CUDA graphs: without them a step of a model this small waits on kernel launches
-    config.setdefault("compile", "reduce-overhead" if config["device"].startswith("cuda") else "off")
-    problems += check_config(config)
-    if problems:
-        raise RunError("\n".join(problems))
-    return config
-
-
-def claim_folder(run_dir, c, resume):
-    """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
-    is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
-    collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
-    first checkpoint has nothing to continue: a new run replaces it."""
-    ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
-    collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
-                if summary.get("collapsed") else None)
-    if resume:
-        if collapse:
-            raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
-        if ckpt is None:
-            raise RunError(f"--resume: no checkpoint in {run_dir / 'ckpt'} (the run stopped before its first): leave "
-                           f"out --resume to start it afresh")
-    elif ckpt or summary:
-        saved = read_json(run_dir / "config.json")
-        if not saved:
-            raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
-        ran = {**COMMON, **saved}
-        differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
-        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)"
-                  if differ else f"{collapse}: give a new run another --name" if collapse else
-                  "pass --resume to continue it, or --name for a new run")
-        raise RunError(f"{run_dir} exists, a run of {describe(ran)}: {advice}")
-    else:
-        attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
-        if attempt:
-            print(f"{run_dir}: replacing an attempt that stopped before its first checkpoint (no checkpoint, "
-                  f"no summary.json)")
-        for path in attempt:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+                             help="position embeddings; none: repeated tokens tie in layer 0" + show("pos"))
+    return p
 
 
 def get_lr(step, c):
@@ -350,6 +261,7 @@ def run(c, data, resume):
     device = torch.device(c["device"])
     B, T = c["batch_size"], c["block_size"]
     train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
+    # the model and its optimizer
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
                           n_embd=c["n_embd"], attn=c["attn"], fix=FIX[c["fix"]],
@@ -395,6 +307,7 @@ def run(c, data, resume):
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
     max_logit = None
     while step < stop_at:
+        # one step: forward, backward, clip, update
         lr = get_lr(step, c)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -425,7 +338,7 @@ def run(c, data, resume):
         if not (step >= stop_at or any(step % c[k] == 0 for k in intervals)):
             continue
 
-        # a log row
+        # a log row: the losses, the collapse test, an evaluation and diagnostics when due
         train_loss = (loss_sum / n_acc).item()  # the loop's one host sync
         tokens_per_s = n_acc * B * T / (time.time() - t_row)
         row = dict(step=step, elapsed_s=round(elapsed, 2), tokens=step * B * T, lr=lr, train_loss=train_loss,
@@ -447,7 +360,7 @@ def run(c, data, resume):
                 max_logit = max(row[f"max_logit_L{i}"] for i in range(c["n_layer"]))
         write_rows(run_dir / "log.csv", [row], columns)
         pbar.set_postfix(loss=f"{train_loss:.4f}", max_logit="-" if max_logit is None else f"{max_logit:.1f}")
-        # only finite, pre-collapse state is saved; also at the end, so that --resume continues from there
+        # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
         if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
             state.update(step=step, elapsed=elapsed)
             save_checkpoint(run_dir, model, optimizer, state)

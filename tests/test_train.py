@@ -10,6 +10,7 @@ import platform
 import random
 import re
 import subprocess
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ import triton
 
 import model
 import train
-from nanolp import data, runs
+from kernels import Numerics
+from nanolp import data, runconfig, runs
 from nanolp.diagnostics import diag_columns
 
 OUTCOME = {"collapsed", "collapse_step", "collapse_minute", "reason", "steps", "minutes", "final_val_loss",
@@ -102,7 +104,7 @@ def test_summary_holds_the_arm(run):
 
 
 def default_name(tmp_path, *flags):
-    return train.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]))["name"]
+    return runconfig.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]))["name"]
 
 
 def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
@@ -132,7 +134,7 @@ def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
     long = [["--attn", "emulate"], ["--precision", "paper"], ["--delta-from-p"], ["--stochastic-o", "forward"],
             ["--mantissa-bits", "3"], ["--amplify", "vo"], ["--pos", "none"], ["--lr", "0.002"]]
     a, b = (default_name(tmp_path, *sum(groups, [])) for groups in (long, long[::-1]))
-    assert len(a) <= train.MAX_NAME and a == b and re.fullmatch(r"default-emulate-fixoff-[0-9a-f]{10}-s0", a)
+    assert len(a) <= runconfig.MAX_NAME and a == b and re.fullmatch(r"default-emulate-fixoff-[0-9a-f]{10}-s0", a)
     assert default_name(tmp_path, *sum(long, []), "--warmup", "10") != a
 
 
@@ -224,11 +226,15 @@ def test_help_groups_the_flags(capsys):
             groups.setdefault(title, set()).add(flag[1])
     assert groups["the demo"] == {"--fix", "--attn", "--seed", "--steps", "--minutes", "--data", "--preset", "--out",
                                   "--name", "--resume"}
-    assert groups["experiments"] == {"--precision", "--delta-from-p", "--delta-fp32", "--stochastic-o",
-                                     "--mantissa-bits", "--amplify", "--pos"}
+    assert groups["experiments"] == {"--" + f.name.replace("_", "-") for f in fields(Numerics)} | {"--pos"}
     assert groups["model shape"] == {"--n-layer", "--n-head", "--n-embd", "--block-size"}
     assert groups["training"] == {"--lr", "--warmup", "--batch-size", "--dtype", "--compile", "--device",
                                   "--log-interval", "--eval-interval", "--diag-interval", "--ckpt-interval"}
+
+    # every flag that takes a value says its default
+    for action in train.parser()._actions:
+        if action.option_strings and action.nargs != 0 and action.dest != "help":
+            assert "default" in action.help, action.dest
 
 
 def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, capsys):
@@ -295,14 +301,14 @@ BAD_SETTINGS = [
     (("--minutes", "-1"), "--minutes must be positive, got -1.0"),
     *[((f"--{kind}-interval", "0"), f"--{kind}-interval must be at least 1, got 0")
       for kind in ("log", "eval", "diag", "ckpt")],
-    (("--attn", "emulate", "--mantissa-bits", "7"), "--mantissa-bits must be 0 (off) or 1-6, got 7"),
-    (("--attn", "emulate", "--amplify", "vo"), "--amplify vo says what --mantissa-bits rounds: give --mantissa-bits"),
+    (("--attn", "emulate", "--mantissa-bits", "7"), "argument --mantissa-bits: invalid choice: 7 (choose from 0, 1"),
+    (("--attn", "emulate", "--amplify", "vo"), "--amplify='vo' says what --mantissa-bits rounds: give --mantissa-bits"),
     (("--fix", "on", "--mantissa-bits", "3"), "--fix on, --mantissa-bits 3: only our kernel has these (--attn kernel "
                                               "or emulate), not --attn sdpa"),
     (("--attn", "emulate", "--n-head", "4", "--n-embd", "32"), "--attn emulate needs a head size (--n-embd / "
                                                                "--n-head) of 16, 32, 64 or 128, got 32 / 4 = 8"),
-    (("--attn", "emulate", "--fix", "on", "--delta-from-p"), "--fix on and --delta-from-p are different ways of "
-                                                             "computing delta: choose one"),
+    (("--attn", "emulate", "--fix", "on", "--delta-from-p"), "--fix on (delta from the fp32 O) and delta from P are "
+                                                             "different ways of computing delta: choose one"),
     (("--attn", "emulate", "--dtype", "fp32"), "--dtype fp32 needs --attn sdpa or fp32"),
     (("--attn", "sdpa-cudnn"), "--attn sdpa-cudnn needs a CUDA device, not cpu"),
     (("--device", "gpu"), "--device 'gpu' is not a device torch knows"),

@@ -1,0 +1,120 @@
+"""A run's settings, before any training: resolved from the presets, the flags and (on --resume) the run's own
+config.json, checked, named; and its folder claimed. train.py calls resolve_config, then claim_folder."""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from nanolp.presets import ARM, COMMON, NAMED, PRESETS, changed_settings, check_config, flag
+from nanolp.runs import RunError, latest_checkpoint, read_json
+
+# a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
+LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
+MAX_NAME = 80
+
+
+def suffix(key, value):
+    """How a run name spells one setting (LABELS)."""
+    label = LABELS.get(key, key)
+    if isinstance(value, bool):
+        return label if value else f"no_{label}"
+    if isinstance(value, (int, float)):
+        return f"{label}{'_' if label[-1].isdigit() else ''}{value!r}"   # repr: the shortest exact spelling
+    if key == "data" and value is not None:
+        text = Path(value)
+        value = text.parent.name if text.stem == "input" else text.stem   # as nanolp/data.py names its cache
+    return label + "_" + re.sub(r"[^\w.+-]", "_", str(value))
+
+
+def run_name(c):
+    """The default name: <preset>-<attn>-fix<fix>, a suffix per changed setting, -s<seed> (as nanolp/sweep.py
+    ends its names, so the arm is the name less -s<seed>); past MAX_NAME characters a hash replaces the suffixes."""
+    changed = changed_settings(c)
+    head, tail = f"{c['preset']}-{c['attn']}-fix{c['fix']}", f"-s{c['seed']}"
+    name = head + "".join(f"-{suffix(k, v)}" for k, v in changed.items()) + tail
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
+        name = f"{head}-{digest}{tail}"
+    return name
+
+
+def describe(c):
+    """A run's arm in words: its NAMED settings and the ones that differ from its preset (and, where attn kernel
+    runs as its emulation, that)."""
+    settings = {k: c.get(k) for k in NAMED} | changed_settings(c)
+    if c.get("attn_impl", c["attn"]) != c["attn"]:
+        settings["attn"] = f"{c['attn']} (on {c['device']}: its PyTorch emulation, nanolp/emulate.py)"
+    return ", ".join(f"{k} {v}" for k, v in settings.items())
+
+
+def resolve_config(args):
+    """The run's settings: COMMON, then the preset, then the flags given, checked (check_config). On --resume the
+    run's own config.json replaces COMMON and the preset (COMMON only fills in settings added after the run
+    started), and a flag of ARM that differs from it is refused. RunError names every problem."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
+    if "data" not in given and os.environ.get("NANOLP_DATA"):
+        given["data"] = os.environ["NANOLP_DATA"]   # the text is part of the arm: recorded as if --data gave it
+    if "data" in given:
+        given["data"] = str(Path(given["data"]).resolve())   # one spelling per file, from wherever train.py runs
+    preset = given.get("preset", "default")
+    config = {**COMMON, **PRESETS[preset], "preset": preset, **given}
+    config.setdefault("name", run_name(config))
+    problems = []
+    if args.resume:
+        run_dir = Path(config["out"]) / config["name"]
+        saved = read_json(run_dir / "config.json")
+        if not saved:
+            raise RunError(f"--resume: no run at {run_dir} (no config.json)")
+        ran = {**COMMON, **saved}
+        problems += [f"--resume {run_dir}: {flag(k)}: the run has {ran.get(k)!r}, this command {given[k]!r}, which "
+                     f"would change its numerics or data order (leave it out to continue the run as it was, or "
+                     f"start a new run without --resume)" for k in ARM if k in given and given[k] != ran.get(k)]
+        config = {**ran, **given}
+    config.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    # CUDA graphs: without them a step of a model this small waits on kernel launches
+    config.setdefault("compile", "reduce-overhead" if config["device"].startswith("cuda") else "off")
+    problems += check_config(config)
+    if problems:
+        raise RunError("\n".join(problems))
+    return config
+
+
+def claim_folder(run_dir, c, resume):
+    """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
+    is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
+    collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
+    first checkpoint has nothing to continue: a new run replaces it."""
+    ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
+    collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
+                if summary.get("collapsed") else None)
+    if resume:
+        if collapse:
+            raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
+        if ckpt is None:
+            raise RunError(f"--resume: no checkpoint in {run_dir / 'ckpt'} (the run stopped before its first): leave "
+                           f"out --resume to start it afresh")
+    elif ckpt or summary:
+        saved = read_json(run_dir / "config.json")
+        if not saved:
+            raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
+        ran = {**COMMON, **saved}
+        differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
+        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)"
+                  if differ else f"{collapse}: give a new run another --name" if collapse else
+                  "pass --resume to continue it, or --name for a new run")
+        raise RunError(f"{run_dir} exists, a run of {describe(ran)}: {advice}")
+    else:
+        attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
+        if attempt:
+            print(f"{run_dir}: replacing an attempt that stopped before its first checkpoint (no checkpoint, "
+                  f"no summary.json)")
+        for path in attempt:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
