@@ -309,7 +309,13 @@ def analyze_runs(runs, out):
 
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))
-    lines = ["## Runs", ""] + run_table(runs) + ["", "### Per arm", ""]
+    lines = ["## Runs", ""]
+    tables = {path.parent.parent / "runs.csv" for path in (run.path for run in runs)}
+    for table in sorted(t for t in tables if t.exists()):   # a study's runs: README.md's table, with the rows of
+        with open(table, newline="") as f:                # runs whose logs were not kept
+            lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in README.md):",
+                      ""] + study_table(list(csv.DictReader(f)), table.parent) + ["", "The runs with logs:", ""]
+    lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
               "only. Also in rates.csv.", ""] + rate_table(rates)
     lines += ["", "### Where W_Q grows", ""]
