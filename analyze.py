@@ -33,12 +33,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
 
+from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
-from nanolp.mechanism import demonstrate
 from nanolp.plots import THOUSANDS, family, fix_word, plot_grid, run_styles, save
-from nanolp.runs import find_runs, load_run
-from nanolp.sweep import write_csv
+from nanolp.runs import find_runs, load_run, write_csv
 from nanolp.presets import COMMON, NUMERICS, PRESETS, changed_settings
 
 # -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 
 from nanolp.diagnostics import PROBE_LAYER, PROBE_TERMS
 from nanolp.plots import THOUSANDS, run_styles, save
-from nanolp.sweep import write_csv
+from nanolp.runs import write_csv
 
 LOGIT = f"max_logit_L{PROBE_LAYER}"
 REFERENCE_STEP = 10_000

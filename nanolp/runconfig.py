@@ -32,7 +32,7 @@ def suffix(key, value):
 
 
 def run_name(c):
-    """The default name: <preset>-<attn>-fix<fix>, a suffix per changed setting, -s<seed> (as nanolp/sweep.py
+    """The default name: <preset>-<attn>-fix<fix>, a suffix per changed setting, -s<seed> (as experiments/sweep.py
     ends its names, so the arm is the name less -s<seed>); past MAX_NAME characters a hash replaces the suffixes."""
     changed = changed_settings(c)
     head, tail = f"{c['preset']}-{c['attn']}-fix{c['fix']}", f"-s{c['seed']}"

@@ -1,5 +1,5 @@
-"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/), and the lock that keeps
-two runs from writing one folder.
+"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/), the lock that keeps
+two runs from writing one folder, and write the CSV tables made of them (write_csv).
 
 A run folder may still be in progress or may come from an older train.py, so every file and
 every column is optional: missing files read as empty, empty cells read as NaN.
@@ -43,7 +43,7 @@ class Run:
 
     @property
     def arm(self):
-        """The sweep's arm: nanolp/sweep.py names its runs ARM-sSEED."""
+        """The sweep's arm: experiments/sweep.py names its runs ARM-sSEED."""
         seed = self.setting("seed")
         return re.sub(rf"-s{seed}$", "", self.name) if seed is not None else self.name
 
@@ -216,6 +216,25 @@ def thin_log(src, dst, every=100):
         writer = csv.DictWriter(f, fieldnames=reader.fieldnames)
         writer.writeheader()
         writer.writerows(keep)
+
+
+def cell(value):
+    """CSV text: empty for None/NaN, floats to 6 significant digits."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return ""
+    if isinstance(value, float):
+        return repr(float(f"{value:.6g}"))
+    return value
+
+
+def write_csv(path, rows, columns):
+    """Rows (dicts) as a CSV of these columns, each value written by cell()."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows({k: cell(v) for k, v in row.items()} for row in rows)
 
 
 def find_runs(paths):

@@ -1,23 +1,21 @@
 """Does delta's error from O's final cast grow the attention weights in a toy whose rows are one-hot? (CPU)
 
-    python results/mechanism/one_hot_toy.py off 0 40000      # ~30 min on one core
-    python results/mechanism/one_hot_toy.py dfp32 0 40000
+    python -m experiments.one_hot_toy off 0 40000      # ~30 min on one core
+    python -m experiments.one_hot_toy dfp32 0 40000
 
 One attention layer (the repo's GPT: 1 layer, 1 head, 32 dims, context 32, vocab 32) learns to output the previous
 token, so every row but the first puts all its weight on one key: the sharp rows where O's bf16 cast rounds O back
-to that key's V (sharp_rows.py). Attention is the kernel's numerics (nanolp.emulate, bf16 autocast, fix off), with
-delta from the bf16 O ("off") or from the fp32 O ("dfp32", --delta-fp32); AdamW (0.9, 0.95), lr 3e-3, no weight
-decay, batch 32. The loss reaches its floor, log(32)/32 = 0.108 (the first position cannot be predicted), within
+to that key's V (experiments/sharp_rows.py). Attention is the kernel's numerics (nanolp.emulate, bf16 autocast, fix
+off), with delta from the bf16 O ("off") or from the fp32 O ("dfp32", --delta-fp32); AdamW (0.9, 0.95), lr 3e-3, no
+weight decay, batch 32. The loss reaches its floor, log(32)/32 = 0.108 (the first position cannot be predicted), within
 ~1,000 steps; after that the printed product of W_Q's and W_K's spectral norms bounds the logits' growth. The CPU
 is deterministic, so the two arms differ only through delta."""
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import Numerics  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from kernels import Numerics
+from model import GPT, GPTConfig
 
 VOCAB, T, B, WIDTH = 32, 32, 32, 32
 

@@ -1,9 +1,9 @@
 """Compile every kernel specialization the host code launches, for an H100/H200 (sm_90), with Triton's real
 compiler (to PTX and a cubin through the ptxas bundled with Triton), on a machine without a GPU.
 
-    python -m tests.compile_sm90        # without TRITON_INTERPRET; ~1 minute; tests/test_kernels.py runs it
+    python -m nanolp.compile_sm90       # without TRITON_INTERPRET; ~1 minute; tests/test_kernels.py runs it
 
-The CPU interpreter the other tests use accepts code the compiler rejects (a loop-carried value changing dtype,
+The CPU interpreter the tests use accepts code the compiler rejects (a loop-carried value changing dtype,
 a block shape the layouts cannot take) and runs no constexpr branch it is not given, so without this a kernel
 change would meet the compiler only on the next GPU run. The host functions (_flash_fwd, _flash_bwd) run on
 CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled

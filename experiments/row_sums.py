@@ -1,6 +1,6 @@
 """Does a backward's dS have rows that do not sum to zero, and does delta from P remove them? (CPU, ~20 s)
 
-    python results/paper_precision/row_sums.py > results/paper_precision/row_sums.txt
+    python -m experiments.row_sums > results/paper_precision/row_sums.txt
 
 An exact softmax backward gives dS = P * (dP - delta), whose rows sum to zero; whatever a kernel's dS sums to per
 row is an error of the one kind the paper's mechanism is about (it changes dS by a multiple of P, as an error in
@@ -12,22 +12,21 @@ arm the rms over rows of rowsum(dS) before dS's cast, and for each precision the
 also by how sharp the row is. Random bf16 inputs (3 x 2 heads x 256 rows, q scaled by 1 / 3 / 8 for soft to sharp
 rows); the arm "paper, from P, undivided" leaves out the division.
 """
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from tests import conftest  # noqa: E402,F401  (the tests' CPU set-up: Triton's interpreter, patched for bf16)
-from kernels import Numerics  # noqa: E402
-from nanolp import emulate  # noqa: E402
-from tests.test_kernels import rand  # noqa: E402
+from kernels import Numerics
+from nanolp import emulate
+
+
+def rand(shape, seed):
+    """N(0, 1) values rounded to bf16, on the CPU, from their own seed."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
 def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, undivided=False):
     """(rowsum(dS) before its cast, 1 - rowsum(P)) per row, as the kernel's backward computes them; undivided: delta
-    from P without its division by rowsum(P) in the paper precision (kernel_variants.py paper-undivided)."""
+    from P without its division by rowsum(P) in the paper precision (the kernel variant paper-undivided of
+    results/paper_precision/rounding_variants.csv)."""
     o, o32, lse = emulate.forward(q, k, v, True, False, Numerics(precision=precision))
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, True, precision)
     delta = emulate.delta(q, k, v, o32 if delta_fp32 else o, lse, do, True, precision, delta_from_p)

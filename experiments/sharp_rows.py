@@ -6,7 +6,7 @@ eps term, and delta's error equals the exact gradient of the dominant logit, dS_
 not noise, a copy of a gradient. Per eps: how often O rounds back to V_max, and how well delta's error tracks
 dS_max (correlation, sign agreement, least-squares slope).
 
-    python results/mechanism/sharp_rows.py > results/mechanism/sharp_rows.txt
+    python -m experiments.sharp_rows > results/mechanism/sharp_rows.txt
 """
 import torch
 

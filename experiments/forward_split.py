@@ -1,16 +1,12 @@
 """Where the fix's forward time goes: the forward alone with the fix off, the shift alone (fix="paper"), the fp32
 O alone (delta_fp32) and both (fix=True), at seq 4096, batch 4, 2048 channels, bf16, causal; median ms.
 
-    python results/speed/forward_split.py > results/speed/forward_split.txt     # on a GPU
+    python -m experiments.forward_split > results/speed/forward_split.txt     # on a GPU
 """
-import sys
-from pathlib import Path
-
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import Numerics, flash_attention  # noqa: E402
+from kernels import Numerics, flash_attention
 
 VARIANTS = {"off": {}, "shift": dict(fix="paper"), "o32": dict(numerics=Numerics(delta_fp32=True)),
             "both": dict(fix=True)}

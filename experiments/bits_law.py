@@ -1,19 +1,20 @@
 """The bits law: how much later the default collapses per mantissa bit the amplifier leaves P, and what that
 predicts for plain bf16 (P at 7 bits), against the measured bf16 collapse. Reads the tables; seconds.
 
-    python results/amplifier/bits_law.py > results/amplifier/bits_law.txt
+    python -m experiments.bits_law > results/amplifier/bits_law.txt
 
-From gpu_runs.csv: the default preset's runs with P rounded to B bits (--mantissa-bits B, --amplify p), fix off,
-seed 0, no variant. Per bit count, the median collapse step of the runs that collapsed (runs without a collapse
-only bound it from below); a least-squares line through log(collapse step) against B gives the factor per bit and
-the step it predicts at B = 7. From seed_study/runs.csv: the plain bf16 run of the same seed (off-s0).
+From results/amplifier/gpu_runs.csv: the default preset's runs with P rounded to B bits (--mantissa-bits B,
+--amplify p), fix off, seed 0, no variant. Per bit count, the median collapse step of the runs that collapsed (runs
+without a collapse only bound it from below); a least-squares line through log(collapse step) against B gives the
+factor per bit and the step it predicts at B = 7. From results/seed_study/runs.csv: the plain bf16 run of the same
+seed (off-s0).
 """
 import csv
 import math
 import statistics
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 BF16_BITS = 7
 
 
@@ -22,9 +23,9 @@ def rows(path):
         return list(csv.DictReader(f))
 
 
-runs = [r for r in rows(HERE / "gpu_runs.csv") if r["fix"] == "off" and r["seed"] == "0" and r["amplify"] == "p"
-        and not r["variant"] and r["delta_from_p"] == "False" and r["delta_fp32"] == "False"
-        and r["precision"] == "fa2"]
+runs = [r for r in rows(RESULTS / "amplifier" / "gpu_runs.csv")
+        if r["fix"] == "off" and r["seed"] == "0" and r["amplify"] == "p" and not r["variant"]
+        and r["delta_from_p"] == "False" and r["delta_fp32"] == "False" and r["precision"] == "fa2"]
 collapsed, censored = {}, {}
 for r in runs:
     bits = int(r["mantissa_bits"])
@@ -46,7 +47,7 @@ y = [math.log(points[b]) for b in x]
 mx, my = statistics.mean(x), statistics.mean(y)
 slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
 predicted = math.exp(my + slope * (BF16_BITS - mx))
-bf16 = next(r for r in rows(HERE.parent / "seed_study" / "runs.csv") if r["name"] == "off-s0-nolog")
+bf16 = next(r for r in rows(RESULTS / "seed_study" / "runs.csv") if r["name"] == "off-s0-nolog")
 print(f"fit through {', '.join(map(str, x))} bits: {math.exp(slope):.2f}x later per bit; "
       f"at {BF16_BITS} bits (plain bf16) {predicted:,.0f} steps")
 print(f"plain bf16, measured (seed_study/runs.csv, off-s0-nolog): collapsed at {int(bf16['collapse_step']):,} steps, "

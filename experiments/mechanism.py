@@ -1,12 +1,12 @@
 """The rounding bias itself, shown without training: `python analyze.py --mechanism`.
 
 1. The paper's worked example: one fp32 sum rounded to bf16, with the project's own rounding.
-2. The paper's bias, on rows with k tied maxima (nanolp.tied, as in tests/test_mechanism.py): independent rows,
+2. The paper's bias, on rows with k tied maxima (experiments.tied, as in tests/test_mechanism.py): independent rows,
    each with its own k tied maxima, the other keys 12-18 nats below, mostly negative V. The error of O and of
    delta = rowsum(dO * O) against float64 for `--fix off`, `--fix paper` (the shifted row max) and `--fix on` (the
    shift, and delta from the forward's fp32 O), precision "paper" and "fa2", as a function of k: per-row mean
    error, then its mean and standard error over the rows.
-3. The curvature effect (nanolp.curvature), on a quadratic loss with known curvature H: the mean error delta
+3. The curvature effect (experiments.curvature), on a quadratic loss with known curvature H: the mean error delta
    reads from a rounded O against the predicted tr(H Sigma_e), for round-to-nearest, stochastic rounding and an
    independent rounding (delta reading a draw the forward never saw).
 
@@ -21,18 +21,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from experiments.curvature import ROUNDINGS, synthetic_delta_error
+from experiments.tied import INPUTS, grad_out, mean_error, reference, tied_rows
 from kernels import Numerics
-from nanolp.curvature import ROUNDINGS, synthetic_delta_error
 from nanolp.emulate import emulate_attention, emulate_forward_fp32, round_bf16
 from nanolp.plots import PALETTE, save
-from nanolp.tied import INPUTS, grad_out, mean_error, reference, tied_rows
 
 PRECISIONS = ("paper", "fa2")
 FIXES = {"off": False, "paper": "paper", "on": True}  # train.py's --fix, as the attention's fix argument
 O_FIXES = ("off", "paper")  # --fix on's forward is --fix paper's: the same O, only delta reads another
 COLORS = {fix: PALETTE[f"fix {fix}"][0] for fix in FIXES}  # as in the run figures
 TIES = (1, 2, 3, 4, 8, 16)  # numbers of tied maxima per row (3: the case the shift makes worse in "paper" mode)
-ROWS = 65536  # independent tied rows per k (nanolp.tied.tied_rows); all k in under a minute on 2 CPU cores
+ROWS = 65536  # independent tied rows per k (experiments.tied.tied_rows); all k in under a minute on 2 CPU cores
 PAPER_SUM = -4.70399  # the fp32 sum of P V terms in the paper's worked example, to its printed digits
 CURVATURES = (0.25, 1.0, 4.0)  # scales of H's eigenvalues
 CURVATURE_ROWS = 50_000  # rows per point: the 9 points take ~15 s on 2 CPU cores
@@ -87,7 +87,7 @@ def delta_errors(attend, forward_fp32, q, k, v, do, precision, fix):
 
 def tied_rows_experiment(attend, forward_fp32, device, ties=TIES, rows=ROWS, head_dim=64, seed=0):
     """{(precision, fix, k): (O error, delta error)}, each a numpy array of one number per row: the row's mean
-    error over its features for O, its error for delta. The inputs are nanolp.tied's (independent rows, each
+    error over its features for O, its error for delta. The inputs are experiments.tied's (independent rows, each
     with its own k tied maxima); the same seed for every k, as tests/test_mechanism.py does."""
     results = {}
     for k in tqdm(ties, desc=f"tied rows (k), {rows} rows"):
@@ -104,7 +104,7 @@ def tied_rows_experiment(attend, forward_fp32, device, ties=TIES, rows=ROWS, hea
 
 
 def stats(per_row):
-    """Mean and standard error over rows (nanolp.tied.mean_error)."""
+    """Mean and standard error over rows (experiments.tied.mean_error)."""
     return mean_error(torch.from_numpy(per_row))
 
 
@@ -161,7 +161,7 @@ def plot_error_vs_k(results, ties, path):
 def tied_rows_lines(results):
     ties = sorted({key[2] for key in results})
     n = len(results[PRECISIONS[0], "off", ties[0]][0])
-    lines = [f"{n} independent rows per k (`nanolp.tied.tied_rows`: each row its own one-hot query, its own max "
+    lines = [f"{n} independent rows per k (`experiments.tied.tied_rows`: each row its own one-hot query, its own max "
              "and its own k tied keys; scores exact in bf16), computed with the attention named above. "
              "Per-row mean error against float64, then its mean over the rows (standard error in brackets). "
              "`--fix on`'s O is `--fix paper`'s; its delta reads the forward's fp32 O."]
@@ -180,7 +180,7 @@ def tied_rows_lines(results):
 
 
 def curvature_experiment(curvatures=CURVATURES, rows=CURVATURE_ROWS, gradient=GRADIENT):
-    """{(rounding, curvature): nanolp.curvature.synthetic_delta_error's dict(mean, se, predicted)}, each point
+    """{(rounding, curvature): experiments.curvature.synthetic_delta_error's dict(mean, se, predicted)}, each point
     from rows of its own (seed), so that the points are independent measurements."""
     points = [(rounding, c) for rounding in ROUNDINGS for c in curvatures]
     return {(rounding, c): synthetic_delta_error(rounding, rows=rows, curvature=c, gradient=gradient, seed=seed)
@@ -216,7 +216,7 @@ def plot_curvature(results, path):
 
 
 def curvature_lines(results, rows, gradient):
-    lines = [f"Rows of 64 features of a quadratic loss L(O) = g.O + 1/2 O^T H O (`nanolp.curvature`), {rows:,} "
+    lines = [f"Rows of 64 features of a quadratic loss L(O) = g.O + 1/2 O^T H O (`experiments.curvature`), {rows:,} "
              f"rows per point, {gradient:g} (rms) from the loss's minimum; H's eigenvalues uniform in [0.5, 1.5] "
              "times the scale. e = the rounding error delta reads; dO is the loss's gradient at the forward's "
              "rounded O (\"independent\": the forward rounds to nearest, delta reads an independent stochastic "

@@ -5,10 +5,10 @@ files its figures are drawn from (analyze.py results/STUDY/runs).
 On a fresh GPU machine (any number of GPUs), from the repository's root:
 
     pip install -r requirements.txt
-    python -m nanolp.sweep seed_study                  # until every run of the study is finished
-    python -m nanolp.sweep seed_study --minutes 25     # or in installments: the same command again carries on
-    python -m nanolp.sweep seed_study --collect        # only collect what runs/seed_study holds
-    python -m nanolp.sweep --collect DIR... --csv PATH # one CSV row per run folder, of any runs
+    python -m experiments.sweep seed_study                   # until every run of the study is finished
+    python -m experiments.sweep seed_study --minutes 25      # or in installments: the same command again carries on
+    python -m experiments.sweep seed_study --collect         # only collect what runs/seed_study holds
+    python -m experiments.sweep --collect DIR... --csv PATH  # one CSV row per run folder, of any runs
 
 TinyShakespeare is downloaded on first use; on a machine without internet, copy it to
 data/tinyshakespeare/input.txt first. Then commit results/STUDY/.
@@ -38,7 +38,6 @@ invocation resumes it. No run is started with less than MIN_MINUTES left.
 
 import argparse
 import csv
-import math
 import os
 import re
 import shlex
@@ -53,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from nanolp.presets import COMMON, NUMERICS
-from nanolp.runs import find_runs, latest_checkpoint, load_run, log_path, read_json, thin_log
+from nanolp.runs import find_runs, latest_checkpoint, load_run, log_path, read_json, thin_log, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -413,25 +412,6 @@ def collect_row(path, arm=None, flags=""):
         tokens_per_s=o["tokens_per_s"], peak_mem_gb=s.get("peak_mem_gb"),
         first_growth_layer=layer, first_growth_head=head, first_growth_step=growth_step, log_kept=True,
     )
-
-
-def cell(value):
-    """CSV text: empty for None/NaN, floats to 6 significant digits."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return ""
-    if isinstance(value, float):
-        return repr(float(f"{value:.6g}"))
-    return value
-
-
-def write_csv(path, rows, columns):
-    """Rows (dicts) as a CSV of these columns, each value written by cell()."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows({k: cell(v) for k, v in row.items()} for row in rows)
 
 
 def collect(paths, csv_path):

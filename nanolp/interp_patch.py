@@ -12,7 +12,7 @@ evaluated in float64 and rounded once to float32, exactly as the emulation does.
 bit unless their algorithms or rounding points differ.
 
 The patch reaches into interpreter internals, so it is pinned to the versions it was checked on, and
-self_test() (run by conftest.py before any test) fails loudly if it stops taking effect.
+self_test() (run by tests/conftest.py before any test) fails loudly if it stops taking effect.
 """
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ def _min_max(self, input, val_reduce_op, idx_reduce_op=None):
 
 def apply():
     if not triton.__version__.startswith(CHECKED_VERSIONS):
-        raise RuntimeError(f"tests/interp_patch.py was checked on triton {CHECKED_VERSIONS}, found "
+        raise RuntimeError(f"nanolp/interp_patch.py was checked on triton {CHECKED_VERSIONS}, found "
                            f"{triton.__version__}: re-check it (run tests/test_interp_patch.py) and extend the list")
     _Builder.cast_impl = _cast_impl
     _Builder.create_dot = _create_dot

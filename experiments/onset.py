@@ -1,8 +1,8 @@
 """When does layer 0 take off, which of its heads leads, and how fast is the late runaway? Per run, from its log.
 
-    python results/seed_study/onset.py RUN_DIR [RUN_DIR ...]            -> onset.txt
-    python results/seed_study/onset.py --heads RUN_DIR [RUN_DIR ...]    -> lead_heads.txt
-    python results/seed_study/onset.py --late RUN_DIR [RUN_DIR ...]     -> late_stage.txt
+    python -m experiments.onset RUN_DIR [RUN_DIR ...]            -> results/seed_study/onset.txt
+    python -m experiments.onset --heads RUN_DIR [RUN_DIR ...]    -> results/seed_study/lead_heads.txt
+    python -m experiments.onset --late RUN_DIR [RUN_DIR ...]     -> results/seed_study/late_stage.txt
 
 Default: layer 0's max logit at step 10,000 (the base), the first logged step where it exceeds twice the base and
 100, the sharp rate (rows whose largest P exceeds 1 - 1e-3) up to the doubling, the first step where the sharp
@@ -28,8 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from nanolp.runs import log_path  # noqa: E402
+from nanolp.runs import log_path
 
 HEADS = 6  # of layer 0, in the default model
 NAME = 16  # width of the run-name column

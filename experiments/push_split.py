@@ -3,7 +3,7 @@
     mkdir -p data/ts32 && head -c 34856 data/tinyshakespeare/input.txt > data/ts32/input.txt   # 1/32 of the text
     python train.py --preset tiny --attn sdpa --dtype fp32 --data data/ts32/input.txt --n-layer 4 --n-head 4 \\
         --n-embd 128 --block-size 128 --batch-size 32 --steps 3000 --lr 1e-3 --out /tmp/pushrun --name m
-    python results/mechanism/push_split.py /tmp/pushrun/m 40 > results/mechanism/push_split.txt
+    python -m experiments.push_split /tmp/pushrun/m 40 > results/mechanism/push_split.txt
                                                              # ~4 minutes on 2 cores (training: ~15)
 
 For each of `batches` training batches, every layer's q, k, v and dO are captured under bf16 autocast
@@ -19,12 +19,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from model import GPT, GPTConfig, causal_scores  # noqa: E402
-from nanolp import emulate  # noqa: E402
-from nanolp.data import get_batch, prepare  # noqa: E402
-from nanolp.diagnostics import attention_stats, capture_attention  # noqa: E402
+from model import GPT, GPTConfig, causal_scores
+from nanolp import emulate
+from nanolp.data import get_batch, prepare
+from nanolp.diagnostics import attention_stats, capture_attention
 
 
 def pushes(q, k, v, dO):

@@ -1,7 +1,7 @@
 """Benchmark: our kernel (fix off, the complete fix, the paper's rule alone, delta from P) against torch SDPA's
 flash and cuDNN backends, side by side in one run.
 
-    python -m nanolp.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
+    python -m experiments.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
 
 bf16, causal; batch x heads sized so every shape holds 16k tokens x 2048 channels (fills an H200); median of
 repeated timings (triton.testing.do_bench); TFLOP/s count the causal half only (4 B H N^2 D / 2 forward,

@@ -16,7 +16,8 @@ reading a draw that the forward never saw) is uncorrelated with dO and averages 
 synthetic_delta_error() measures this on rows of a quadratic loss L(O) = sum over rows of
 g . O + 1/2 O^T H O with H symmetric positive definite and known, so tr(H Sigma_e) can be computed exactly and
 compared with the measured mean error. tests/test_curvature.py checks the three claims; analyze.py --mechanism
-draws them (results/mechanism/curvature.png); nanolp/diagnostics.py's probe measures the same terms in the model.
+(experiments/mechanism.py) draws them (results/mechanism/curvature.png); nanolp/diagnostics.py's probe measures the
+same terms in the model.
 """
 import math
 

@@ -1,7 +1,7 @@
 """The tuning grid behind kernels.py's FWD_TUNING / BWD_TUNING, and training step time per attention (on a GPU).
 
-    python results/speed/tuning.py --out DIR                  # the grid, then step times with the chosen table
-    python results/speed/tuning.py --skip-grid --modes reduce-overhead --out DIR
+    python -m experiments.tuning --out DIR                  # the grid, then step times with the chosen table
+    python -m experiments.tuning --skip-grid --modes reduce-overhead --out DIR
 
 1. Tuning grid: forward alone and backward alone, fix off, bf16, causal, for each (block, warps, stages) below,
    at the training shapes (default preset: batch 64, 6 heads, seq 256, head_dim 64; gpt2 preset: 16 x 12 x 1024)
@@ -16,16 +16,14 @@
 import argparse
 import csv
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import kernels  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import kernels
+from model import GPT, GPTConfig
 
 FWD_GRID = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (128, 8, 4)]
 BWD_GRID = [(64, 4, 1), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 1), (128, 8, 2)]

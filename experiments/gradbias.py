@@ -1,7 +1,7 @@
 """Is an attention backend's gradient error biased? Compare backends on the same inputs against float64.
 
-    python -m nanolp.gradbias                       # on a GPU: our kernel (fix off / paper / on), torch's flash SDPA
-    python -m nanolp.gradbias --draws 2 --batch 2   # on a CPU: the kernel's emulation only (slow)
+    python -m experiments.gradbias                      # a GPU: our kernel (fix off / paper / on), torch's flash SDPA
+    python -m experiments.gradbias --draws 2 --batch 2  # a CPU: the kernel's emulation only (slow)
 
 Why: the failure needs a gradient error that keeps one sign. The algorithms are the same on paper, so this
 measures their gradient errors on inputs like layer 0's: keys and queries drawn from a small vocabulary (a
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanolp.tied import reference
+from experiments.tied import reference
 
 
 def layer0_like(batch, heads, seq, head_dim, vocab, logit_scale, generator, device):

@@ -5,7 +5,7 @@
 its standard error) and the rms error of O from each rounding: P's (O before its cast less the exact O) and the
 cast's (the bf16 O less O before its cast).
 
-    python results/mechanism/rounding_terms.py > results/mechanism/rounding_terms.txt
+    python -m experiments.rounding_terms > results/mechanism/rounding_terms.txt
 """
 import torch
 

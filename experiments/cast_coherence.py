@@ -6,7 +6,7 @@ scale is a diffuse head); V = mu * (one vector per sequence) + N(0, 1), drawn as
 rows 64-255: coherence = |mean of the rounding errors r_i| / mean |r_i| (1: the same vector in every row; about
 1/sqrt(192) = 0.072 for independent errors), and the mean cosine between neighbouring rows' r_i.
 
-    python results/mechanism/cast_coherence.py > results/mechanism/cast_coherence.txt
+    python -m experiments.cast_coherence > results/mechanism/cast_coherence.txt
 """
 import torch
 

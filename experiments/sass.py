@@ -1,31 +1,29 @@
 """What the compiled kernels spend their instructions on: registers, spills, shared memory and the SASS of the
 main key loop, per kernel, compiled for the H200 (sm_90) on a machine without a GPU.
 
-    python results/speed/sass.py          # from the repository root, without TRITON_INTERPRET; ~30 s
+    python -m experiments.sass            # from the repository root, without TRITON_INTERPRET; ~30 s
 
 The H200 runs triton 3.6 (results/speed/gpu_tests.txt); the code it compiles differs from later versions' (registers,
 so CTAs per SM), so compile with that version: pip install --no-deps --target /tmp/triton36 triton==3.6.0, then
-PYTHONPATH=/tmp/triton36 python results/speed/sass.py.
+PYTHONPATH=/tmp/triton36 python -m experiments.sass.
 
-Each launch is the one the benchmark makes (python -m nanolp.bench: batch 4, 2048 channels, seq 4096, causal,
+Each launch is the one the benchmark makes (python -m experiments.bench: batch 4, 2048 channels, seq 4096, causal,
 precision fa2, no amplifier), recorded from the host code and compiled with the argument specialization the
-GPU's JIT gives it, both as tests/compile_sm90.py does (its specialize: 16-byte aligned pointers, strides divisible
+GPU's JIT gives it, both as nanolp/compile_sm90.py does (its specialize: 16-byte aligned pointers, strides divisible
 by 16; without that the loads are not vectorized and the pipeliner leaves the K/V loads unpipelined, so the code is
 not the one that ran). Prints markdown tables (results/speed/sass.md).
 """
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.compile_sm90 import TARGET, Recorder, specialize  # noqa: E402  (asserts no TRITON_INTERPRET)
-import kernels  # noqa: E402
+from nanolp.compile_sm90 import TARGET, Recorder, specialize  # first: it asserts no TRITON_INTERPRET
+import kernels  # after the check: TRITON_INTERPRET is read at import
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 BATCH, CHANNELS, SEQ = 4, 2048, 4096
