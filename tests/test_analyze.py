@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import analyze
-from nanolp import mechanism, plots, probe
+from experiments import mechanism
+from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
 from nanolp.runs import Run, load_run
@@ -385,7 +386,7 @@ def test_mechanism_tied_rows_bias():
     results = mechanism.tied_rows_experiment(mechanism.emulate_attention, mechanism.emulate_forward_fp32, "cpu",
                                              ties=(2,), rows=1024)
     (off, se_off), (shifted, _) = (mechanism.stats(results["paper", fix, 2][0]) for fix in ("off", "paper"))
-    # nanolp.tied's rows, as in tests/test_mechanism.py: with the fix off the two tied P entries are exactly 1,
+    # experiments.tied's rows, as in tests/test_mechanism.py: with the fix off the two tied P entries are exactly 1,
     # so the bf16 sums of P V sit on rounding midpoints and the tiny, mostly negative terms from the other keys
     # (V ~ N(-1, 0.5)) tip them away from zero: O is pushed negative, by many standard errors, and the shift
     # removes most of it (measured with seed 0: -1.04e-3, s.e. 6.7e-6, off; -7.1e-5 with the shift).

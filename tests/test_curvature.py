@@ -1,11 +1,11 @@
-"""The curvature effect (nanolp/curvature.py): on a quadratic loss with known curvature H, the error that
+"""The curvature effect (experiments/curvature.py): on a quadratic loss with known curvature H, the error that
 delta = rowsum(dO * O) reads from a rounded O has mean tr(H Sigma_e) > 0 for round-to-nearest and for (unbiased)
 stochastic rounding, because dO is computed at the rounded O; an independent rounding averages to zero."""
 import pytest
 import torch
 
+from experiments.curvature import rounding_variance, synthetic_delta_error
 from kernels import stochastic_round
-from nanolp.curvature import rounding_variance, synthetic_delta_error
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

@@ -1,7 +1,7 @@
-"""nanolp/gradbias.py: its one-signedness statistic, and a small run through the emulation."""
+"""experiments/gradbias.py: its one-signedness statistic, and a small run through the emulation."""
 import torch
 
-from nanolp import gradbias
+from experiments import gradbias
 
 
 def test_z_separates_noise_from_bias():

@@ -7,7 +7,7 @@ import triton
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the interpreter patch is only used without a GPU", allow_module_level=True)
 
-from tests import interp_patch  # noqa: E402
+from nanolp import interp_patch  # noqa: E402
 
 
 def test_patch_takes_effect():

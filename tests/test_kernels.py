@@ -467,7 +467,7 @@ def test_every_specialization_compiles_for_sm90():
     above); tests/compile_sm90.py compiles each launch the host code makes for the H200, in a process without the
     interpreter. ~1 minute (less with Triton's cache)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.compile_sm90"], cwd=Path(__file__).resolve().parents[1],
+    done = subprocess.run([sys.executable, "-m", "nanolp.compile_sm90"], cwd=Path(__file__).resolve().parents[1],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "compile for sm_90" in done.stdout

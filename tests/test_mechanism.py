@@ -1,6 +1,6 @@
 """The mechanism itself: rows with several tied maxima and a mostly negative V give a one-signed error in O.
 
-Inputs (nanolp.tied.tied_rows): 1024 independent query rows, each with its own k keys tied exactly at its own
+Inputs (experiments.tied.tied_rows): 1024 independent query rows, each with its own k keys tied exactly at its own
 max M (uniform in [-4, 12) nats, so the fix's shift varies), the other keys 12-18 nats below, V ~ N(-1, 0.5),
 dO ~ N(1, 0.5). Scores are exact in bf16, so only the softmax / P V / O rounding is measured. The error is the
 kernel's bf16 O (and delta = rowsum(dO * O)) minus float64 attention on the same bf16 inputs.
@@ -53,10 +53,10 @@ import pytest
 import torch
 
 import kernels
+from experiments.tied import grad_out, mean_error, reference, tied_rows
 from kernels import Numerics
 from nanolp import emulate
 from nanolp.diagnostics import bf16_step
-from nanolp.tied import grad_out, mean_error, reference, tied_rows
 
 ROWS = 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -351,8 +351,8 @@ def test_amplifier_shrinks_o_without_any_tie():
       bf16:        O +1.3e-5, +7.8e-6, +1.2e-5 (s.e. 5e-6), about 50x smaller
     Normalising by the sum of the rounded P instead (O = sum round(P) V / sum round(P)) removes it at 3 bits
     (+3.5e-6, s.e. 4e-6, in float64 on the same kind of rows), but in training (CPU, P at 1 bit,
-    results/amplifier/tiny_cpu_runs.csv, results/amplifier/emulation_variants.py) that alone did not slow the logit growth: the row max, P = 1 exactly and never
-    rounded, is a second one-sided term; removing both slowed it ~10x."""
+    results/amplifier/tiny_cpu_runs.csv, the rows of the emulation variants) that alone did not slow the logit
+    growth: the row max, P = 1 exactly and never rounded, is a second one-sided term; removing both slowed it ~10x."""
     (o_off, se_off), (o_on, se_on), (d_o, se_d), (d_p, _) = untied_errors(3)
     assert o_off > T_MIN * se_off and o_on > T_MIN * se_on, "P at 3 bits should shrink O toward zero, fix or not"
     assert d_o > T_MIN * se_d, f"delta from O: {d_o:.2e} (s.e. {se_d:.1e}) should carry the shrinkage"

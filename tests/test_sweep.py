@@ -1,6 +1,6 @@
-"""nanolp/sweep.py: the studies file and its errors, what each run needs, which GPU takes which run, collecting a
-study into thinned logs and a CSV (with a fake train.py that writes a run folder in a moment), and one real tiny
-study on the CPU."""
+"""experiments/sweep.py: the studies file and its errors, what each run needs, which GPU takes which run,
+collecting a study into thinned logs and a CSV (with a fake train.py that writes a run folder in a moment), and one
+real tiny study on the CPU."""
 import csv
 import gzip
 import json
@@ -10,8 +10,9 @@ import shutil
 import pytest
 import torch
 
-from nanolp import data, sweep
-from nanolp.runs import load_run
+from experiments import sweep
+from nanolp import data
+from nanolp.runs import cell, load_run
 
 # A stand-in for train.py: writes config.json (its flags), log.csv (a row every 10 steps, diagnostics every 100),
 # summary.json and device.txt (CUDA_VISIBLE_DEVICES, start and end time), after --sleep seconds.
@@ -499,7 +500,7 @@ def test_committed_rows_equal_their_run_folders():
         if row.get("log_kept") != "True":
             assert not folder.exists() and row["name"].endswith(sweep.NO_LOG), row["name"]
             continue
-        rebuilt = {k: str(sweep.cell(v)) for k, v in sweep.collect_row(folder, row["arm"], row["flags"]).items()}
+        rebuilt = {k: str(cell(v)) for k, v in sweep.collect_row(folder, row["arm"], row["flags"]).items()}
         assert {k: row[k] for k in rebuilt} == rebuilt, folder
         summary = json.loads((folder / "summary.json").read_text())
         for key in ("fix", "attn", "seed", "collapsed", "steps"):
