@@ -23,32 +23,38 @@ def rows(path):
         return list(csv.DictReader(f))
 
 
-runs = [r for r in rows(RESULTS / "amplifier" / "gpu_runs.csv")
-        if r["fix"] == "off" and r["seed"] == "0" and r["amplify"] == "p" and not r["variant"]
-        and r["delta_from_p"] == "False" and r["delta_fp32"] == "False" and r["precision"] == "fa2"]
-collapsed, censored = {}, {}
-for r in runs:
-    bits = int(r["mantissa_bits"])
-    if r["collapse_step"]:
-        collapsed.setdefault(bits, []).append(int(r["collapse_step"]))
-    else:
-        censored[bits] = max(censored.get(bits, 0), int(r["steps"]))
-points = {bits: statistics.median(steps) for bits, steps in sorted(collapsed.items())}
-for bits in sorted(set(collapsed) | set(censored)):
-    line = f"P at {bits} bits: "
-    if bits in collapsed:
-        line += f"collapsed at {', '.join(f'{s:,}' for s in sorted(collapsed[bits]))} (median {points[bits]:,.0f})"
-    if bits in censored and censored[bits] > max(collapsed.get(bits, [0])):
-        line += ("; " if bits in collapsed else "") + f"no collapse in {censored[bits]:,} steps"
-    print(line)
+def main():
+    runs = [r for r in rows(RESULTS / "amplifier" / "gpu_runs.csv")
+            if r["fix"] == "off" and r["seed"] == "0" and r["amplify"] == "p" and not r["variant"]
+            and r["delta_from_p"] == "False" and r["delta_fp32"] == "False" and r["precision"] == "fa2"]
+    collapsed, censored = {}, {}
+    for r in runs:
+        bits = int(r["mantissa_bits"])
+        if r["collapse_step"]:
+            collapsed.setdefault(bits, []).append(int(r["collapse_step"]))
+        else:
+            censored[bits] = max(censored.get(bits, 0), int(r["steps"]))
+    points = {bits: statistics.median(steps) for bits, steps in sorted(collapsed.items())}
+    for bits in sorted(set(collapsed) | set(censored)):
+        line = f"P at {bits} bits: "
+        if bits in collapsed:
+            line += f"collapsed at {', '.join(f'{s:,}' for s in sorted(collapsed[bits]))} (median {points[bits]:,.0f})"
+        if bits in censored and censored[bits] > max(collapsed.get(bits, [0])):
+            line += ("; " if bits in collapsed else "") + f"no collapse in {censored[bits]:,} steps"
+        print(line)
 
-x = list(points)
-y = [math.log(points[b]) for b in x]
-mx, my = statistics.mean(x), statistics.mean(y)
-slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
-predicted = math.exp(my + slope * (BF16_BITS - mx))
-bf16 = next(r for r in rows(RESULTS / "seed_study" / "runs.csv") if r["name"] == "off-s0-nolog")
-print(f"fit through {', '.join(map(str, x))} bits: {math.exp(slope):.2f}x later per bit; "
-      f"at {BF16_BITS} bits (plain bf16) {predicted:,.0f} steps")
-print(f"plain bf16, measured (seed_study/runs.csv, off-s0-nolog): collapsed at {int(bf16['collapse_step']):,} steps, "
-      f"{predicted / int(bf16['collapse_step']):.1f}x sooner than the fit")
+    x = list(points)
+    y = [math.log(points[b]) for b in x]
+    mx, my = statistics.mean(x), statistics.mean(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    predicted = math.exp(my + slope * (BF16_BITS - mx))
+    bf16 = next(r for r in rows(RESULTS / "seed_study" / "runs.csv") if r["name"] == "off-s0-nolog")
+    print(f"fit through {', '.join(map(str, x))} bits: {math.exp(slope):.2f}x later per bit; "
+          f"at {BF16_BITS} bits (plain bf16) {predicted:,.0f} steps")
+    measured = int(bf16["collapse_step"])
+    print(f"plain bf16, measured (seed_study/runs.csv, off-s0-nolog): collapsed at {measured:,} steps, "
+          f"{predicted / measured:.1f}x sooner than the fit")
+
+
+if __name__ == "__main__":
+    main()

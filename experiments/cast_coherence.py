@@ -10,18 +10,26 @@ rows 64-255: coherence = |mean of the rounding errors r_i| / mean |r_i| (1: the 
 """
 import torch
 
-torch.manual_seed(0)
-T, D, B = 256, 64, 64
-causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-print(f"{B} sequences of {T} rows, head dim {D}; independent errors would give coherence {(T - T // 4) ** -0.5:.3f}")
-for mu in (0.0, 1.0, 3.0):
-    for scale in (0.1, 1.0, 4.0):
-        q, k = torch.randn(2, B, T, D, dtype=torch.float64)
-        v = (mu * torch.randn(B, 1, D) + torch.randn(B, T, D)).bfloat16().double()
-        p = (scale * q @ k.transpose(-1, -2) / D**0.5).masked_fill(causal, float("-inf")).softmax(-1)
-        o = p @ v
-        r = (o.bfloat16().double() - o)[:, T // 4:]  # the first rows have few keys to average
-        coherence = (r.mean(1).norm(dim=-1) / r.norm(dim=-1).mean(1)).mean().item()
-        neighbour = torch.nn.functional.cosine_similarity(r[:, 1:], r[:, :-1], dim=-1).mean().item()
-        print(f"V's common part mu {mu:3.1f}, logit scale {scale:3.1f}: coherence {coherence:.3f}, "
-              f"neighbouring rows' cosine {neighbour:+.3f}")
+T, D, B = 256, 64, 64  # rows (keys) per sequence, head dim, sequences
+
+
+def main():
+    torch.manual_seed(0)
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    print(f"{B} sequences of {T} rows, head dim {D}; "
+          f"independent errors would give coherence {(T - T // 4) ** -0.5:.3f}")
+    for mu in (0.0, 1.0, 3.0):
+        for scale in (0.1, 1.0, 4.0):
+            q, k = torch.randn(2, B, T, D, dtype=torch.float64)
+            v = (mu * torch.randn(B, 1, D) + torch.randn(B, T, D)).bfloat16().double()
+            p = (scale * q @ k.transpose(-1, -2) / D**0.5).masked_fill(causal, float("-inf")).softmax(-1)
+            o = p @ v
+            r = (o.bfloat16().double() - o)[:, T // 4:]  # the first rows have few keys to average
+            coherence = (r.mean(1).norm(dim=-1) / r.norm(dim=-1).mean(1)).mean().item()
+            neighbour = torch.nn.functional.cosine_similarity(r[:, 1:], r[:, :-1], dim=-1).mean().item()
+            print(f"V's common part mu {mu:3.1f}, logit scale {scale:3.1f}: coherence {coherence:.3f}, "
+                  f"neighbouring rows' cosine {neighbour:+.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,6 @@ cast's (the bf16 O less O before its cast).
 """
 import torch
 
-torch.manual_seed(0)
 R, N, D = 4096, 256, 64  # rows, keys per row, head dim
 
 
@@ -18,16 +17,22 @@ def bf(x):
     return x.to(torch.bfloat16).double()
 
 
-for std in (1.0, 3.0, 10.0):
-    s = bf(torch.randn(R, N, dtype=torch.float64) * std).float().double()
-    v = bf(torch.randn(R, N, D, dtype=torch.float64) * 0.5 - 1.0)
-    p = torch.exp((s - s.amax(1, keepdim=True)).float()).double()   # exp in fp32, as the kernel
-    l = p.sum(1, keepdim=True)
-    o_exact = torch.einsum("rn,rnd->rd", p, v) / l
-    o_pre = torch.einsum("rn,rnd->rd", bf(p), v) / l                 # P rounded before P V, l from the unrounded P
-    o = bf(o_pre.float().double())                                   # the final cast
-    e_p, e_cast = o_pre - o_exact, o - o_pre
-    se = lambda e: e.std() / e.numel() ** 0.5
-    rms = lambda e: e.pow(2).mean().sqrt()
-    print(f"logit std {std:4}: mean err O  P-term {e_p.mean():+.2e} (s.e. {se(e_p):.1e})  "
-          f"cast-term {e_cast.mean():+.2e} (s.e. {se(e_cast):.1e});  rms P {rms(e_p):.1e} cast {rms(e_cast):.1e}")
+def main():
+    torch.manual_seed(0)
+    for std in (1.0, 3.0, 10.0):
+        s = bf(torch.randn(R, N, dtype=torch.float64) * std).float().double()
+        v = bf(torch.randn(R, N, D, dtype=torch.float64) * 0.5 - 1.0)
+        p = torch.exp((s - s.amax(1, keepdim=True)).float()).double()   # exp in fp32, as the kernel
+        l = p.sum(1, keepdim=True)
+        o_exact = torch.einsum("rn,rnd->rd", p, v) / l
+        o_pre = torch.einsum("rn,rnd->rd", bf(p), v) / l                 # P rounded before P V, l from the unrounded P
+        o = bf(o_pre.float().double())                                   # the final cast
+        e_p, e_cast = o_pre - o_exact, o - o_pre
+        se = lambda e: e.std() / e.numel() ** 0.5
+        rms = lambda e: e.pow(2).mean().sqrt()
+        print(f"logit std {std:4}: mean err O  P-term {e_p.mean():+.2e} (s.e. {se(e_p):.1e})  "
+              f"cast-term {e_cast.mean():+.2e} (s.e. {se(e_cast):.1e});  rms P {rms(e_p):.1e} cast {rms(e_cast):.1e}")
+
+
+if __name__ == "__main__":
+    main()
