@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import Numerics, flash_attention
-from nanolp.emulate import emulate_attention
+from nanolp.emulate import causal_scores, emulate_attention
 
 # Dense (no sparsity) bf16 tensor-core peak of one NVIDIA H200 SXM, from NVIDIA's datasheet: 989 TFLOPS.
 # MFU is always reported against this number, whatever device the run is on.
@@ -45,16 +45,6 @@ class GPTConfig:
     numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds (kernels.Numerics)
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
                               # repeat of a row's best-matching token ties exactly (copies, which carry no bias)
-
-
-def causal_scores(q, k):
-    """Scaled scores S = q k^T / sqrt(d) in float32, with -inf above the diagonal."""
-    T = q.size(-2)
-    # autocast would cast the fp32 operands straight back to bf16, so it is switched off here
-    with torch.autocast(q.device.type, enabled=False):
-        S = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.size(-1))
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    return S.masked_fill(future, float("-inf"))
 
 
 def reference_attention(q, k, v):

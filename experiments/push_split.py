@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig, causal_scores
+from model import GPT, GPTConfig
 from nanolp import emulate
+from nanolp.emulate import causal_scores
 from nanolp.data import get_batch, prepare
 from nanolp.diagnostics import attention_stats, capture_attention
 

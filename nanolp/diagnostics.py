@@ -43,8 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from model import causal_scores
-from nanolp.emulate import emulate_forward_fp32, scores
+from nanolp.emulate import causal_scores, emulate_forward_fp32, scores
 from kernels import TIE_TOL, amplified_v, stochastic_round, widening  # TIE_TOL: exp(-x) rounds to 1.0
 
 SHARP_EPS = 1e-3  # below it, delta's error from O's cast copies the dominant logit's gradient

@@ -217,3 +217,15 @@ def emulate_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):
     shift, _ = wire_fix(fix, numerics)
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
         return forward(q, k, amplified_v(v, numerics.o_bits), causal, shift, numerics)[1]
+
+
+# The float reference the kernel approximates: the scores of fp32 attention (model.py) and of the diagnostics
+
+def causal_scores(q, k):
+    """Scaled scores S = q k^T / sqrt(d) in float32, with -inf above the diagonal."""
+    T = q.size(-2)
+    # autocast would cast the fp32 operands straight back to bf16, so it is switched off here
+    with torch.autocast(q.device.type, enabled=False):
+        S = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.size(-1))
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return S.masked_fill(future, float("-inf"))
