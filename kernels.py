@@ -19,8 +19,8 @@ same-signed error that piles up in W_Q / W_K: logits grow and the loss explodes.
 several (near-)equal maxima, whose P are exactly 1 so that the rounding of P V always goes the same way, and
 shifts such a row's max up a little. In our runs that is not enough: the error that fails them is O's final
 cast to bf16 as delta reads it (in sharp rows it rounds away the pull of every other key, and dO, computed
-downstream of the same rounded O, is correlated with that rounding: nanolp/curvature.py). So the fix has two
-parts, both under THE FIX below:
+downstream of the same rounded O, is correlated with that rounding: experiments/curvature.py). So the fix has
+two parts, both under THE FIX below:
     1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
     2. the backward: delta read from the forward's fp32 O, before its final cast (output_and_delta_o).
 fix=True is both; fix="paper" the first alone, kept as an ablation. Both are exact in real arithmetic.
@@ -86,7 +86,8 @@ class Numerics:
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
         if self.amplify != "p" and self.mantissa_bits == 0:
-            raise ValueError(f"amplify={self.amplify!r} says what mantissa_bits rounds: give mantissa_bits 1-6")
+            raise ValueError(f"amplify={self.amplify!r} says what mantissa_bits rounds: "
+                             "give mantissa_bits 1-6")
         if len(self._delta_options()) > 1:
             names = " and ".join(name for name, _ in self._delta_options())
             raise ValueError(f"{names} are different ways of computing delta: choose one")
@@ -153,7 +154,7 @@ def fix_constants(precision, p_bits=0):
 
 
 @triton.jit
-def _shifted_max(s, r, t, SHIFT: tl.constexpr):
+def _shifted_max(s, t, SHIFT: tl.constexpr):
     """Row max to subtract from this tile's scores s (r = rowmax(s), t = the raw row max of the earlier
     tiles), in the units of s; returns it and the new raw row max max(t, r).
 
@@ -170,15 +171,25 @@ def _shifted_max(s, r, t, SHIFT: tl.constexpr):
     - d stays a function of the scores, so the rounding of exp(-d) changes sign from row to row; a constant
       offset would round the same way every time and keep the bias (the paper's appendix).
     - masked scores are -inf and never count; a fully masked tile (r = -inf) is left alone.
+    "More than one score within tol of r" is "the second-largest score r2 (r again when the max itself is
+    tied) is >= r - tol": one top-2 reduction finds r and r2 in the pass that finds the max, where counting
+    the scores within tol took a compare per score and a sum after the max (on sm_90 ~12 fewer instructions
+    per tile, and at head_dim 64 7-8 fewer registers: results/speed/backward_onepass.md).
     """
     tl.static_assert(SHIFT.beta > 1.0)            # beta * r moves a positive max up: exact for any beta > 1
     tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
-    n_near = tl.sum((s >= (r - SHIFT.tol)[:, None]).to(tl.int32), 1)
+    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
     across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
-    tied = ((n_near > 1) | across) & (r > float("-inf"))
+    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
     d = tl.where(r > 0, (SHIFT.beta - 1.0) * r, -r)
     d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, SHIFT.lo + d % SHIFT.span)
     return tl.where(tied, r + d, r), tl.maximum(t, r)
+
+
+@triton.jit
+def _top2(a1, a2, b1, b2):
+    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice."""
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
 
 
 def output_and_delta_o(o32, dtype, stochastic, delta):
@@ -252,9 +263,10 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             s = tl.where(valid, s, float("-inf"))
         # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
-        r = tl.max(s, 1)
-        if SHIFT is not None:
-            r, t_i = _shifted_max(s, r, t_i, SHIFT)
+        if SHIFT is None:
+            r = tl.max(s, 1)
+        else:
+            r, t_i = _shifted_max(s, t_i, SHIFT)
         if PAPER:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
@@ -333,6 +345,14 @@ def _fwd_kernel(Q, K, V, O, LSE,
 # program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
 #     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
 #     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
+# That is 7 matrix products per (query tile, key tile) pair: S and dP are computed in both passes. The
+# one-pass backward (deterministic=False, ONE_PASS) does 5: the dK/dV program also forms dQ_i's share
+# dS_ij K_j and adds it with fp32 atomics into a buffer that sums over the key tiles; one small kernel
+# (_bwd_dq_cast_kernel) then scales and casts it. The order in which the key tiles' shares reach the buffer
+# is the order the GPU happens to run the programs in, so the last bits of dQ change from run to run.
+# Triton's CPU interpreter runs programs one after another, key tile 0 first, so there each dQ_i is summed
+# over the key tiles in ascending order from zero, the dQ kernel's own order: the two give the same bits
+# (tests/test_kernels.py), and nanolp/emulate.py has one oracle for both.
 # The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real
 # arithmetic (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's
 # rounded O, and every rounding that went into it, never reaches the gradient. In "paper" it is divided by
@@ -371,21 +391,26 @@ def _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL: tl.constexpr, PAPER:
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, PAPER: tl.constexpr):
-    # One program per (key tile, batch * head), looping over the queries; its pointers, offset once.
+                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, ONE_PASS: tl.constexpr):
+    # One program per (key tile, batch * head), looping over the queries; its pointers, offset once. With
+    # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
+    # of zeros in O's layout, with atomics (DQ is unused without).
     tl.static_assert(BLOCK_M == BLOCK_N)          # the host launches both backward kernels on one grid
+    if ONE_PASS:
+        tl.static_assert(DQ.dtype.element_ty == tl.float32)     # the shares of dQ are summed in fp32
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
-    DO += b * stride_ob + h * stride_oh           # dO, dK and dV are in O's layout
+    DO += b * stride_ob + h * stride_oh           # dO, dK, dV and the dQ buffer are in O's layout
     DK += b * stride_ob + h * stride_oh
     DV += b * stride_ob + h * stride_oh
+    DQ += b * stride_ob + h * stride_oh
     LSE += bh * N
     DELTA += bh * N
     start_n = tl.program_id(0) * BLOCK_N
@@ -405,11 +430,30 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
         dv += tl.dot(tl.trans(p.to(q.dtype)), do)                # ROUND: P to bf16
         dp = tl.dot(do, vT)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)                # ROUND: dS to bf16
+        ds = (p * (dp - delta[:, None])).to(q.dtype)             # ROUND: dS to bf16
+        dk += tl.dot(tl.trans(ds), q)
+        if ONE_PASS:
+            # dQ_i += dS_ij K_j, the dQ kernel's product, added to the buffer in fp32 (its sum: see above).
+            # Relaxed: nothing reads the buffer before this kernel has finished.
+            tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(ds, tl.trans(kT)),
+                          mask=rows[:, None] < N, sem="relaxed")
     out = cols[:, None] * stride_om + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
+
+
+@triton.jit
+def _bwd_dq_cast_kernel(DQ_SUM, DQ, stride_ob, stride_oh, stride_om, H, N, sm_scale, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    # The one-pass backward's last step: dQ = (sum over key tiles of dS K) * scale, cast once, as the dQ
+    # kernel stores it. DQ_SUM (fp32) and DQ are both in O's layout.
+    bh = tl.program_id(1).to(tl.int64)
+    DQ_SUM += (bh // H) * stride_ob + (bh % H) * stride_oh
+    DQ += (bh // H) * stride_ob + (bh % H) * stride_oh
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
+    dq = tl.load(DQ_SUM + offs, mask=rows[:, None] < N, other=0.0)
+    tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)   # ROUND: dQ
 
 
 @triton.jit
@@ -476,13 +520,20 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 # to fill a pipeline, so it runs unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward
 # and 6 backward settings timed on the H200; no autotune, so that a run's numerics (the backward's summation
 # order) never depend on a timing. Under the CPU interpreter, forward programs own 64 rows and nothing is
-# pipelined.
+# pipelined. The one-pass backward (deterministic=False) has the two-pass one's tiles (one grid, and
+# nanolp/emulate.py's tiles for both); its settings are chosen from sm_90 compiles, not yet timed: at d128 its
+# program, holding dK, dV and a dQ tile, needs 129.5 KiB of shared memory with 2 stages (one 4-warp program
+# per SM, 89 spill loads and stores per tile) and 73 KiB unpipelined (two per SM, 23); at d64 82 KiB with 3
+# stages, no spills (results/speed/backward_onepass.md).
 FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
 BWD_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
+ONE_PASS_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 3), 128: (64, 4, 1)}
 SHORT_SEQ = 512
 if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
     BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
+    ONE_PASS_TUNING = dict(BWD_TUNING)
+assert all(ONE_PASS_TUNING[D][0] == BWD_TUNING[D][0] for D in BWD_TUNING), "one set of backward tiles"
 
 
 def check_inputs(q, k, v, numerics):
@@ -567,11 +618,12 @@ def stochastic_round(x, generator=None):
 
 # The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
 # from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
-# and stochastic: O stochastically rounded in the forward).
+# and stochastic: O stochastically rounded in the forward), then deterministic, which only the backward reads
+# (the forward op takes it so that its autograd context can hand it on).
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
-               precision: str, p_bits: int, o_bits: int, stochastic: bool
+               precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
     delta "P" is for the backward only (_setup_context)."""
@@ -592,7 +644,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic):
+def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, deterministic=True):
     o = empty_in_layout_of(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if delta in ("fp32 O", "stochastic O"):
@@ -600,11 +652,11 @@ def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic):
     return o, lse, o.new_empty(0)
 
 
-def _bwd_launch(q, k, v, o, causal, precision):
+def _bwd_launch(q, k, v, o, causal, precision, deterministic=True):
     """What every backward kernel is launched with: the grid, the strides (O's for dO, dQ, dK, dV too) and
-    qk_scale, the meta-parameters."""
+    qk_scale, the meta-parameters (the one-pass backward's with deterministic=False)."""
     B, H, N, D = q.shape
-    block, warps, stages = BWD_TUNING[D]
+    block, warps, stages = (BWD_TUNING if deterministic else ONE_PASS_TUNING)[D]
     if N <= SHORT_SEQ:
         stages = 1
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
@@ -630,59 +682,69 @@ def _bwd_delta(do, q, k, v, o, lse, launch, from_p):
 
 @torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, precision: str, from_p: bool
+               lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """deterministic: dK/dV and dQ in two passes (7 matrix products per tile pair); else in one, dQ summed
+    with atomics (5 products; dQ's last bits depend on the order the GPU runs the programs in)."""
     if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
         do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
-    launch = _bwd_launch(q, k, v, o, causal, precision)
+    launch = _bwd_launch(q, k, v, o, causal, precision, deterministic)
     grid, strides, meta = launch
     args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, launch, from_p))
     dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
     sm_scale = q.shape[-1] ** -0.5
-    _bwd_dkdv_kernel[grid](*args, dk, dv, *strides, sm_scale, **meta)
-    _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
+    if deterministic:
+        _bwd_dkdv_kernel[grid](*args, dk, dv, dq, *strides, sm_scale, ONE_PASS=False, **meta)  # dq unused
+        _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
+    else:
+        dq_sum = torch.zeros_like(o, dtype=torch.float32)                  # the atomics' buffer, O's strides
+        _bwd_dkdv_kernel[grid](*args, dk, dv, dq_sum, *strides, sm_scale, ONE_PASS=True, **meta)
+        _bwd_dq_cast_kernel[grid](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
+                                  HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
     return dq, dk, dv
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, precision, from_p):
+def _(do, q, k, v, o, lse, causal, precision, from_p, deterministic=True):
     return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, _, delta, precision, *_ = inputs
+    q, k, v, causal, _, delta, precision, _, _, _, *deterministic = inputs
     o, lse, o_delta = output
     ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
     ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "P"
+    ctx.deterministic = deterministic[0] if deterministic else True
 
 
 def _backward(ctx, do, _dlse, _do_delta):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p)
-    return dq, dk, dv, *[None] * 7
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.deterministic)
+    return dq, dk, dv, *[None] * 8
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_device(q):
-    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once tests/interp_patch.py has
-    patched it (and marked the interpreter module so): the stock interpreter truncates bf16 casts and multiplies the
-    bit patterns of bf16 operands in tl.dot, so it would return wrong numbers, finite and silent."""
+    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once
+    nanolp/interp_patch.py has patched it (and marked the interpreter module so): the stock interpreter
+    truncates bf16 casts and multiplies the bit patterns of bf16 operands in tl.dot, so it would return wrong
+    numbers, finite and silent."""
     if INTERPRET:
         from triton.runtime import interpreter
         if getattr(interpreter, "nanolp_bf16_patch", False):
             return
-        problem = "Triton's CPU interpreter computes bf16 wrongly unless tests/interp_patch.py patches it"
+        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
     elif q.device.type == "cuda":
         return
     else:
         problem = f"the kernel needs CUDA tensors, got {q.device}"
-    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in PyTorch "
-                     "(the same numbers)")
+    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
+                     "PyTorch (the same numbers)")
 
 
-def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics()):
+def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics(), deterministic=True):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any
@@ -697,6 +759,12 @@ def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics()):
             O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
     numerics: the experiments (Numerics), for studying the failure, not for training models; the default is
         plain FlashAttention-2.
+    deterministic: True (the default, for now), the backward in two passes, dK/dV then dQ, with no atomics:
+        the same bits on every run (7 matrix products per query tile and key tile). False, the one-pass
+        backward: dQ is summed over the key tiles with fp32 atomics inside the dK/dV pass (5 products, as
+        FlashAttention-3 and cuDNN do), so its last bits depend on the order the GPU runs the programs in;
+        the same numbers otherwise (under the CPU interpreter, the same bits). The default stays True until
+        the two are timed side by side on the GPU.
     """
     check_inputs(q, k, v, numerics)
     check_device(q)
@@ -705,9 +773,11 @@ def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics()):
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
                              "call .contiguous()")
     shift, delta = wire_fix(fix, numerics)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
     v = amplified_v(v, numerics.o_bits)
     return _flash_fwd(q, k, v, causal, shift, delta, numerics.precision, numerics.p_bits, numerics.o_bits,
-                      numerics.stochastic_o == "forward")[0]
+                      numerics.stochastic_o == "forward", deterministic)[0]
 
 
 def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):

@@ -33,18 +33,21 @@ SM_REGS, SM_SHARED, CTA_RESERVED, SM_WARPS = 65536, 228 * 1024, 1024, 64
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 # Columns of the loop table: a name and the opcode prefixes it counts.
 CLASSES = {
-    "HGMMA": ("HGMMA",), "SHFL": ("SHFL",), "FMNMX": ("FMNMX",), "FADD": ("FADD",), "FMUL": ("FMUL",),
+    "HGMMA": ("HGMMA",), "HMMA": ("HMMA",), "SHFL": ("SHFL",), "FMNMX": ("FMNMX",), "FADD": ("FADD",),
+    "FMUL": ("FMUL",),
     "FFMA": ("FFMA",), "MUFU.EX2": ("MUFU.EX2",), "MUFU.RCP": ("MUFU.RCP",), "F2F/F2FP": ("F2F",),
     "FSETP/FSEL": ("FSETP", "FSEL"), "int SEL/LOP3/POPC/IADD": ("SEL", "LOP3", "POPC", "IADD3", "IMAD.IADD"),
     "P2R/R2P": ("P2R", "R2P"), "FCHK/FRND": ("FCHK", "FRND"), "BRA/CALL": ("BRA", "CALL"),
     "BAR.SYNC": ("BAR.SYNC",), "WARPGROUP": ("WARPGROUP",), "LDGSTS": ("LDGSTS",),
+    "STS/LDS": ("STS", "LDS"), "RED/ATOM": ("RED.", "REDG", "ATOM"), "STL/LDL": ("STL", "LDL"),
 }
 
 
 def record(run):
     """The launches run() makes, recorded instead of run."""
     launches, saved = [], {name: getattr(kernels, name) for name in
-                           ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")}
+                           ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",
+                            "_bwd_dq_cast_kernel")}
     for name, kernel in saved.items():
         setattr(kernels, name, Recorder(kernel, launches))
     try:
@@ -71,6 +74,9 @@ def launches():
         (delta_fp32, _, _) = record(lambda: kernels._flash_bwd(q, q, q, q, q.float(), lse, True, "fa2", False))
         out += [(f"bwd delta d{D}, O bf16", *delta), (f"bwd delta d{D}, O fp32", *delta_fp32),
                 (f"bwd dkdv d{D}", *dkdv), (f"bwd dq d{D}", *dq)]
+        # the one-pass backward (deterministic=False): dK/dV with dQ through atomics, then dQ's scale and cast
+        (_, one_pass, cast) = record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False, False))
+        out += [(f"bwd one-pass dkdv+dq d{D}", *one_pass), (f"bwd one-pass dq cast d{D}", *cast)]
     return out
 
 

@@ -10,8 +10,9 @@ CPU tensors with the GPU's tuning, the launches are recorded instead of run, and
 as the GPU's JIT specializes it (specialize): the code that runs, not a generic version with scalar loads and
 other pipelining. At head_dim 64 the forward in every combination of causal, shift, precision and amplifier
 (causal only with an amplifier) and the backward in both precisions with delta from O and from P; at every
-head_dim the plain forward and backward, the backward at a short and a long (pipelined) sequence. Compilation
-only: the numbers are the GPU tests' job.
+head_dim the plain forward and backward, the backward at a short and a long (pipelined) sequence, each backward
+in two passes (deterministic) and in one (dQ through atomics). Compilation only: the numbers are the GPU tests'
+job.
 """
 import itertools
 import os
@@ -28,7 +29,7 @@ import kernels  # noqa: E402  (after the check: TRITON_INTERPRET is read at impo
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
-KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
+KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dq_cast_kernel")
 # specialize() runs the JIT's own binder and _pack_args (triton/runtime/jit.py), internals that take and return
 # the same in triton 3.6, 3.8 and 3.9; another version may have changed them
 if not (3, 6) <= tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 10):
@@ -60,13 +61,15 @@ def record_launches():
                        if causal or bits == (0, 0)]
         for causal, shift, precision, bits in forward:
             kernels._flash_fwd(q, k, v, causal, shift, "O", precision, *bits, False)
-        backward = [(N, "fa2", False) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)]  # unpipelined, pipelined
+        # unpipelined, pipelined; two-pass (deterministic) and one-pass
+        backward = [(N, "fa2", False, deterministic) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
+                    for deterministic in (True, False)]
         if D == 64:
-            backward += [(kernels.SHORT_SEQ, precision, from_p)
-                         for precision, from_p in itertools.product(("fa2", "paper"), (False, True))]
-        for N, precision, from_p in backward:
+            backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic) for precision, from_p, deterministic
+                         in itertools.product(("fa2", "paper"), (False, True), (True, False))]
+        for N, precision, from_p, deterministic in backward:
             q = k = v = o = torch.zeros(1, 2, N, D, dtype=torch.bfloat16)
-            kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p)
+            kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p, deterministic)
     return launches
 
 

@@ -2,14 +2,14 @@
 
 emulate_attention() runs the same algorithm as kernels.flash_attention: the same 64-key tiles, the same
 running max / row sum / accumulator, the same rounding points in both precision modes, and the same fix; the
-backward accumulates over the backward kernels' tiles in their order. It runs on any device, slowly (one
-Python iteration per tile).
+backward accumulates over the backward kernels' tiles in their order, that of the two-pass backward or of the
+one-pass one (deterministic=False). It runs on any device, slowly (one Python iteration per tile).
 
 How "the same" is made exact. The only operations whose result depends on an implementation's internal
 order are the tile matrix products, the row sums and the transcendental functions (exp2, exp, log2, log).
 Here each of them is evaluated in float64 and rounded once to float32, which is the correctly rounded
 float32 result in all but astronomically rare cases. The test suite patches Triton's CPU interpreter to do
-the same (tests/interp_patch.py), so the kernel and this file agree bit for bit and any difference is a
+the same (nanolp/interp_patch.py), so the kernel and this file agree bit for bit and any difference is a
 difference of algorithm or rounding point, never of summation order. On a GPU the kernel's tensor cores
 and exp2 approximation differ from this in the last float32 bit, so there the two agree only to rounding.
 """
@@ -73,7 +73,7 @@ def shifted_max(S, r, t, shift):
     shift ((beta - 1) r for r > 0, -r for r < 0, i.e. max -> beta r or 0), folded into [lo, hi) when it leaves
     that range: never so small that exp(-d) rounds back to 1, never so large that exp(-d) underflows.
     """
-    n_near = (S >= (r - shift.tol).unsqueeze(-1)).sum(-1)
+    n_near = (S >= (r - shift.tol).unsqueeze(-1)).sum(-1)     # (the kernel: second-largest score >= r - tol)
     across = (r >= t - shift.tol) & (t >= r - shift.tol)
     tied = ((n_near > 1) | across) & (r > -math.inf)          # a fully masked tile (r = -inf) is never a tie
     d = torch.where(r > 0, (torch.tensor(shift.beta, dtype=torch.float32) - 1.0) * r, -r)
@@ -144,7 +144,8 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
 # ---------------------------------------------------------------------------------------------------------
 # Backward: the same S, P recomputed from the saved lse, in the tiles of the backward kernels (BWD_TUNING). A
 # kernel's loop adds exactly rounded tile products in fp32, in order, from zero: Python's sum() over the tiles
-# does the same. (The tiles a causal kernel skips add exact zeros here, which changes nothing.)
+# does the same. (The tiles a causal kernel skips add exact zeros here, which changes nothing.) The one-pass
+# backward's dQ is summed in the order its programs add to the fp32 buffer (_dq_one_pass).
 
 def _tiles(n, head_dim):
     block = BWD_TUNING[head_dim][0]
@@ -173,14 +174,30 @@ def delta(q, k, v, o, lse, do, causal, precision, from_p=False):
     return delta
 
 
-def backward(q, k, v, o, lse, do, causal, precision, from_p=False):
+def _dq_one_pass(dS, k, N, D):
+    """dQ before its scale as the one-pass backward sums it (kernels._bwd_dkdv_kernel with ONE_PASS): each
+    key tile's program adds dS_ij K_j into the fp32 buffer (zeros) for each query tile i in turn, by
+    atomics, and the CPU interpreter runs the programs in launch order, key tile 0 first. (On a GPU the order
+    of the key tiles' additions varies from run to run.) Per query tile that is the key tiles in ascending
+    order from zero, the dQ kernel's sum: the same bits as the two-pass backward, which a test checks."""
+    dq = torch.zeros(dS.shape[:-1] + (D,), device=dS.device)
+    for cols in _tiles(N, D):              # the programs, in the order the interpreter runs them
+        for rows in _tiles(N, D):          # a program's loop over the query tiles
+            dq[..., rows, :] += _dot(dS[..., rows, cols], k[..., cols, :])
+    return dq
+
+
+def backward(q, k, v, o, lse, do, causal, precision, from_p=False, deterministic=True):
     dtype = q.dtype
     N, D = q.shape[-2:]
     scale = D ** -0.5
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
     dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, from_p).unsqueeze(-1)), dtype)
     P = _round(P, dtype)
-    dq = sum(_dot(dS[..., cols], k[..., cols, :]) for cols in _tiles(N, D)) * scale       # over key tiles
+    if deterministic:
+        dq = sum(_dot(dS[..., cols], k[..., cols, :]) for cols in _tiles(N, D)) * scale   # over key tiles
+    else:
+        dq = _dq_one_pass(dS, k, N, D) * scale
     dk = sum(_dot(dS[..., rows, :].mT, q[..., rows, :]) for rows in _tiles(N, D)) * scale  # over query tiles
     dv = sum(_dot(P[..., rows, :].mT, do[..., rows, :]) for rows in _tiles(N, D))
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
@@ -188,27 +205,28 @@ def backward(q, k, v, o, lse, do, causal, precision, from_p=False):
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, shift, delta, numerics):
+    def forward(ctx, q, k, v, causal, shift, delta, numerics, deterministic):
         _, o32, lse = forward(q, k, v, causal, shift, numerics)
         o, o_delta = output_and_delta_o(o32, q.dtype, numerics.stochastic_o == "forward", delta)   # as the kernel
         ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
-        ctx.args = (causal, numerics.precision, delta == "P")
+        ctx.args = (causal, numerics.precision, delta == "P", deterministic)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 4)
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 5)
 
 
-def emulate_attention(q, k, v, causal=True, fix=False, numerics=Numerics()):
-    """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch."""
+def emulate_attention(q, k, v, causal=True, fix=False, numerics=Numerics(), deterministic=True):
+    """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch (with
+    deterministic=False, the one-pass backward's dQ as the CPU interpreter sums it)."""
     check_inputs(q, k, v, numerics)
     shift, delta = wire_fix(fix, numerics)
     v = amplified_v(v, numerics.o_bits)
     with torch.autocast(q.device.type, enabled=False):
-        return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics)
+        return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics, deterministic)
 
 
 def emulate_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):

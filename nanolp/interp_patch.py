@@ -25,6 +25,7 @@ CHECKED_VERSIONS = ("3.8.", "3.9.")
 _Handle = interp.TensorHandle
 _Builder = interp.InterpreterBuilder
 _Reduce = interp.ReduceOps
+_stock_generic_reduce = _Reduce.generic_reduce
 
 
 def _bf16_to_f32(bits):
@@ -114,6 +115,29 @@ def _min_max(self, input, val_reduce_op, idx_reduce_op=None):
     return tuple(back(t) for t in ret) if isinstance(ret, tuple) else back(ret)
 
 
+def _generic_reduce(self, input):
+    """tl.reduce with a custom combine (kernels.py's top-2): the stock interpreter calls the combine once per
+    element in Python; this makes the same left fold along the axis a slice at a time, the same combines in the
+    same order per output element (~60x faster on a 64-wide row)."""
+    original_axis = self.axis
+    input, axis = self.unravel(input, self.axis)
+    data = [np.moveaxis(arg.handle.data, axis, 0) for arg in input]
+    acc = tuple(self.to_tensor(d[0].copy(), arg.dtype) for d, arg in zip(data, input))
+    for j in range(1, data[0].shape[0]):
+        ret = self.combine_fn.fn(*acc, *(self.to_tensor(d[j].copy(), arg.dtype) for d, arg in zip(data, input)))
+        acc = ret if isinstance(ret, tuple) else (ret,)
+    out = []
+    for value, arg in zip(acc, input):
+        value = np.asarray(value.handle.data if isinstance(value, tl.core.tensor) else value,
+                           dtype=arg.handle.data.dtype).reshape(data[0].shape[1:])
+        if self.keep_dims:
+            value = np.expand_dims(value, axis) if original_axis is not None else value.reshape((1,) * data[0].ndim)
+        elif original_axis is None:
+            value = value.item()
+        out.append(self.to_tensor(value, arg.dtype))
+    return out
+
+
 def apply():
     if not triton.__version__.startswith(CHECKED_VERSIONS):
         raise RuntimeError(f"nanolp/interp_patch.py was checked on triton {CHECKED_VERSIONS}, found "
@@ -124,6 +148,7 @@ def apply():
     _Builder.unary_op = _unary_op
     _Reduce.sum = _sum
     _Reduce.min_max = _min_max
+    _Reduce.generic_reduce = _generic_reduce
     _Builder.create_exp = lambda self, a: self.unary_op(a, _exact_f32(np.exp))
     _Builder.create_exp2 = lambda self, a: self.unary_op(a, _exact_f32(np.exp2))
     _Builder.create_log = lambda self, a: self.unary_op(a, _exact_f32(np.log))

@@ -2,11 +2,14 @@
 import os
 
 import pytest
+import torch
 import triton
+import triton.language as tl
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the interpreter patch is only used without a GPU", allow_module_level=True)
 
+import kernels  # noqa: E402  (its _top2: the custom combine under test)
 from nanolp import interp_patch  # noqa: E402
 
 
@@ -31,3 +34,31 @@ def test_self_test_fails_without_patch():
 
 def test_version_is_pinned():
     assert triton.__version__.startswith(interp_patch.CHECKED_VERSIONS)
+
+
+@triton.jit
+def _top2_kernel(S, R, R2, COLS: tl.constexpr):
+    rows = tl.arange(0, 32)
+    s = tl.load(S + rows[:, None] * COLS + tl.arange(0, COLS)[None, :])
+    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, kernels._top2)
+    tl.store(R + rows, r)
+    tl.store(R2 + rows, r2)
+
+
+def test_vectorized_generic_reduce_equals_the_stock_one(monkeypatch):
+    """The patch's tl.reduce with a custom combine (a slice at a time) gives the stock interpreter's results (an
+    element at a time), here for kernels.py's top-2 on rows with ties and -inf; and the top-2 is right."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(-4, 4, (32, 64), generator=g).float()
+    s[:4] = -float("inf")
+    s[4, :3] = float("inf")
+    results = []
+    for generic_reduce in (interp_patch._generic_reduce, interp_patch._stock_generic_reduce):
+        monkeypatch.setattr(interp_patch._Reduce, "generic_reduce", generic_reduce)
+        r, r2 = torch.empty(32), torch.empty(32)
+        _top2_kernel[(1,)](s, r, r2, COLS=64)
+        results.append((r, r2))
+    (r, r2), (r_stock, r2_stock) = results
+    assert torch.equal(r, r_stock) and torch.equal(r2, r2_stock)
+    top = s.sort(-1, descending=True).values
+    assert torch.equal(r, top[:, 0]) and torch.equal(r2, top[:, 1])

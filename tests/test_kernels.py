@@ -14,6 +14,8 @@ from unittest import mock
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernels
 from kernels import Numerics
@@ -171,14 +173,91 @@ def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through()
 
 
 # -------------------------------------------------------------------------------------------------------
+# The one-pass backward (deterministic=False): dQ summed over key tiles by fp32 atomics in the dK/dV pass
+
+@requires_interpreter
+@pytest.mark.parametrize("shape", [(1, 2, 130, 64), (2, 1, 77, 32)])
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("fix", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_pass_gradients_bitwise_equal_emulation(shape, precision, fix, causal, poisoned):
+    """dQ, dK, dV of the one-pass backward, bit for bit against the emulation of its summation order
+    (emulate._dq_one_pass), at lengths that leave a ragged last tile, with the fix on and off."""
+    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
+    k[..., 5, :] = k[..., 3, :]                                   # exact ties, so the shift has work to do
+    numerics = Numerics(precision=precision)
+    ours = grads(kernels.flash_attention, q, k, v, do, causal=causal, fix=fix, numerics=numerics,
+                 deterministic=False)
+    want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, fix=fix, numerics=numerics,
+                 deterministic=False)
+    for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
+        assert a.dtype == q.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+            f"{name} differs from the emulation"
+
+
+@requires_interpreter
+@pytest.mark.parametrize("delta_from", list(DELTAS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_pass_equals_two_pass_under_the_interpreter(delta_from, dtype, poisoned):
+    """The interpreter runs the programs in launch order, key tile 0 first, so the atomics add each dQ_i's
+    key-tile shares in ascending order from zero: the dQ kernel's order. So there the one-pass backward gives
+    the two-pass one's bits, with delta from O, from P and from the fp32 O, in bf16 and fp16."""
+    shape = (1, 2, 200, 64)                                       # 4 key tiles, the last one ragged
+    q, k, v, do = rand(shape, dtype, 2.0), rand(shape, dtype), rand(shape, dtype), rand(shape, dtype)
+    one = grads(kernels.flash_attention, q, k, v, do, numerics=DELTAS[delta_from], deterministic=False)
+    two = grads(kernels.flash_attention, q, k, v, do, numerics=DELTAS[delta_from])
+    for name, a, b in zip(("dQ", "dK", "dV"), one, two):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name}: one pass differs from two"
+
+
+@requires_interpreter
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_one_pass_fp32_sum_follows_the_emulated_order(causal, precision):
+    """The fp32 buffer the atomics fill, before its cast (where a difference of order is seen at all: it
+    rarely tips dQ's rounding to bf16), bit for bit against emulate._dq_one_pass and the dQ kernel's sum over
+    the key tiles; and the order decides those bits: the same shares summed from the last key tile down
+    differ."""
+    shape = (1, 2, 200, 64)
+    N, D = shape[-2:]
+    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
+    o, lse, _ = kernels._flash_fwd(q, k, v, causal, False, "O", precision, 0, 0, False)
+    launch = kernels._bwd_launch(q, k, v, o, causal, precision, deterministic=False)
+    grid, strides, meta = launch
+    args = (q, k, v, do, lse, kernels._bwd_delta(do, q, k, v, o, lse, launch, False))
+    dq_sum, dk, dv = torch.zeros_like(o, dtype=torch.float32), torch.empty_like(o), torch.empty_like(o)
+    kernels._bwd_dkdv_kernel[grid](*args, dk, dv, dq_sum, *strides, 1.0, ONE_PASS=True, **meta)
+    P, dP = emulate._probs_and_dp(q, k, v, lse, do, causal, precision)
+    delta = emulate.delta(q, k, v, o, lse, do, causal, precision)
+    dS = emulate._round(P * (dP - delta.unsqueeze(-1)), q.dtype)
+    tiles = emulate._tiles(N, D)
+    assert torch.equal(dq_sum, emulate._dq_one_pass(dS, k, N, D))
+    assert torch.equal(dq_sum, sum(emulate._dot(dS[..., c], k[..., c, :]) for c in tiles))
+    assert not torch.equal(dq_sum, sum(emulate._dot(dS[..., c], k[..., c, :]) for c in reversed(tiles)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_gradients_against_float64(seed, poisoned):
+    """Within twice plain bf16 attention's error of float64, at every head_dim, in bf16 and fp16, causal or
+    not, with the fix on and off; on a GPU this is the one-pass backward's correctness test."""
+    g = torch.Generator().manual_seed(100 + seed)
+    B, H = (int(x) for x in torch.randint(1, 3, (2,), generator=g))
+    N = int(torch.randint(60, 200, (1,), generator=g))
+    D = [16, 32, 64, 128][seed % 4]
+    dtype = [torch.bfloat16, torch.float16][seed % 2]
+    q, k, v = (rand((B, H, N, D), dtype, seed=seed * 3 + i) for i in range(3))
+    check_against_float64(q, k, v, seed % 3 != 0, fix=seed % 2 == 0, deterministic=False)
+
+
+# -------------------------------------------------------------------------------------------------------
 # Forward and gradients against float64, within twice the error of plain bf16 attention
 
 def check_against_float64(q, k, v, causal, numerics=Numerics(), fix=False, attention=kernels.flash_attention,
-                          factor=2.0, autocast=False):
+                          factor=2.0, autocast=False, deterministic=True):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     do = rand(q.shape, q.dtype)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-        o = attention(q, k, v, causal=causal, fix=fix, numerics=numerics)
+        o = attention(q, k, v, causal=causal, fix=fix, numerics=numerics, deterministic=deterministic)
     o.backward(do)
     ours = (o, q.grad, k.grad, v.grad)
     ref, leaves = reference(q, k, v, causal)
@@ -207,12 +286,14 @@ def test_gradients_random_shapes(seed, poisoned):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs every setting unpipelined; this is for the GPU's")
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("N", [kernels.SHORT_SEQ, kernels.SHORT_SEQ + 77])
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
-def test_gradients_every_tuning_setting(N, D, poisoned):
-    """Each head_dim's forward and backward settings (stages differ per head_dim and across SHORT_SEQ)."""
+def test_gradients_every_tuning_setting(N, D, deterministic, poisoned):
+    """Each head_dim's forward and backward settings (stages differ per head_dim and across SHORT_SEQ), with
+    the two-pass backward (BWD_TUNING) and the one-pass one (ONE_PASS_TUNING)."""
     q, k, v = (rand((1, 2, N, D), seed=D + i) for i in range(3))
-    check_against_float64(q, k, v, True)
+    check_against_float64(q, k, v, True, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
@@ -395,6 +476,48 @@ def test_fix_shift_stays_in_range_and_value_dependent():
     assert shift(masked, masked.amax(-1), torch.zeros(1))[0] == -math.inf
 
 
+@triton.jit
+def _shifted_max_kernel(S, T, M, T_NEW, BLOCK: tl.constexpr, COLS: tl.constexpr, SHIFT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(S + rows[:, None] * COLS + tl.arange(0, COLS)[None, :])
+    m, t_new = kernels._shifted_max(s, tl.load(T + rows), SHIFT)
+    tl.store(M + rows, m)
+    tl.store(T_NEW + rows, t_new)
+
+
+@requires_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in fmod")   # the -inf rows' d, never used
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_shifted_max_equals_emulation_on_adversarial_rows(precision):
+    """The kernel's _shifted_max, bit for bit against the emulation's, on rows of exact and near ties (within
+    tol and just outside), maxima of 0, tiny, moderate, large (past 2^21 spans of the fold, ~10^8) and huge,
+    of both signs, fully masked rows (-inf) and rows tied with the earlier tiles' max t. (Interpreter only: on
+    a GPU Triton compiles the fold's d % span to a division, a truncation and an fma, which is not fmod once
+    the quotient d / span rounds up to the next integer.)"""
+    shift = kernels.fix_constants(precision)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for r in (0.0, 1e-30, 2.0 ** -12, 1e-3, 0.3, 1.0, 5.0, 63.0, 64.0, 90.0, 300.0, 1e4, 1e6, 1e8, 1e9, 1e20,
+              3e37):
+        for sign in (1.0, -1.0):
+            for gap in (0.0, shift.tol / 2, shift.tol, shift.tol * 2, 1.0):
+                row = r * sign - torch.rand(64, generator=g) * 20 - 2
+                row[int(torch.randint(64, (1,), generator=g))] = r * sign
+                row[int(torch.randint(64, (1,), generator=g))] = r * sign - gap
+                rows.append(row)
+    S = torch.cat([torch.stack(rows).float(), torch.full((3, 64), -math.inf),
+                   torch.randn(1000, 64, generator=g) * 30])
+    S = torch.cat([S, S.new_full((-len(S) % 64, 64), -1.0)])
+    r = S.amax(-1)
+    T = torch.where(torch.rand(len(r), generator=g) < 0.3, r - shift.tol * torch.rand(len(r), generator=g),
+                    torch.full_like(r, -math.inf))
+    m, t_new = torch.empty(len(S)), torch.empty(len(S))
+    _shifted_max_kernel[(len(S) // 64,)](S, T, m, t_new, BLOCK=64, COLS=64, SHIFT=shift)
+    m_want, t_want = emulate.shifted_max(S, r, T, shift)
+    assert torch.equal(m.view(torch.int32), m_want.view(torch.int32)) and torch.equal(t_new, t_want)
+    assert (m > r).sum() > len(S) // 10                                          # many rows were shifted
+
+
 # -------------------------------------------------------------------------------------------------------
 # Bad input
 
@@ -432,6 +555,8 @@ def test_bad_input():
     for fix in ("on", 1, None):
         with pytest.raises(ValueError, match="fix must be"):
             kernels.flash_attention(q, q, q, fix=fix)
+    with pytest.raises(ValueError, match="deterministic must be"):
+        kernels.flash_attention(q, q, q, deterministic="no")
     with pytest.raises(ValueError, match="stochastic_o"):
         Numerics(stochastic_o="up")
     with pytest.raises(TypeError, match="bfloat16"):
@@ -449,14 +574,14 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
 
 
 def test_stock_interpreter_is_refused(monkeypatch):
-    """Triton's interpreter without tests/interp_patch.py returns bf16 results wrong by orders of magnitude, finite
+    """Triton's interpreter without nanolp/interp_patch.py returns bf16 results wrong by orders of magnitude, finite
     and silent: the kernel refuses to run under it rather than return them."""
     from triton.runtime import interpreter
     monkeypatch.setattr(kernels, "INTERPRET", True)
     monkeypatch.delattr(interpreter, "nanolp_bf16_patch", raising=False)   # as before the patch
     q = torch.randn(1, 1, 8, 16).bfloat16()
     for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
-        with pytest.raises(ValueError, match=r"interpreter computes bf16 wrongly unless tests/interp_patch\.py "
+        with pytest.raises(ValueError, match=r"interpreter computes bf16 wrongly unless nanolp/interp_patch\.py "
                                              r"patches it; on the CPU use nanolp\.emulate\.emulate_attention"):
             fn(q, q, q)
 
@@ -464,7 +589,7 @@ def test_stock_interpreter_is_refused(monkeypatch):
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests compile what they run")
 def test_every_specialization_compiles_for_sm90():
     """The interpreter runs code Triton's compiler rejects (a loop-carried value changing dtype passes every test
-    above); tests/compile_sm90.py compiles each launch the host code makes for the H200, in a process without the
+    above); nanolp/compile_sm90.py compiles each launch the host code makes for the H200, in a process without the
     interpreter. ~1 minute (less with Triton's cache)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "nanolp.compile_sm90"], cwd=Path(__file__).resolve().parents[1],
@@ -473,8 +598,9 @@ def test_every_specialization_compiles_for_sm90():
     assert "compile for sm_90" in done.stdout
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("seq_major", [True, False])
-def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, poisoned):
+def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, poisoned):
     """q, k, v viewed from (B, T, H, D) storage, as a GPT produces them, or plain (B, H, T, D): O, dQ, dK, dV come
     back in the same layout (so the model's reshape to (B, T, C) is free) with the right values, also for a dO
     in another layout and for an expanded one (the gradient of a sum)."""
@@ -482,7 +608,7 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, poisoned):
         t = rand((2, 70, 3, 32), seed=seed).transpose(1, 2) if seq_major else rand((2, 3, 70, 32), seed=seed)
         return t.requires_grad_()
     q, k, v = inputs(0), inputs(1), inputs(2)
-    o = kernels.flash_attention(q, k, v)
+    o = kernels.flash_attention(q, k, v, deterministic=deterministic)
     assert o.transpose(1, 2).is_contiguous() == seq_major and o.is_contiguous() == (not seq_major)
     do = rand((2, 3, 70, 32), seed=3)
     o.backward(do if seq_major else do.transpose(1, 2).contiguous().transpose(1, 2))  # dO in the other layout
@@ -492,7 +618,7 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, poisoned):
     for t, r in zip((q, k, v), leaves):
         assert t.grad.stride() == o.stride() and rel(t.grad, r.grad) < 1e-2
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    kernels.flash_attention(q2, k2, v2).float().sum().backward()  # dO expanded from a scalar: stride 0
+    kernels.flash_attention(q2, k2, v2, deterministic=deterministic).float().sum().backward()  # dO: stride 0
     ref2, leaves2 = reference(q2, k2, v2, True)
     ref2.sum().backward()
     for t, r in zip((q2, k2, v2), leaves2):
@@ -513,8 +639,11 @@ def test_custom_ops_pass_torch_opcheck(seq_major, delta, stochastic):
                                                                         "test_autograd_registration"))
         return
     torch.library.opcheck(kernels._flash_fwd, fwd_args)
+    torch.library.opcheck(kernels._flash_fwd, fwd_args + (False,))       # deterministic=False: the one pass
     o, lse, _ = kernels._flash_fwd(*fwd_args)
-    torch.library.opcheck(kernels._flash_bwd, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False))
+    for deterministic in (True, False):
+        torch.library.opcheck(kernels._flash_bwd, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False,
+                                                   deterministic))
 
 
 @pytest.mark.parametrize("amplify, delta_fp32", [("p", False), ("vo", False), ("p", True)])
