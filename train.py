@@ -3,7 +3,7 @@ Train a small character-level GPT and watch for the low-precision attention fail
 flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that grows the attention logits
 until the loss blows up.
 
-    python train.py --fix off      # plain bf16: collapses at step ~95,000 on the H200, ~10-12 min alone
+    python train.py --fix off      # plain bf16: collapses after ~94,000 steps, ~10 min (7-15) alone on an H200
     python train.py --fix on       # the complete fix: trains through, 152,000 steps measured on seed 0
     python train.py --fix paper    # the paper's rule alone (the row-max shift): collapsed on seeds 0 and 1
     python train.py --preset tiny --attn sdpa   # a CPU smoke run
