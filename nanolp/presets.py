@@ -19,10 +19,8 @@ PRESETS = {
     # The demo: plain bf16 on TinyShakespeare, the paper's setting at a size where the failure comes within
     # minutes on one GPU (how it was chosen: results/default_search/). The model memorises the text (train loss
     # ~0.05) and then trains on near-zero gradients; there the one-signed error that O's final bf16 cast puts
-    # into delta = rowsum(dO * O) grows layer 0's W_Q and logits until the loss blows up. Fix off, seed 0 went
-    # non-finite at step 94,798 (10.3 training minutes on one H200 with CUDA graphs), and each of seeds 0-7
-    # collapsed (steps 64,890-141,554). --fix on trained 152,000 steps on seed 0 with layer 0's max logit at
-    # 9.3-13.7; --fix paper collapsed on seeds 0 and 1 (steps 69,890 and 121,201).
+    # into delta = rowsum(dO * O) grows layer 0's W_Q and logits until the loss blows up. How often and how
+    # soon, per arm and seed: README.md's table (results/seed_study/runs.csv).
     "default": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, steps=200_000,
                     eval_interval=1000, diag_interval=1000, ckpt_interval=5000),
     # GPT-2 small's shape, the paper's (124M with GPT-2's vocabulary; ours is the text's characters)

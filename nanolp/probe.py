@@ -112,13 +112,13 @@ def cell(row):
     return f"{row['mean']:+.2e} ± {row['se']:.1e} (t {row['t']:+.1f})" if row else "-"
 
 
-def phase_table(rows):
-    """The pooled rows as markdown, one line per (arm, probe_batches, phase) and a cell per term."""
-    lines = ["| arm | probe read | phase | checkpoints (runs) | steps | "
+def phase_table(rows, key="arm"):
+    """The pooled rows as markdown, one line per (key, probe_batches, phase) and a cell per term."""
+    lines = [f"| {key} | probe read | phase | checkpoints (runs) | steps | "
              + " | ".join(f"probe_{term}" for term in PROBE_TERMS) + " |", "|" + "---|" * (5 + len(PROBE_TERMS))]
     lines_of = {}
     for row in rows:
-        lines_of.setdefault((row["arm"], row["probe_batches"], row["phase"]), {})[row["term"]] = row
+        lines_of.setdefault((row[key], row["probe_batches"], row["phase"]), {})[row["term"]] = row
     for (name, batches, phase), terms in lines_of.items():
         first = terms.get("total") or next(iter(terms.values()))
         lines.append(f"| `{name}` | {batches} | {phase} ({PHASES[phase]}) | {first['checkpoints']} ({first['runs']}) | "
@@ -200,12 +200,15 @@ def plot_runs(runs, labels, path):
 
 
 def report(runs, arm, out):
-    """probe_phases.csv (pooled_phases), probe_phases.png and delta_probe.png (each run's checkpoints against
-    steps) in the folder out, for runs that have the probe's columns; prints the table and returns report.md's
-    section as markdown lines. arm(run) names a run's arm."""
+    """probe_phases.csv (pooled_phases), probe_runs.csv (the same per run, so seeds can be compared),
+    probe_phases.png and delta_probe.png (each run's checkpoints against steps) in the folder out, for runs that
+    have the probe's columns; prints the table and returns report.md's section as markdown lines. arm(run) names
+    a run's arm."""
     labels = {run.path: arm(run) for run in runs}
     rows = pooled_phases(runs, arm)
     write_csv(out / "probe_phases.csv", rows, CSV_COLUMNS)
+    per_run = [{"run": row.pop("arm"), **row} for row in pooled_phases(runs, lambda run: run.path.name)]
+    write_csv(out / "probe_runs.csv", per_run, ["run"] + CSV_COLUMNS[1:])
     table = phase_table(rows)
     print("\n".join(table))
     styles = run_styles(runs, labels)
@@ -219,7 +222,8 @@ def report(runs, arm, out):
              f"Pooled per arm, the text the probe read and the phase of {LOGIT} against the run's value at step "
              f"{REFERENCE_STEP:,} (1: {PHASES[1]}, 2: {PHASES[2]}, 3: {PHASES[3]}); every checkpoint weighs the "
              "same, s.e. from the checkpoints' own (nanolp/probe.py). Cells: mean ± s.e. (t = mean / s.e.); "
-             "also in probe_phases.csv.", ""] + table + ["", "Runs:", ""]
+             "also in probe_phases.csv.", ""] + table + ["", "Per run (probe_runs.csv):", ""] \
+        + phase_table(per_run, key="run") + ["", "Runs:", ""]
     for run in runs:
         reference = reference_logit(run)
         lines.append(f"- `{run.path}` (`{labels[run.path]}`, seed {run.setting('seed', 0)}): probe on "

@@ -216,6 +216,14 @@ def test_probe_pooled_per_arm_text_and_phase(tmp_path, capsys):
             assert (int(row["checkpoints"]), int(row["runs"])) == (checkpoints, n_runs)
     assert (rows["--fix off", "train", 2, "total"]["first_step"], rows["--fix off", "train", 2, "total"]["last_step"]
             ) == ("11000", "13000")
+    with open(out / "probe_runs.csv", newline="") as f:   # per run: seed 1 alone has phase 2 at 6 and phase 3 at 4
+        per_run = {(r["run"], r["probe_batches"], int(r["phase"]), r["term"]): r for r in csv.DictReader(f)}
+    assert {key[0] for key in per_run} == {"off-s0", "off-s1", "off-s2"}
+    for phase, mean, se in ((1, 3, 10 ** 0.5 / 10), (2, 6, 2), (3, 4, 4)):
+        row = per_run["off-s1", "train", phase, "total"]
+        assert (float(row["mean"]), float(row["se"])) == pytest.approx(
+            (mean * TERM_SCALE["total"], se * TERM_SCALE["total"]), rel=1e-5)
+        assert row["runs"] == "1"
     report = (out / "report.md").read_text()
     assert f"- `{runs / 'on-s0'}` (`--fix on`, seed 0): probe on train batches; left out" in report
     assert "| `--fix off` | train | 2 (2-10x) | 3 (2) | 11,000-13,000 | +3.00e-10 ± 1.0e-10 (t +3.0) |" in report
