@@ -351,8 +351,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
 # (_bwd_dq_cast_kernel) then scales and casts it. The order in which the key tiles' shares reach the buffer
 # is the order the GPU happens to run the programs in, so the last bits of dQ change from run to run.
 # Triton's CPU interpreter runs programs one after another, key tile 0 first, so there each dQ_i is summed
-# over the key tiles in ascending order from zero, the dQ kernel's own order: the two give the same bits
-# (tests/test_kernels.py), and nanolp/emulate.py has one oracle for both.
+# over the key tiles in ascending order from zero, the dQ kernel's own order: with the same key tiles the two
+# backwards give the same bits (tests/test_kernels.py). dK and dV are summed over the query tiles in
+# ascending order in both; nanolp/emulate.py sums each backward over its own tiles (BWD_TUNING,
+# ONE_PASS_TUNING).
 # The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real
 # arithmetic (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's
 # rounded O, and every rounding that went into it, never reaches the gradient. In "paper" it is divided by
@@ -378,16 +380,18 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_
 
 
 @triton.jit
-def _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr):
-    """P = exp(S - lse) for a (query tile, key tile) pair, S rounded exactly as in the forward."""
-    s = _scores(q, kT, qk_scale, PAPER)
-    valid = (rows[:, None] < N) & (cols[None, :] < N)
+def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr):
+    """P = exp(S - lse) for a (query tile, key tile) pair, S rounded exactly as in the forward, in either
+    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
+    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
+    s = _scores(a, bT, qk_scale, PAPER)
+    valid = (queries < N) & (keys < N)
     if CAUSAL:
-        valid = valid & (rows[:, None] >= cols[None, :])
+        valid = valid & (queries >= keys)
     s = tl.where(valid, s, float("-inf"))
     if PAPER:
-        return tl.exp(s - lse[:, None])
-    return tl.math.exp2(s - lse[:, None])
+        return tl.exp(s - lse)
+    return tl.math.exp2(s - lse)
 
 
 @triton.jit
@@ -396,10 +400,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, PAPER: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per (key tile, batch * head), looping over the queries; its pointers, offset once. With
+    # One program per (key tile, batch * head), looping over the query tiles; its pointers, offset once. With
     # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
     # of zeros in O's layout, with atomics (DQ is unused without).
-    tl.static_assert(BLOCK_M == BLOCK_N)          # the host launches both backward kernels on one grid
+    # Key-major: the program's BLOCK_N keys are the rows of every product, S^T = K_j Q_i^T, P^T, dP^T =
+    # V_j dO_i^T and dS^T are (keys x queries), so dV += P^T dO and dK += dS^T Q take P^T and dS^T as their
+    # first operand as computed, from registers. The query-major form (P, dS with the queries as rows) had to
+    # transpose both through shared memory first, on every tile: on the H200 the two-pass backward runs 5-9%
+    # faster key-major. Only the one-pass dQ_i = dS_ij K_j takes dS^T transposed.
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
     if ONE_PASS:
         tl.static_assert(DQ.dtype.element_ty == tl.float32)     # the shares of dQ are summed in fp32
     bh = tl.program_id(1).to(tl.int64)
@@ -416,26 +425,30 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
     start_n = tl.program_id(0) * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
-    vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
+    k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    start = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0     # queries above the diagonal see no key here
+    start = start_n if CAUSAL else 0              # queries above the diagonal see no key here
     for start_m in range(start, N, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+        qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
+        doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
         lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
         delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
-        p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
-        dv += tl.dot(tl.trans(p.to(q.dtype)), do)                # ROUND: P to bf16
-        dp = tl.dot(do, vT)
-        ds = (p * (dp - delta[:, None])).to(q.dtype)             # ROUND: dS to bf16
-        dk += tl.dot(tl.trans(ds), q)
+        # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
+        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, PAPER)
+        # dV += P^T dO
+        dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
+        # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
+        dpT = tl.dot(v, doT)
+        dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
+        # dK += dS^T Q (times the scale once, at the store)
+        dk += tl.dot(dsT, tl.trans(qT))
         if ONE_PASS:
             # dQ_i += dS_ij K_j, the dQ kernel's product, added to the buffer in fp32 (its sum: see above).
             # Relaxed: nothing reads the buffer before this kernel has finished.
-            tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(ds, tl.trans(kT)),
+            tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(tl.trans(dsT), k),
                           mask=rows[:, None] < N, sem="relaxed")
     out = cols[:, None] * stride_om + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
@@ -465,7 +478,6 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     # One program per (query tile, batch * head), looping over the keys; its pointers, offset once. With
     # DELTA_FROM_P the same pass is the paper's control instead: it accumulates delta = rowsum(dP * P) (over
     # rowsum(P) in "paper") and stores it (O is never read); run before dK/dV and dQ.
-    tl.static_assert(BLOCK_M == BLOCK_N)          # the host launches both backward kernels on one grid
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
@@ -492,7 +504,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         cols = start_n + tl.arange(0, BLOCK_N)
         kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
         vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
-        p = _bwd_probs(q, kT, lse, rows, cols, N, qk_scale, CAUSAL, PAPER)
+        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, PAPER)
         dp = tl.dot(do, vT)
         if DELTA_FROM_P:
             delta += tl.sum(p * dp, 1)
@@ -512,28 +524,31 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 # ---------------------------------------------------------------------------------------------------------
 # Host side: checks, launches, and registration as a torch custom op (so torch.compile traces around it).
 
-# Tuning per head_dim, as (rows per program, warps, pipeline stages). Forward: a program owns BLOCK_M query
+# Tuning per head_dim. Forward, as (rows per program, warps, pipeline stages): a program owns BLOCK_M query
 # rows and walks the key tiles (TILE_N keys each, fixed: the fix looks for ties within one tile); 128 rows
 # reuse each loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while
-# this one is multiplied (software pipelining). Backward: 64 x 64 tiles in both passes, which keep dK, dV (or
-# dQ) and the recomputed P in registers; up to SHORT_SEQ keys its loops are at most 8 tiles long, too short
-# to fill a pipeline, so it runs unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward
-# and 6 backward settings timed on the H200; no autotune, so that a run's numerics (the backward's summation
-# order) never depend on a timing. Under the CPU interpreter, forward programs own 64 rows and nothing is
-# pipelined. The one-pass backward (deterministic=False) has the two-pass one's tiles (one grid, and
-# nanolp/emulate.py's tiles for both); its settings are chosen from sm_90 compiles, not yet timed: at d128 its
-# program, holding dK, dV and a dQ tile, needs 129.5 KiB of shared memory with 2 stages (one 4-warp program
-# per SM, 89 spill loads and stores per tile) and 73 KiB unpipelined (two per SM, 23); at d64 82 KiB with 3
-# stages, no spills (results/speed/backward_onepass.md).
+# this one is multiplied (software pipelining). Backward, as (BLOCK_M queries, BLOCK_N keys, warps, stages):
+# a dK/dV program owns a tile of BLOCK_N keys and walks the query tiles, a dQ program owns BLOCK_M queries
+# and walks the key tiles, so the tiles set the order dK, dV and dQ are summed in (nanolp/emulate.py reads
+# them). Two-pass: 64 x 64 tiles, which keep dK, dV (or dQ) and the recomputed P in registers. Up to
+# SHORT_SEQ keys a backward loop is at most 8 tiles long, too short to fill a pipeline, so it runs
+# unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward and 6 backward settings timed
+# on the H200 (the backward's with the earlier, query-major dK/dV kernel; the key-major one was timed at the
+# chosen settings); no autotune, so that a run's numerics (the backward's summation order) never depend on a
+# timing. One-pass (deterministic=False), timed on the H200 (backward alone, seq 4096 and 16384): at d128 64
+# queries x 128 keys, 8 warps, 2 stages, 10-13% faster than the 64 x 64, 4-warp, unpipelined program of the
+# query-major form (both at 255 registers with spills: a program holds dK, dV and a dQ tile; 128-key tiles
+# halve the atomics' traffic into dQ); at d64 64 x 64, 4 warps, 3 stages, where the key-major kernel is 3-5%
+# slower than the query-major one (2.37 against 2.31 ms at seq 4096): one dK/dV kernel for both backwards is
+# worth more than 5% on the backward that is not the default. Under the CPU interpreter (which pipelines
+# nothing) forward programs own 64 rows; the backward keeps the GPU's tiles, so that the bitwise tests
+# against nanolp/emulate.py check the GPU's summation order.
 FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
-BWD_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
-ONE_PASS_TUNING = {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 3), 128: (64, 4, 1)}
+BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
+ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
 SHORT_SEQ = 512
 if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
-    BWD_TUNING = {D: (64, 4, 1) for D in BWD_TUNING}
-    ONE_PASS_TUNING = dict(BWD_TUNING)
-assert all(ONE_PASS_TUNING[D][0] == BWD_TUNING[D][0] for D in BWD_TUNING), "one set of backward tiles"
 
 
 def check_inputs(q, k, v, numerics):
@@ -653,30 +668,33 @@ def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, dete
 
 
 def _bwd_launch(q, k, v, o, causal, precision, deterministic=True):
-    """What every backward kernel is launched with: the grid, the strides (O's for dO, dQ, dK, dV too) and
-    qk_scale, the meta-parameters (the one-pass backward's with deterministic=False)."""
+    """What every backward kernel is launched with: the grids of programs per query tile (delta, dQ, dQ's
+    cast) and per key tile (dK/dV), the strides (O's for dO, dQ, dK, dV too) and qk_scale, the
+    meta-parameters (the one-pass backward's with deterministic=False)."""
     B, H, N, D = q.shape
-    block, warps, stages = (BWD_TUNING if deterministic else ONE_PASS_TUNING)[D]
+    block_m, block_n, warps, stages = (BWD_TUNING if deterministic else ONE_PASS_TUNING)[D]
     if N <= SHORT_SEQ:
         stages = 1
+    grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
                qk_scale(D, precision))
-    meta = dict(HEAD_DIM=D, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal, PAPER=precision == "paper",
+    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PAPER=precision == "paper",
                 num_warps=warps, num_stages=stages)
-    return (triton.cdiv(N, block), B * H), strides, meta
+    return grids, strides, meta
 
 
-def _bwd_delta(do, q, k, v, o, lse, launch, from_p):
+def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p):
     """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
-    not read O. do must be in O's layout."""
-    grid, strides, meta = launch
+    not read O. Launched with the two-pass backward's tiles either way, so that both backwards read the same
+    delta. do must be in O's layout."""
+    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision)
     delta = torch.empty_like(lse)
     if from_p:
         # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
-        _bwd_dq_kernel[grid](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
+        _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
     else:
-        _bwd_delta_kernel[grid](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
-                                BLOCK_M=meta["BLOCK_M"])
+        _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
+                                     BLOCK_M=meta["BLOCK_M"])
     return delta
 
 
@@ -688,19 +706,18 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     with atomics (5 products; dQ's last bits depend on the order the GPU runs the programs in)."""
     if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
         do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
-    launch = _bwd_launch(q, k, v, o, causal, precision, deterministic)
-    grid, strides, meta = launch
-    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, launch, from_p))
+    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic)
+    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p))
     dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
     sm_scale = q.shape[-1] ** -0.5
     if deterministic:
-        _bwd_dkdv_kernel[grid](*args, dk, dv, dq, *strides, sm_scale, ONE_PASS=False, **meta)  # dq unused
-        _bwd_dq_kernel[grid](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
+        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq, *strides, sm_scale, ONE_PASS=False, **meta)  # dq unused
+        _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
     else:
         dq_sum = torch.zeros_like(o, dtype=torch.float32)                  # the atomics' buffer, O's strides
-        _bwd_dkdv_kernel[grid](*args, dk, dv, dq_sum, *strides, sm_scale, ONE_PASS=True, **meta)
-        _bwd_dq_cast_kernel[grid](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
-                                  HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
+        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum, *strides, sm_scale, ONE_PASS=True, **meta)
+        _bwd_dq_cast_kernel[per_query](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
+                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
     return dq, dk, dv
 
 
@@ -763,7 +780,8 @@ def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics(), determ
         the same bits on every run (7 matrix products per query tile and key tile). False, the one-pass
         backward: dQ is summed over the key tiles with fp32 atomics inside the dK/dV pass (5 products, as
         FlashAttention-3 and cuDNN do), so its last bits depend on the order the GPU runs the programs in;
-        the same numbers otherwise (under the CPU interpreter, the same bits). The default stays True until
+        the same numbers otherwise (under the CPU interpreter the same bits, but for dQ at head_dim 128,
+        where the one-pass backward sums it over tiles of 128 keys, not 64). The default stays True until
         the two are timed side by side on the GPU.
     """
     check_inputs(q, k, v, numerics)

@@ -31,7 +31,7 @@ def row_sums(q, k, v, do, precision, delta_from_p=False, delta_fp32=False, undiv
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, True, precision)
     delta = emulate.delta(q, k, v, o32 if delta_fp32 else o, lse, do, True, precision, delta_from_p)
     if undivided:
-        delta = sum(emulate._rowsum((P * dP)[..., cols]) for cols in emulate._tiles(*q.shape[-2:]))
+        delta = sum(emulate._rowsum((P * dP)[..., cols]) for cols in emulate._delta_tiles(*q.shape[-2:]))
     dS = P * (dP - delta.unsqueeze(-1))
     exact = torch.softmax(emulate._mask(q.double() @ k.double().mT * q.shape[-1] ** -0.5, 0, q.shape[-2], True), -1)
     return dS.double().sum(-1).flatten(), 1 - P.double().sum(-1).flatten(), exact.amax(-1).flatten()

@@ -3,9 +3,10 @@
     python -m experiments.tuning --out DIR                  # the grid, then step times with the chosen table
     python -m experiments.tuning --skip-grid --modes reduce-overhead --out DIR
 
-1. Tuning grid: forward alone and backward alone, fix off, bf16, causal, for each (block, warps, stages) below,
-   at the training shapes (default preset: batch 64, 6 heads, seq 256, head_dim 64; gpt2 preset: 16 x 12 x 1024)
-   and benchmark shapes (16k tokens x 2048 channels). Median ms (triton.testing.do_bench) -> tuning_grid.csv.
+1. Tuning grid: forward alone and backward alone, fix off, bf16, causal, for each setting below, in the form of
+   kernels.py's tables (forward: rows, warps, stages; backward: queries, keys, warps, stages), at the training
+   shapes (default preset: batch 64, 6 heads, seq 256, head_dim 64; gpt2 preset: 16 x 12 x 1024) and benchmark
+   shapes (16k tokens x 2048 channels). Median ms (triton.testing.do_bench) -> tuning_grid.csv.
 2. Training step time: train.py's model and optimizer (default preset dims, bf16 autocast, torch.compile, fused
    AdamW) with our kernel (kernels.py's table, then the grid's best for the training shape) and torch SDPA
    (flash, cuDNN), one after another in this process: median over 10 blocks of 10 steps, one host sync per block
@@ -26,7 +27,7 @@ import kernels
 from model import GPT, GPTConfig
 
 FWD_GRID = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (128, 8, 4)]
-BWD_GRID = [(64, 4, 1), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 1), (128, 8, 2)]
+BWD_GRID = [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 128, 8, 1), (128, 128, 8, 2)]
 SHAPES = [(64, 6, 256, 64), (16, 12, 1024, 64), (16, 32, 1024, 64), (1, 32, 16384, 64), (16, 16, 1024, 128),
           (4, 16, 4096, 128)]
 
@@ -41,13 +42,13 @@ def grid(out):
         for cfg in FWD_GRID:
             kernels.FWD_TUNING[D] = cfg
             ms = do_bench(lambda: kernels.flash_attention(q, k, v), return_mode="median")
-            rows.append(dict(B=B, H=H, N=N, D=D, part="fwd", cfg="%d/%d/%d" % cfg, ms=ms))
+            rows.append(dict(B=B, H=H, N=N, D=D, part="fwd", cfg="/".join(map(str, cfg)), ms=ms))
         kernels.FWD_TUNING[D] = fwd_default
         o = kernels.flash_attention(q, k, v)
         for cfg in BWD_GRID:
             kernels.BWD_TUNING[D] = cfg
             ms = do_bench(lambda: o.backward(do, retain_graph=True), return_mode="median", grad_to_none=[q, k, v])
-            rows.append(dict(B=B, H=H, N=N, D=D, part="bwd", cfg="%d/%d/%d" % cfg, ms=ms))
+            rows.append(dict(B=B, H=H, N=N, D=D, part="bwd", cfg="/".join(map(str, cfg)), ms=ms))
         kernels.BWD_TUNING[D] = bwd_default
         for part in ("fwd", "bwd"):
             mine = [r for r in rows if (r["N"], r["D"], r["H"], r["part"]) == (N, D, H, part)]

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants, output_and_delta_o,
-                     qk_scale, round_mantissa, wire_fix)
+from kernels import (BWD_TUNING, ONE_PASS_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants,
+                     output_and_delta_o, qk_scale, round_mantissa, wire_fix)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -142,14 +142,21 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Backward: the same S, P recomputed from the saved lse, in the tiles of the backward kernels (BWD_TUNING). A
-# kernel's loop adds exactly rounded tile products in fp32, in order, from zero: Python's sum() over the tiles
-# does the same. (The tiles a causal kernel skips add exact zeros here, which changes nothing.) The one-pass
-# backward's dQ is summed in the order its programs add to the fp32 buffer (_dq_one_pass).
+# Backward: the same S, P recomputed from the saved lse, in the tiles of the backward kernels (BWD_TUNING, or
+# ONE_PASS_TUNING for the one-pass backward): dK and dV summed over query tiles of BLOCK_M rows, dQ over key
+# tiles of BLOCK_N. A kernel's loop adds exactly rounded tile products in fp32, in order, from zero: Python's
+# sum() over the tiles does the same. (The tiles a causal kernel skips add exact zeros here, which changes
+# nothing.) The one-pass backward's dQ is summed in the order its programs add to the fp32 buffer
+# (_dq_one_pass). delta is the two-pass backward's in both (kernels._bwd_delta).
 
-def _tiles(n, head_dim):
-    block = BWD_TUNING[head_dim][0]
+def _tiles(n, block):
+    """The tiles of `block` queries or keys, in the order a kernel's loop or the interpreter's grid runs them."""
     return [slice(i, i + block) for i in range(0, n, block)]
+
+
+def _delta_tiles(n, head_dim):
+    """The key tiles the paper's control sums delta over: the two-pass dQ kernel's, for both backwards."""
+    return _tiles(n, BWD_TUNING[head_dim][1])
 
 
 def _probs_and_dp(q, k, v, lse, do, causal, precision):
@@ -167,22 +174,24 @@ def delta(q, k, v, o, lse, do, causal, precision, from_p=False):
     if not from_p:
         return _rowsum(do.float() * o.float())
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
-    tiles = _tiles(*q.shape[-2:])
+    tiles = _delta_tiles(*q.shape[-2:])
     delta = sum(_rowsum((P * dP)[..., cols]) for cols in tiles)
     if precision == "paper":
         delta = delta / sum(_rowsum(P[..., cols]) for cols in tiles)
     return delta
 
 
-def _dq_one_pass(dS, k, N, D):
+def _dq_one_pass(dS, k, block_m, block_n):
     """dQ before its scale as the one-pass backward sums it (kernels._bwd_dkdv_kernel with ONE_PASS): each
     key tile's program adds dS_ij K_j into the fp32 buffer (zeros) for each query tile i in turn, by
     atomics, and the CPU interpreter runs the programs in launch order, key tile 0 first. (On a GPU the order
     of the key tiles' additions varies from run to run.) Per query tile that is the key tiles in ascending
-    order from zero, the dQ kernel's sum: the same bits as the two-pass backward, which a test checks."""
-    dq = torch.zeros(dS.shape[:-1] + (D,), device=dS.device)
-    for cols in _tiles(N, D):              # the programs, in the order the interpreter runs them
-        for rows in _tiles(N, D):          # a program's loop over the query tiles
+    order from zero, the dQ kernel's sum: with the same key tiles (block_n), the same bits as the two-pass
+    backward, which a test checks."""
+    N = dS.shape[-1]
+    dq = torch.zeros(dS.shape[:-1] + k.shape[-1:], device=dS.device)
+    for cols in _tiles(N, block_n):        # the programs, in the order the interpreter runs them
+        for rows in _tiles(N, block_m):    # a program's loop over the query tiles
             dq[..., rows, :] += _dot(dS[..., rows, cols], k[..., cols, :])
     return dq
 
@@ -194,12 +203,14 @@ def backward(q, k, v, o, lse, do, causal, precision, from_p=False, deterministic
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
     dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, from_p).unsqueeze(-1)), dtype)
     P = _round(P, dtype)
+    block_m, block_n = (BWD_TUNING if deterministic else ONE_PASS_TUNING)[D][:2]
     if deterministic:
-        dq = sum(_dot(dS[..., cols], k[..., cols, :]) for cols in _tiles(N, D)) * scale   # over key tiles
+        dq = sum(_dot(dS[..., cols], k[..., cols, :]) for cols in _tiles(N, block_n)) * scale   # over key tiles
     else:
-        dq = _dq_one_pass(dS, k, N, D) * scale
-    dk = sum(_dot(dS[..., rows, :].mT, q[..., rows, :]) for rows in _tiles(N, D)) * scale  # over query tiles
-    dv = sum(_dot(P[..., rows, :].mT, do[..., rows, :]) for rows in _tiles(N, D))
+        dq = _dq_one_pass(dS, k, block_m, block_n) * scale
+    queries = _tiles(N, block_m)
+    dk = sum(_dot(dS[..., rows, :].mT, q[..., rows, :]) for rows in queries) * scale     # over query tiles
+    dv = sum(_dot(P[..., rows, :].mT, do[..., rows, :]) for rows in queries)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 

@@ -147,8 +147,7 @@ def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from,
     if delta_from == "fp32 O":
         assert torch.equal(o32, o32_want)                 # delta_fp32 keeps O before its cast for delta
         o = o32
-    launch = kernels._bwd_launch(q, k, v, o, causal, precision)
-    delta = kernels._bwd_delta(do, q, k, v, o, lse, launch, delta_from == "P")
+    delta = kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from == "P")
     assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from == "P"))
     ours = grads(kernels.flash_attention, q, k, v, do, causal=causal, numerics=numerics)
     want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, numerics=numerics)
@@ -201,13 +200,32 @@ def test_one_pass_gradients_bitwise_equal_emulation(shape, precision, fix, causa
 
 
 @requires_interpreter
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+def test_gradients_bitwise_equal_emulation_at_every_tuning(D, deterministic, poisoned):
+    """Each head_dim's backward tiles as the GPU runs them (BWD_TUNING, ONE_PASS_TUNING; the interpreter keeps
+    them: 64 queries x 128 keys in the one-pass backward at d128), bit for bit against the emulation in both
+    precisions, at a length with three key tiles of 128, the last one ragged."""
+    shape = (1, 2, 300, D)
+    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
+    for precision in ("fa2", "paper"):
+        numerics = Numerics(precision=precision)
+        ours = grads(kernels.flash_attention, q, k, v, do, numerics=numerics, deterministic=deterministic)
+        want = grads(emulate.emulate_attention, q, k, v, do, numerics=numerics, deterministic=deterministic)
+        for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{precision}: {name} differs"
+
+
+@requires_interpreter
 @pytest.mark.parametrize("delta_from", list(DELTAS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_pass_equals_two_pass_under_the_interpreter(delta_from, dtype, poisoned):
     """The interpreter runs the programs in launch order, key tile 0 first, so the atomics add each dQ_i's
-    key-tile shares in ascending order from zero: the dQ kernel's order. So there the one-pass backward gives
-    the two-pass one's bits, with delta from O, from P and from the fp32 O, in bf16 and fp16."""
+    key-tile shares in ascending order from zero: the dQ kernel's order. So there, at a head_dim where the two
+    backwards have the same tiles, the one-pass backward gives the two-pass one's bits, with delta from O, from
+    P and from the fp32 O, in bf16 and fp16."""
     shape = (1, 2, 200, 64)                                       # 4 key tiles, the last one ragged
+    assert kernels.ONE_PASS_TUNING[64][:2] == kernels.BWD_TUNING[64][:2]
     q, k, v, do = rand(shape, dtype, 2.0), rand(shape, dtype), rand(shape, dtype), rand(shape, dtype)
     one = grads(kernels.flash_attention, q, k, v, do, numerics=DELTAS[delta_from], deterministic=False)
     two = grads(kernels.flash_attention, q, k, v, do, numerics=DELTAS[delta_from])
@@ -218,25 +236,24 @@ def test_one_pass_equals_two_pass_under_the_interpreter(delta_from, dtype, poiso
 @requires_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
-def test_one_pass_fp32_sum_follows_the_emulated_order(causal, precision):
+@pytest.mark.parametrize("D", [64, 128])
+def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision):
     """The fp32 buffer the atomics fill, before its cast (where a difference of order is seen at all: it
-    rarely tips dQ's rounding to bf16), bit for bit against emulate._dq_one_pass and the dQ kernel's sum over
-    the key tiles; and the order decides those bits: the same shares summed from the last key tile down
-    differ."""
-    shape = (1, 2, 200, 64)
-    N, D = shape[-2:]
+    rarely tips dQ's rounding to bf16), bit for bit against emulate._dq_one_pass and the sum over the key tiles
+    in ascending order (the dQ kernel's order, at the one-pass backward's tiles: 128 keys at d128); and the
+    order decides those bits: the same shares summed from the last key tile down differ."""
+    shape = (1, 2, 300, D)                                        # at least 3 key tiles, the last one ragged
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     o, lse, _ = kernels._flash_fwd(q, k, v, causal, False, "O", precision, 0, 0, False)
-    launch = kernels._bwd_launch(q, k, v, o, causal, precision, deterministic=False)
-    grid, strides, meta = launch
-    args = (q, k, v, do, lse, kernels._bwd_delta(do, q, k, v, o, lse, launch, False))
+    (_, per_key), strides, meta = kernels._bwd_launch(q, k, v, o, causal, precision, deterministic=False)
+    args = (q, k, v, do, lse, kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, False))
     dq_sum, dk, dv = torch.zeros_like(o, dtype=torch.float32), torch.empty_like(o), torch.empty_like(o)
-    kernels._bwd_dkdv_kernel[grid](*args, dk, dv, dq_sum, *strides, 1.0, ONE_PASS=True, **meta)
+    kernels._bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum, *strides, 1.0, ONE_PASS=True, **meta)
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, causal, precision)
     delta = emulate.delta(q, k, v, o, lse, do, causal, precision)
     dS = emulate._round(P * (dP - delta.unsqueeze(-1)), q.dtype)
-    tiles = emulate._tiles(N, D)
-    assert torch.equal(dq_sum, emulate._dq_one_pass(dS, k, N, D))
+    tiles = emulate._tiles(shape[-2], meta["BLOCK_N"])
+    assert torch.equal(dq_sum, emulate._dq_one_pass(dS, k, meta["BLOCK_M"], meta["BLOCK_N"]))
     assert torch.equal(dq_sum, sum(emulate._dot(dS[..., c], k[..., c, :]) for c in tiles))
     assert not torch.equal(dq_sum, sum(emulate._dot(dS[..., c], k[..., c, :]) for c in reversed(tiles)))
 
