@@ -309,7 +309,11 @@ def _fwd_kernel(Q, K, V, O, LSE,
     V += b * stride_vb + h * stride_vh
     O += b * stride_ob + h * stride_oh
     LSE += bh * N
-    start_m = tl.program_id(0) * BLOCK_M
+    # Query tiles in descending order, heaviest first: with the causal mask a tile reads the keys up to its
+    # own last row, so the last tile does the most work; started first, it leaves the light tiles to fill
+    # the GPU's tail instead of running alone there (not yet timed). A program writes only its own rows, so
+    # the order cannot change a bit.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -487,7 +491,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     DQ += b * stride_ob + h * stride_oh
     LSE += bh * N
     DELTA += bh * N
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M     # heaviest first, as in the forward
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
