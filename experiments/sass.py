@@ -12,18 +12,29 @@ precision fa2, no amplifier), recorded from the host code and compiled with the 
 GPU's JIT gives it, both as nanolp/compile_sm90.py does (its specialize: 16-byte aligned pointers, strides divisible
 by 16; without that the loads are not vectorized and the pipeliner leaves the K/V loads unpipelined, so the code is
 not the one that ran). Prints markdown tables (results/speed/sass.md).
+
+    PYTHONPATH=/tmp/triton36 python -m experiments.sass --fwd 128/8/2/maxnreg=128 64/4/1    # ~7 s a setting
+
+With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix=False, "paper" and True, at
+FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
+optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
+(results/speed/forward_d128_candidates.md).
 """
+import argparse
 import os
 import re
 import subprocess
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import triton
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
 from nanolp.compile_sm90 import TARGET, Recorder, specialize  # first: it asserts no TRITON_INTERPRET
 import kernels  # after the check: TRITON_INTERPRET is read at import
+from experiments.forward_split import FwdConfig, forward_config
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 BATCH, CHANNELS, SEQ = 4, 2048, 4096
@@ -58,16 +69,30 @@ def record(run):
     return launches
 
 
+# The forward's variants: label: (shift, what delta reads). fix=False is the first, fix="paper" the third,
+# fix=True the fourth, delta_fp32=True the second.
+FORWARD = {"shift off, O bf16": (False, "O"), "shift off, O fp32": (False, "fp32 O"),
+           "shift on, O bf16": (True, "O"), "shift on, O fp32": (True, "fp32 O")}
+FIXES = {"fix=False": (False, "O"), 'fix="paper"': (True, "O"), "fix=True": (True, "fp32 O")}
+
+
+def forward_launches(D, variants, config=None):
+    """(label, launch) of the forward at head_dim D in each variant, with FWD_TUNING or a FwdConfig."""
+    q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
+
+    def run(shift, delta):
+        # inside record: forward_config's maxnreg then reaches the recorded launch's options
+        with forward_config(D, config) if config else nullcontext():
+            kernels._flash_fwd(q, q, q, True, shift, delta, "fa2", 0, 0, False)
+    return [(label, *record(lambda: run(shift, delta))) for label, (shift, delta) in variants.items()]
+
+
 def launches():
     """(label, kernel, args, meta) for the forward with the shift off/on and O in bf16/fp32, and the backward."""
     out = []
     for D in (64, 128):
+        out += [(f"fwd d{D} {label}", *launch) for label, launch in forward_launches(D, FORWARD)]
         q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
-        for shift in (False, True):
-            for fp32_o in (False, True):
-                (launch,) = record(lambda: kernels._flash_fwd(q, q, q, True, shift, "fp32 O" if fp32_o else "O",
-                                                              "fa2", 0, 0, False))
-                out.append((f"fwd d{D} shift {'on' if shift else 'off'}, O {'fp32' if fp32_o else 'bf16'}", *launch))
         lse = torch.empty(q.shape[:3])
         delta, dkdv, dq = record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False))
         # with fix=True delta reads the forward's fp32 O; the other backward kernels never read O
@@ -105,6 +130,15 @@ def measure(compiled):
         Path(cubin).write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([BIN / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True, check=True)
         sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        # Whether ptxas serialized the wgmma for lack of registers (C7512: each HGMMA then waits for the one
+        # before it) is only in its log, which Triton does not keep: ptxas again, with the options Triton 3.6
+        # gives it (later versions add others)
+        ptx = os.path.join(tmp, "k.ptx")
+        Path(ptx).write_text(compiled.asm["ptx"])
+        arch = sm_arch_from_capability(TARGET.arch)
+        log = subprocess.run([get_ptxas(TARGET.arch).path, "-lineinfo", "-v", f"--gpu-name={arch}", ptx,
+                              "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True)
+        log = log.stdout + log.stderr
     res = {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout)}
     opcodes = [op for _, op, _ in SASS_LINE.findall(sass)]
     warps, dynamic = compiled.metadata.num_warps, compiled.metadata.shared
@@ -114,7 +148,9 @@ def measure(compiled):
     counts = {name: sum(op.startswith(prefixes) for op in loop) for name, prefixes in CLASSES.items()}
     return dict(regs=res["REG"], spills=f'{sum(op.startswith(("STL", "LDL")) for op in opcodes)} / {res["STACK"]}',
                 warps=warps, stages=compiled.metadata.num_stages, smem_kib=(dynamic + res["SHARED"]) / 1024,
-                ctas=ctas, total=len(opcodes), loop=len(loop), counts=counts)
+                ctas=ctas, total=len(opcodes), loop=len(loop), counts=counts,
+                # "?" where this ptxas run allocated other registers than Triton's: not the same compile
+                serialized=("C7512" in log) if f"Used {res['REG']} registers" in log else "?")
 
 
 def table(rows):
@@ -127,10 +163,37 @@ def table(rows):
     return "\n".join(lines)
 
 
+def print_candidates(D, configs):
+    """The forward at head_dim D in each fix variant, with FWD_TUNING and with each FwdConfig, printed row by row
+    as it compiles: table()'s columns, whether ptxas serialized the wgmma, the warps an SM holds (the warp groups
+    that can hide each other's softmax behind their MMAs) and the loop's warp-instructions per 64 x 64 (query x
+    key) tile, the instruction cost of the same work across tile shapes."""
+    head = ["setting", "fix", "regs", "STL+LDL / stack bytes", "wgmma serialized", "warps", "stages", "smem KiB",
+            "CTAs/SM", "warps/SM", "SASS total", "loop", "loop warp-instr. per 64x64 tile"]
+    print("| " + " | ".join(head + list(CLASSES)) + " |\n|" + "---|" * (len(head) + len(CLASSES)))
+    for config in [FwdConfig(*kernels.FWD_TUNING[D])] + configs:
+        for label, launch in forward_launches(D, FIXES, config):
+            m = measure(compile_launch(*launch))
+            per_tile = m["loop"] * m["warps"] * 64 * 64 / (config.block_m * config.block_n)
+            serialized = {True: "yes", False: "no"}.get(m["serialized"], "?")
+            cells = [config, label, m["regs"], m["spills"], serialized, m["warps"], m["stages"], f"{m['smem_kib']:g}",
+                     m["ctas"], m["ctas"] * m["warps"], m["total"], m["loop"], f"{per_tile:.0f}", *m["counts"].values()]
+            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
 def main():
-    rows = [(label, measure(compile_launch(kernel, args, meta))) for label, kernel, args, meta in launches()]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
+                   help="only the forward, with FWD_TUNING and these settings: BLOCK_M/WARPS/STAGES[/maxnreg=R]"
+                        "[/block_n=N] (experiments/forward_split.py)")
+    p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING),
+                   help="the forward's head_dim with --fwd")
+    options = p.parse_args()
     print(f"triton {triton.__version__}, sm_90; batch {BATCH}, {CHANNELS} channels, seq {SEQ}, causal, fa2. "
           "Loop columns: SASS instructions in one iteration of the main key loop, per thread.\n")
+    if options.fwd:
+        return print_candidates(options.head_dim, options.fwd)
+    rows = [(label, measure(compile_launch(kernel, args, meta))) for label, kernel, args, meta in launches()]
     print(table(rows))
 
 
