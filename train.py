@@ -3,8 +3,8 @@ Train a small character-level GPT and watch for the low-precision attention fail
 flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that grows the attention logits
 until the loss blows up.
 
-    python train.py --fix off      # plain bf16: collapses after ~94,000 steps, ~10 min (6-15) alone on an H200
-    python train.py --fix on       # the complete fix: trains through (seeds 0-2: 150,000-152,000 steps)
+    python train.py --fix off      # plain bf16: collapses after ~91,000 steps, ~10 min (6-15) alone on an H200
+    python train.py --fix on       # the complete fix: trains through (seeds 0-3: 150,000-152,000 steps)
     python train.py --fix paper    # the paper's rule alone (the row-max shift): collapsed on seeds 0 and 1
     python train.py --preset tiny --attn sdpa   # a CPU smoke run
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
