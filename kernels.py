@@ -242,21 +242,14 @@ def _round_bits(x, BITS: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
-               SHIFT: tl.constexpr, P_BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-               k_desc=None, v_desc=None, left_stop=0, WARP_SPEC: tl.constexpr = False,
-               FUSED: tl.constexpr = not INTERPRET):
+               SHIFT: tl.constexpr, P_BITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
-    causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean. WARP_SPEC:
-    Triton's warp specialization of this loop, K and V read through k_desc, v_desc, the tiles before left_stop
-    those that need no mask (_fwd_kernel)."""
-    for start_n in tl.range(start, stop, BLOCK_N, warp_specialize=WARP_SPEC):
+    causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
+    for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         kT_ptrs = K + offs_d[:, None] + cols[None, :] * stride_kn
         v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :]
-        if WARP_SPEC:                   # rows past N read as zeros (TMA), masked below like the pointer loads'
-            kT = tl.trans(k_desc.load([start_n, 0]))
-            v = v_desc.load([start_n, 0])
-        elif MASKED:
+        if MASKED:
             kT = tl.load(kT_ptrs, mask=cols[None, :] < N, other=0.0)
             v = tl.load(v_ptrs, mask=cols[:, None] < N, other=0.0)
         else:
@@ -292,13 +285,6 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
             m_new = tl.maximum(m_i, r)
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[:, None])
-            if WARP_SPEC:   # left of left_stop S - m' as the unmasked loop computes it: on the GPU one FFMA of
-                # Q K^T (the same dot as _scores': CSE), under the interpreter unfused
-                if FUSED:
-                    left = tl.fma(tl.dot(q, kT), qk_scale, -m_new[:, None])
-                else:
-                    left = _scores(q, kT, qk_scale, PAPER) - m_new[:, None]
-                p = tl.math.exp2(tl.where(start_n < left_stop, left, s - m_new[:, None]))
             # l = exp(m - m') l + rowsum(P), from the unrounded P
             l_i = l_i * alpha + tl.sum(p, 1)
             # acc = exp(m - m') acc + P V_j
@@ -313,8 +299,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
-                WARP_SPEC: tl.constexpr = False):
+                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr):
     # One program per (query tile, batch * head); its pointers, offset once to its batch and head.
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
@@ -333,10 +318,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if WARP_SPEC:
-        q = tl.make_tensor_descriptor(Q, [N, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM]).load([start_m, 0])
-    else:
-        q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     t_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -348,24 +330,12 @@ def _fwd_kernel(Q, K, V, O, LSE,
     else:
         stop_unmasked = (N // BLOCK_N) * BLOCK_N
         stop = N
-    if WARP_SPEC:
-        # A candidate that experiments/forward_split.py times (its /ws=1), not launched by _flash_fwd. Triton 3.6
-        # warp-specializes a loop on sm_90 only at num_warps=4, with every load a TMA (tensor descriptor) load
-        # and no loop after it: so one loop over all key tiles, each masked (the mask is all true left of the
-        # diagonal; the same sums in the same order), K and V through descriptors (needs triton.set_allocator)
-        k_desc = tl.make_tensor_descriptor(K, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
-        acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop,
-                                        offs_m, offs_n, offs_d, N, qk_scale,
-                                        True, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N, k_desc, v_desc, stop_unmasked,
-                                        True)
-    else:
-        acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
-                                        offs_m, offs_n, offs_d, N, qk_scale,
-                                        False, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
-        acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
-                                        offs_m, offs_n, offs_d, N, qk_scale,
-                                        True, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    False, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    True, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
     # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
     # (log2 units in "fa2").
     o = _round_bits(acc / l_i[:, None], O_BITS)

@@ -3,25 +3,21 @@ O alone (delta_fp32) and both (fix=True), at seq 4096, batch 4, 2048 channels, b
 
     python -m experiments.forward_split > results/speed/forward_split.txt     # on a GPU
     python -m experiments.forward_split --fwd 128/8/2/maxnreg=128 64/4/2     # FWD_TUNING against candidates
-    python -m experiments.forward_split --seq 16384 --fwd 128/4/2/ws=1       # the same at another length
+    python -m experiments.forward_split --seq 16384 --fwd 128/8/2/maxnreg=128  # the same at another length
 
 With --fwd, the forward at one head_dim (--head-dim, 128 by default) in each variant with kernels.py's FWD_TUNING
 and with each candidate setting, side by side, beside torch SDPA's cuDNN forward (which has no fix), as a markdown
 table; a candidate's column also says whether its outputs (O, lse and the fp32 O) have FWD_TUNING's bits. A candidate is
 BLOCK_M/WARPS/STAGES as in FWD_TUNING, then optionally /maxnreg=R (Triton's cap on registers per thread, a
-compile option), /block_n=N (keys per tile; anything but kernels.TILE_N changes the numerics: the shift
-looks for ties within one tile, and nanolp/emulate.py follows TILE_N) and /ws=1 (_fwd_kernel's WARP_SPEC:
-Triton's warp specialization of the key loop, one masked loop over all key tiles read through tensor
-descriptors; triton 3.6 applies it on sm_90 only at 4 warps, and compiles it only with the shift off).
---seq sets the sequence length (4096 by default). experiments/sass.py --fwd compiles the same settings for
-sm_90 on a CPU (results/speed/forward_d128_candidates.md).
+compile option) and /block_n=N (keys per tile; anything but kernels.TILE_N changes the numerics: the shift
+looks for ties within one tile, and nanolp/emulate.py follows TILE_N). --seq sets the sequence length (4096 by
+default). experiments/sass.py --fwd compiles the same settings for sm_90 on a CPU (results/speed/forward_d128_candidates.md).
 """
 import argparse
 from contextlib import contextmanager
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 
 import kernels
 from kernels import Numerics, flash_attention
@@ -31,25 +27,23 @@ VARIANTS = {"off": {}, "shift": dict(fix="paper"), "o32": dict(numerics=Numerics
 
 
 class FwdConfig(NamedTuple):
-    """A forward setting: FWD_TUNING's three numbers, Triton's maxnreg (None: no cap), the key tile and whether
-    the key loop is warp-specialized (_fwd_kernel's WARP_SPEC)."""
+    """A forward setting: FWD_TUNING's three numbers, Triton's maxnreg (None: no cap) and the key tile."""
     block_m: int
     warps: int
     stages: int
     maxnreg: Optional[int] = None
     block_n: int = kernels.TILE_N
-    ws: bool = False
 
     @classmethod
     def parse(cls, text):
-        """From "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/ws=1]", the form __str__ writes."""
+        """From "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]", the form __str__ writes."""
         numbers, options, extra = text.split("/")[:3], text.split("/")[3:], {}
-        expected = f"{text}: expected BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/ws=1]"
+        expected = f"{text}: expected BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]"
         for option in options:
             name, _, value = option.partition("=")
-            if name not in ("maxnreg", "block_n", "ws") or not value.isdigit() or (name == "ws" and value not in "01"):
+            if name not in ("maxnreg", "block_n") or not value.isdigit():
                 raise argparse.ArgumentTypeError(expected)
-            extra[name] = bool(int(value)) if name == "ws" else int(value)
+            extra[name] = int(value)
         if len(numbers) != 3 or not all(n.isdigit() for n in numbers):
             raise argparse.ArgumentTypeError(expected)
         return cls(*map(int, numbers), **extra)
@@ -57,13 +51,12 @@ class FwdConfig(NamedTuple):
     def __str__(self):
         return "/".join([f"{self.block_m}/{self.warps}/{self.stages}"]
                         + ([f"maxnreg={self.maxnreg}"] if self.maxnreg else [])
-                        + ([f"block_n={self.block_n}"] if self.block_n != kernels.TILE_N else [])
-                        + (["ws=1"] if self.ws else []))
+                        + ([f"block_n={self.block_n}"] if self.block_n != kernels.TILE_N else []))
 
 
 class WithOptions:
     """Stands in for a kernel: `kernel[grid](*args, **meta)` launches it with more compile options (maxnreg,
-    which kernels.py's launch does not pass) or constexpr arguments (WARP_SPEC)."""
+    which kernels.py's launch does not pass)."""
 
     def __init__(self, kernel, **options):
         self.kernel, self.options = kernel, options
@@ -79,9 +72,8 @@ def forward_config(head_dim, config):
     saved = kernels.FWD_TUNING[head_dim], kernels.TILE_N, kernels._fwd_kernel
     kernels.FWD_TUNING[head_dim] = config.block_m, config.warps, config.stages
     kernels.TILE_N = config.block_n
-    options = {name: value for name, value in (("maxnreg", config.maxnreg), ("WARP_SPEC", config.ws)) if value}
-    if options:
-        kernels._fwd_kernel = WithOptions(kernels._fwd_kernel, **options)
+    if config.maxnreg:
+        kernels._fwd_kernel = WithOptions(kernels._fwd_kernel, maxnreg=config.maxnreg)
     try:
         yield
     finally:
@@ -90,8 +82,6 @@ def forward_config(head_dim, config):
 
 def inputs(D, N=4096, channels=2048):
     g = torch.Generator(device="cuda").manual_seed(0)
-    # /ws=1's tensor descriptors are made on the device, in global memory that Triton asks for here
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     return [torch.randn(4, channels // D, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
 
 
@@ -119,17 +109,11 @@ def compare(D, candidates, N=4096):
     for name, options in VARIANTS.items():
         cells, reference = [name], None
         for config in configs:
-            try:
-                with forward_config(D, config):
-                    out = kernels._flash_fwd(q, k, v, True, *kernels.wire_fix(options.get("fix", False),
-                                                                             options.get("numerics", Numerics())),
-                                             "fa2", 0, 0, False)
-                    ms = do_bench(lambda: flash_attention(q, k, v, **options), return_mode="median")
-            except Exception as error:      # /ws=1 with the shift: triton 3.6 does not compile it
-                if config is configs[0]:
-                    raise
-                cells.append(f"fails: {type(error).__name__}")
-                continue
+            with forward_config(D, config):
+                out = kernels._flash_fwd(q, k, v, True, *kernels.wire_fix(options.get("fix", False),
+                                                                         options.get("numerics", Numerics())),
+                                         "fa2", 0, 0, False)
+                ms = do_bench(lambda: flash_attention(q, k, v, **options), return_mode="median")
             if reference is None:
                 reference = out
             same = all(torch.equal(a, b) for a, b in zip(out, reference))
@@ -143,11 +127,12 @@ def compare(D, candidates, N=4096):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
-                   help="forward settings to time beside FWD_TUNING's: "
-                        "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/ws=1]")
+                   help="forward settings to time beside FWD_TUNING's: BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING))
     p.add_argument("--seq", type=int, default=4096, help="sequence length with --fwd")
     args = p.parse_args()
+    if args.seq < 1:
+        p.error(f"--seq {args.seq}: a sequence length is at least 1")
     if args.fwd:
         compare(args.head_dim, args.fwd, args.seq)
     else:

@@ -17,7 +17,7 @@ not the one that ran). Prints markdown tables (results/speed/sass.md).
 
 With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix=False, "paper" and True, at
 FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
-optionally /maxnreg=R, /block_n=N and /ws=1), which times the same settings on a GPU
+optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
 (results/speed/forward_d128_candidates.md).
 """
 import argparse
@@ -167,21 +167,14 @@ def print_candidates(D, configs):
     """The forward at head_dim D in each fix variant, with FWD_TUNING and with each FwdConfig, printed row by row
     as it compiles: table()'s columns, whether ptxas serialized the wgmma, the warps an SM holds (the warp groups
     that can hide each other's softmax behind their MMAs) and the loop's warp-instructions per 64 x 64 (query x
-    key) tile, the instruction cost of the same work across tile shapes (with warp specialization, /ws=1, of
-    the warps that run the loop)."""
+    key) tile, the instruction cost of the same work across tile shapes."""
     head = ["setting", "fix", "regs", "STL+LDL / stack bytes", "wgmma serialized", "warps", "stages", "smem KiB",
             "CTAs/SM", "warps/SM", "SASS total", "loop", "loop warp-instr. per 64x64 tile"]
     print("| " + " | ".join(head + list(CLASSES)) + " |\n|" + "---|" * (len(head) + len(CLASSES)))
     for config in [FwdConfig(*kernels.FWD_TUNING[D])] + configs:
         for label, launch in forward_launches(D, FIXES, config):
-            try:
-                m = measure(compile_launch(*launch))
-            except RuntimeError as error:   # /ws=1 with the shift in triton 3.6 (forward_d128_candidates.md)
-                print(f"| {config} | {label} | does not compile: {str(error).splitlines()[0]} |", flush=True)
-                continue
-            # warp-specialized (more warps than launched): the launched warps load, the others run the loop
-            loop_warps = m["warps"] - config.warps if m["warps"] > config.warps else m["warps"]
-            per_tile = m["loop"] * loop_warps * 64 * 64 / (config.block_m * config.block_n)
+            m = measure(compile_launch(*launch))
+            per_tile = m["loop"] * m["warps"] * 64 * 64 / (config.block_m * config.block_n)
             serialized = {True: "yes", False: "no"}.get(m["serialized"], "?")
             cells = [config, label, m["regs"], m["spills"], serialized, m["warps"], m["stages"], f"{m['smem_kib']:g}",
                      m["ctas"], m["ctas"] * m["warps"], m["total"], m["loop"], f"{per_tile:.0f}", *m["counts"].values()]
@@ -192,7 +185,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
                    help="only the forward, with FWD_TUNING and these settings: BLOCK_M/WARPS/STAGES[/maxnreg=R]"
-                        "[/block_n=N][/ws=1] (experiments/forward_split.py)")
+                        "[/block_n=N] (experiments/forward_split.py)")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING),
                    help="the forward's head_dim with --fwd")
     options = p.parse_args()

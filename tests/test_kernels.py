@@ -104,22 +104,19 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
 @requires_interpreter
 def test_forward_candidate_settings_keep_the_bits_and_leave_the_tuning():
     """experiments/forward_split.py --fwd times other forward settings against FWD_TUNING's; other query tiles,
-    warps, stages, a register cap and the warp-specialized loop (one masked loop, tensor-descriptor loads) change
-    where a row is computed, not how, and kernels.py is as before after."""
+    warps, stages and a register cap change where a row is computed, not how, and kernels.py is as before after."""
     from experiments.forward_split import FwdConfig, forward_config
     before = dict(kernels.FWD_TUNING), kernels.TILE_N, kernels._fwd_kernel
     q, k, v = rand((1, 2, 300, 128), scale=3.0), rand((1, 2, 300, 128)), rand((1, 2, 300, 128))
     for shift, delta in ((False, "O"), (True, "O"), (True, "fp32 O")):
         reference = kernels._flash_fwd(q, k, v, True, shift, delta, "fa2", 0, 0, False)
-        for config in (FwdConfig(64, 4, 1, 168), FwdConfig(128, 8, 2, 128), FwdConfig(128, 4, 2, ws=True)):
+        for config in (FwdConfig(64, 4, 1, 168), FwdConfig(128, 8, 2, 128)):
             with forward_config(128, config):
                 out = kernels._flash_fwd(q, k, v, True, shift, delta, "fa2", 0, 0, False)
             assert all(torch.equal(a, b) for a, b in zip(out, reference)), (config, shift, delta)
     assert (dict(kernels.FWD_TUNING), kernels.TILE_N, kernels._fwd_kernel) == before
     assert FwdConfig.parse("128/8/2/block_n=32/maxnreg=128") == FwdConfig(128, 8, 2, 128, 32)
     assert str(FwdConfig(128, 8, 2, 128, 32)) == "128/8/2/maxnreg=128/block_n=32"
-    assert FwdConfig.parse("128/4/2/ws=1") == FwdConfig(128, 4, 2, ws=True) and str(FwdConfig(128, 4, 2, ws=True)) \
-        == "128/4/2/ws=1" and FwdConfig.parse("128/4/2/ws=0") == FwdConfig(128, 4, 2)
 
 
 @requires_interpreter
