@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = math.log2(math.e)
 TILE_N = 64                    # keys per tile (fixed: the fix looks for ties within one tile)
@@ -404,10 +405,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, ONE_PASS: tl.constexpr):
+                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, ONE_PASS: tl.constexpr,
+                     DQ_TMA: tl.constexpr = False):
     # One program per (key tile, batch * head), looping over the query tiles; its pointers, offset once. With
     # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
-    # of zeros in O's layout, with atomics (DQ is unused without).
+    # of zeros in O's layout, with atomics (DQ is unused without); with DQ_TMA as well, DQ is a tensor
+    # descriptor of that buffer, (batch, heads, seq, head_dim) in blocks of [1, 1, BLOCK_M, HEAD_DIM]
+    # (dq_sum_target), and each tile's share goes in as one TMA reduction (see the loop).
     # Key-major: the program's BLOCK_N keys are the rows of every product, S^T = K_j Q_i^T, P^T, dP^T =
     # V_j dO_i^T and dS^T are (keys x queries), so dV += P^T dO and dK += dS^T Q take P^T and dS^T as their
     # first operand as computed, from registers. The query-major form (P, dS with the queries as rows) had to
@@ -415,7 +419,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
     # faster key-major. Only the one-pass dQ_i = dS_ij K_j takes dS^T transposed.
     tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
     if ONE_PASS:
-        tl.static_assert(DQ.dtype.element_ty == tl.float32)     # the shares of dQ are summed in fp32
+        # the shares of dQ are summed in fp32
+        tl.static_assert((DQ.dtype if DQ_TMA else DQ.dtype.element_ty) == tl.float32)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
@@ -424,7 +429,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
     DO += b * stride_ob + h * stride_oh           # dO, dK, dV and the dQ buffer are in O's layout
     DK += b * stride_ob + h * stride_oh
     DV += b * stride_ob + h * stride_oh
-    DQ += b * stride_ob + h * stride_oh
+    if not DQ_TMA:
+        DQ += b * stride_ob + h * stride_oh
     LSE += bh * N
     DELTA += bh * N
     start_n = tl.program_id(0) * BLOCK_N
@@ -450,7 +456,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
         # dK += dS^T Q (times the scale once, at the store)
         dk += tl.dot(dsT, tl.trans(qT))
-        if ONE_PASS:
+        if ONE_PASS and DQ_TMA:
+            # The same share through TMA (FlashAttention-3's way): the tile goes to shared memory once and the
+            # copy engine adds it into the buffer in fp32 (cp.reduce.async.bulk.tensor, UTMAREDG), rows past
+            # N dropped by the descriptor's bounds; the wait for it to have read shared memory comes before
+            # the next tile's share is written there. Instead of the atomics' vectorised REDs, and the
+            # shared-memory shuffle that makes their vectors (results/speed/backward_tma_dq.md).
+            DQ.atomic_add([b.to(tl.int32), h.to(tl.int32), start_m, 0],
+                          tl.reshape(tl.dot(tl.trans(dsT), k), [1, 1, BLOCK_M, HEAD_DIM]))
+        elif ONE_PASS:
             # dQ_i += dS_ij K_j, the dQ kernel's product, added to the buffer in fp32 (its sum: see above).
             # Relaxed: nothing reads the buffer before this kernel has finished.
             tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(tl.trans(dsT), k),
@@ -552,6 +566,11 @@ FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4
 BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
 SHORT_SEQ = 512
+# The one-pass backward's dQ: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory
+# (a candidate, compiled for sm_90 in results/speed/backward_tma_dq.md, not yet timed against the atomics).
+# The same shares summed in fp32 either way, so the same bits wherever they land in the same order (the
+# interpreter's: nanolp/interp_patch.py runs the TMA reduction as atomics).
+DQ_TMA = False
 if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
 
@@ -688,6 +707,15 @@ def _bwd_launch(q, k, v, o, causal, precision, deterministic=True):
     return grids, strides, meta
 
 
+def dq_sum_target(dq_sum, block_m):
+    """What the one-pass dK/dV kernel adds dQ's shares into: the fp32 buffer itself (atomics), or with
+    DQ_TMA a host-side TMA descriptor of it in query tiles of block_m rows (the GPU's launcher encodes it;
+    it needs a 16-byte aligned buffer whose strides but the last are multiples of 16 bytes: O's, in fp32)."""
+    if not DQ_TMA:
+        return dq_sum
+    return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
+
+
 def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p):
     """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
     not read O. Launched with the two-pass backward's tiles either way, so that both backwards read the same
@@ -720,7 +748,8 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
     else:
         dq_sum = torch.zeros_like(o, dtype=torch.float32)                  # the atomics' buffer, O's strides
-        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum, *strides, sm_scale, ONE_PASS=True, **meta)
+        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum_target(dq_sum, meta["BLOCK_M"]), *strides, sm_scale,
+                                  ONE_PASS=True, DQ_TMA=DQ_TMA, **meta)
         _bwd_dq_cast_kernel[per_query](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
                                        HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
     return dq, dk, dv

@@ -2,8 +2,9 @@
 and dK += dS^T Q take their A operand as computed) compiled for the H200 (sm_90) on a machine without a GPU, at
 kernels.py's settings (BWD_TUNING for the two-pass backward, deterministic=True; ONE_PASS_TUNING for the one-pass
 backward, deterministic=False, whose dK/dV program also adds dQ through fp32 atomics) and at the other tile
-shapes, warps and stages still candidates. Prints a markdown table: registers, spills, shared memory, programs per
-SM and the SASS of the loop over the query tiles.
+shapes, warps and stages still candidates; each one-pass row also with dQ added through TMA reductions instead
+(kernels.DQ_TMA, "TMA dQ" rows: results/speed/backward_tma_dq.md). Prints a markdown table: registers, spills,
+shared memory, programs per SM and the SASS of the loop over the query tiles.
 
     pip install --no-deps --target /tmp/triton36 triton==3.6.0      # the H200's triton
     PYTHONPATH=/tmp/triton36 python -m experiments.backward_variants   # CPU only, ~1 minute
@@ -16,6 +17,7 @@ results/speed/backward_onepass.md has this table from before the dK/dV kernel wa
 its earlier, query-major form.
 """
 import sys
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -31,53 +33,71 @@ ONE_PASS_CANDIDATES = {
 }
 COLUMNS = ("HGMMA", "HMMA", "FADD", "FMUL", "MUFU.EX2", "F2F/F2FP", "BAR.SYNC", "WARPGROUP", "STS/LDS",
            "RED/ATOM", "STL/LDL")
+# Loop columns of the TMA reduction beside sass.py's: the reduction itself (one in a thread's code; one elected
+# lane in each of the first HEAD_DIM / 32 warps issues it, for a BLOCK_M x 32 fp32 box, 128 bytes wide, the
+# shared-memory swizzle's width), and the proxy fence before it
+TMA_COLUMNS = {"UTMAREDG": ("UTMAREDG",), "FENCE/MEMBAR": ("FENCE", "MEMBAR")}
 
 
 def variants():
-    """(label, head_dim, one pass, tuning) of each row: kernels.py's two settings per head_dim, then the
-    candidates."""
+    """(label, head_dim, one pass, tuning, dQ by TMA) of each row: kernels.py's two settings per head_dim and
+    the one-pass one with TMA dQ, then the candidates, each with atomics and with TMA dQ."""
     for D, candidates in ONE_PASS_CANDIDATES.items():
-        yield "two-pass dK/dV (BWD_TUNING)", D, False, kernels.BWD_TUNING[D]
-        yield "one-pass (ONE_PASS_TUNING)", D, True, kernels.ONE_PASS_TUNING[D]
-        yield from (("one-pass", D, True, tuning) for tuning in candidates)
+        yield "two-pass dK/dV (BWD_TUNING)", D, False, kernels.BWD_TUNING[D], False
+        yield "one-pass (ONE_PASS_TUNING)", D, True, kernels.ONE_PASS_TUNING[D], False
+        yield "one-pass, TMA dQ (ONE_PASS_TUNING)", D, True, kernels.ONE_PASS_TUNING[D], True
+        for tuning in candidates:
+            yield "one-pass", D, True, tuning, False
+            yield "one-pass, TMA dQ", D, True, tuning, True
 
 
-def launch(D, one_pass, tuning):
+@contextmanager
+def setting(D, one_pass, tuning, tma):
+    """kernels.py's backward at head_dim D launched inside the block with a row's tiles, warps and stages (in
+    BWD_TUNING or ONE_PASS_TUNING) and its dQ (DQ_TMA), so that the host builds the launch, the TMA
+    descriptor's query tile included, as it would with these settings in place."""
+    table = kernels.ONE_PASS_TUNING if one_pass else kernels.BWD_TUNING
+    saved = table[D], kernels.DQ_TMA
+    table[D], kernels.DQ_TMA = tuning, tma
+    try:
+        yield
+    finally:
+        table[D], kernels.DQ_TMA = saved
+
+
+def launch(D, one_pass, tuning, tma):
     """The dK/dV launch the host makes at the benchmark's seq-4096 shape, with this row's settings."""
     q = torch.empty(sass.BATCH, sass.CHANNELS // D, sass.SEQ, D, dtype=torch.bfloat16)
     lse = torch.empty(q.shape[:3])
-    _, (kernel, args, meta), _ = sass.record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False,
-                                                                        not one_pass))
-    return kernel, args, with_tuning(meta, tuning)
-
-
-def with_tuning(meta, tuning):
-    """A launch's meta-parameters with a row's tiles, warps and stages."""
-    block_m, block_n, warps, stages = tuning
-    return dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    with setting(D, one_pass, tuning, tma):
+        _, dkdv, _ = sass.record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False, not one_pass))
+    return dkdv
 
 
 def time_variants(seqs=(4096, 16384)):
     """Median ms of each variant's backward kernels on the GPU at the benchmark's shapes (16k tokens x 2048
     channels): the two-pass rows with the dQ kernel, the one-pass rows with zeroing the fp32 dQ buffer and
-    its cast; delta's kernel, the same for all, left out."""
+    its cast (TMA dQ rows: the buffer through its descriptor); delta's kernel, the same for all, left out. And
+    each one-pass row's fp32 dQ buffer after its last run against the first one-pass row's (ONE_PASS_TUNING,
+    atomics) on the same inputs: relative difference, per seq (the sums differ only in order and key tiles)."""
     from triton.testing import do_bench
     print("| variant | d | queries x keys | warps | stages | " + " | ".join(f"seq {n} ms" for n in seqs)
-          + " |\n|" + "---|" * (5 + len(seqs)))
-    for label, D, one_pass, tuning in variants():
+          + " | dQ buffer vs ONE_PASS_TUNING's |\n|" + "---|" * (6 + len(seqs)))
+    references = {}
+    for label, D, one_pass, tuning, tma in variants():
         block_m, block_n, warps, stages = tuning
-        cells = [label, D, f"{block_m} x {block_n}", warps, stages]
+        cells, checks = [label, D, f"{block_m} x {block_n}", warps, stages], []
         for N in seqs:
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v, do = (torch.randn(16384 // N, 2048 // D, N, D, device="cuda", dtype=torch.bfloat16,
                                        generator=g) for _ in range(4))
             o, lse, _ = kernels._flash_fwd(q, k, v, True, False, "O", "fa2", 0, 0, False)
-            delta, (kernel, args, meta), last = sass.record(
-                lambda: kernels._flash_bwd(do, q, k, v, o, lse, True, "fa2", False, not one_pass))
+            with setting(D, one_pass, tuning, tma):
+                delta, (kernel, args, meta), last = sass.record(
+                    lambda: kernels._flash_bwd(do, q, k, v, o, lse, True, "fa2", False, not one_pass))
             grid = lambda block: (triton.cdiv(N, block), q.shape[0] * q.shape[1])  # noqa: E731
             delta[0][grid(delta[2]["BLOCK_M"])](*delta[1], **delta[2])             # delta, for real values
-            meta = with_tuning(meta, tuning)
-            dq_sum = args[8]                                    # the one-pass's fp32 buffer (unused otherwise)
+            dq_sum = getattr(args[8], "base", args[8])          # the one-pass's fp32 buffer (unused otherwise)
 
             def run():
                 if one_pass:
@@ -85,6 +105,10 @@ def time_variants(seqs=(4096, 16384)):
                 kernel[grid(block_n)](*args, **meta)
                 last[0][grid(last[2]["BLOCK_M"])](*last[1], **last[2])     # the dQ kernel, or dQ's cast
             cells.append(f"{do_bench(run, return_mode='median'):.3f}")
+            if one_pass:
+                reference = references.setdefault((D, N), dq_sum.clone())
+                checks.append(f"{((dq_sum - reference).norm() / reference.norm()).item():.1e}")
+        cells.append(" / ".join(checks) or "-")
         print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 
 
@@ -92,17 +116,18 @@ def main():
     if "--time" in sys.argv[1:]:
         return time_variants()
     head = ["variant", "d", "queries x keys", "warps", "stages", "regs", "STL+LDL / stack", "smem KiB", "CTAs/SM",
-            "loop", "loop warp-instr. per 64x64 pair", *COLUMNS]
+            "loop", "loop warp-instr. per 64x64 pair", *COLUMNS, *TMA_COLUMNS]
     print(f"triton {triton.__version__}, sm_90; batch {sass.BATCH}, {sass.CHANNELS} channels, seq {sass.SEQ}, "
           "causal, fa2. Loop columns: SASS instructions in one iteration of the loop over the query tiles, per "
-          "thread.\n")
+          "thread (RED/ATOM: REDG.E.ADD.F32x4, four fp32 adds each).\n")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for label, D, one_pass, tuning in variants():
+    for label, D, one_pass, tuning, tma in variants():
         block_m, block_n, warps, stages = tuning
-        m = sass.measure(sass.compile_launch(*launch(D, one_pass, tuning)))
+        m = sass.measure(sass.compile_launch(*launch(D, one_pass, tuning, tma)))
         per_pair = m["loop"] * warps * 64 * 64 / (block_m * block_n)
         cells = [label, D, f"{block_m} x {block_n}", warps, stages, m["regs"], m["spills"], f"{m['smem_kib']:g}",
-                 m["ctas"], m["loop"], f"{per_pair:.0f}", *(m["counts"][c] for c in COLUMNS)]
+                 m["ctas"], m["loop"], f"{per_pair:.0f}", *(m["counts"][c] for c in COLUMNS),
+                 *(sum(op.startswith(prefixes) for op in m["loop_opcodes"]) for prefixes in TMA_COLUMNS.values())]
         print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 
 

@@ -148,7 +148,7 @@ def measure(compiled):
     counts = {name: sum(op.startswith(prefixes) for op in loop) for name, prefixes in CLASSES.items()}
     return dict(regs=res["REG"], spills=f'{sum(op.startswith(("STL", "LDL")) for op in opcodes)} / {res["STACK"]}',
                 warps=warps, stages=compiled.metadata.num_stages, smem_kib=(dynamic + res["SHARED"]) / 1024,
-                ctas=ctas, total=len(opcodes), loop=len(loop), counts=counts,
+                ctas=ctas, total=len(opcodes), loop=len(loop), counts=counts, loop_opcodes=loop,
                 # "?" where this ptxas run allocated other registers than Triton's: not the same compile
                 serialized=("C7512" in log) if f"Used {res['REG']} registers" in log else "?")
 

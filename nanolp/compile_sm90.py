@@ -11,8 +11,8 @@ as the GPU's JIT specializes it (specialize): the code that runs, not a generic 
 other pipelining. At head_dim 64 the forward in every combination of causal, shift, precision and amplifier
 (causal only with an amplifier) and the backward in both precisions with delta from O and from P; at every
 head_dim the plain forward and backward, the backward at a short and a long (pipelined) sequence, each backward
-in two passes (deterministic) and in one (dQ through atomics). Compilation only: the numbers are the GPU tests'
-job.
+in two passes (deterministic) and in one (dQ through atomics, and through TMA reductions: kernels.DQ_TMA).
+Compilation only: the numbers are the GPU tests' job.
 """
 import itertools
 import os
@@ -61,15 +61,17 @@ def record_launches():
                        if causal or bits == (0, 0)]
         for causal, shift, precision, bits in forward:
             kernels._flash_fwd(q, k, v, causal, shift, "O", precision, *bits, False)
-        # unpipelined, pipelined; two-pass (deterministic) and one-pass
-        backward = [(N, "fa2", False, deterministic) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
-                    for deterministic in (True, False)]
+        # unpipelined, pipelined; two-pass (deterministic), one-pass with dQ by atomics and by TMA (DQ_TMA)
+        backward = [(N, "fa2", False, deterministic, tma) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
+                    for deterministic, tma in ((True, False), (False, False), (False, True))]
         if D == 64:
-            backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic) for precision, from_p, deterministic
-                         in itertools.product(("fa2", "paper"), (False, True), (True, False))]
-        for N, precision, from_p, deterministic in backward:
+            backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic, False) for precision, from_p,
+                         deterministic in itertools.product(("fa2", "paper"), (False, True), (True, False))]
+        for N, precision, from_p, deterministic, tma in backward:
+            kernels.DQ_TMA = tma
             q = k = v = o = torch.zeros(1, 2, N, D, dtype=torch.bfloat16)
             kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p, deterministic)
+    kernels.DQ_TMA = False
     return launches
 
 

@@ -11,6 +11,10 @@ depends on an implementation's internal order or approximation (tl.dot, tl.sum, 
 evaluated in float64 and rounded once to float32, exactly as the emulation does. Then the two agree bit for
 bit unless their algorithms or rounding points differ.
 
+Third, the stock interpreters have no TMA reduction (a tensor descriptor's atomic_add: "'InterpreterBuilder'
+object has no attribute 'create_descriptor_reduce'"), which kernels.py's one-pass backward uses with DQ_TMA;
+here it adds the block element by element with the interpreter's own atomics, as tl.atomic_add does.
+
 The patch reaches into interpreter internals, so it is pinned to the versions it was checked on, and
 self_test() (run by tests/conftest.py before any test) fails loudly if it stops taking effect.
 """
@@ -138,6 +142,16 @@ def _generic_reduce(self, input):
     return out
 
 
+def _create_descriptor_reduce(self, kind, desc, value, indices):
+    """desc.atomic_add(indices, value) in fp32: the block added at the descriptor's pointers, the elements
+    outside the tensor's shape dropped (as the GPU's TMA does)."""
+    if kind != interp._ir.DESCRIPTOR_REDUCE_KIND.ADD or value.dtype.scalar != tl.float32:
+        raise NotImplementedError(f"interp_patch: TMA reduction {kind} on {value.dtype.scalar}: only fp32 add")
+    ptrs, mask = desc.materialize_pointers(indices)
+    self.create_atomic_rmw(interp._ir.ATOMIC_OP.FADD, ptrs, value, mask, interp._ir.MEM_SEMANTIC.RELAXED,
+                           interp._ir.MEM_SYNC_SCOPE.GPU)
+
+
 def apply():
     if not triton.__version__.startswith(CHECKED_VERSIONS):
         raise RuntimeError(f"nanolp/interp_patch.py was checked on triton {CHECKED_VERSIONS}, found "
@@ -149,6 +163,7 @@ def apply():
     _Reduce.sum = _sum
     _Reduce.min_max = _min_max
     _Reduce.generic_reduce = _generic_reduce
+    _Builder.create_descriptor_reduce = _create_descriptor_reduce
     _Builder.create_exp = lambda self, a: self.unary_op(a, _exact_f32(np.exp))
     _Builder.create_exp2 = lambda self, a: self.unary_op(a, _exact_f32(np.exp2))
     _Builder.create_log = lambda self, a: self.unary_op(a, _exact_f32(np.log))

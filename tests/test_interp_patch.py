@@ -62,3 +62,25 @@ def test_vectorized_generic_reduce_equals_the_stock_one(monkeypatch):
     assert torch.equal(r, r_stock) and torch.equal(r2, r2_stock)
     top = s.sort(-1, descending=True).values
     assert torch.equal(r, top[:, 0]) and torch.equal(r2, top[:, 1])
+
+
+@triton.jit
+def _tma_add_kernel(DESC, X, ROWS: tl.constexpr, COLS: tl.constexpr):
+    x = tl.load(X + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :])
+    DESC.atomic_add([1, tl.program_id(0) * (ROWS // 2), 0], tl.reshape(x, [1, ROWS, COLS]))
+
+
+def test_tma_reduction_adds_in_launch_order_and_drops_rows_past_the_end():
+    """A tensor descriptor's atomic_add (kernels.py's one-pass dQ with DQ_TMA), which the stock interpreter
+    lacks: each program's block added in fp32 where it lies in the tensor, as tl.atomic_add adds, programs in
+    launch order, rows past the tensor's end dropped (not written to the next slice)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    buf = torch.zeros(3, 20, 32)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    _tma_add_kernel[(3,)](TensorDescriptor(buf, list(buf.shape), list(buf.stride()), [1, 16, 32]), x,
+                          ROWS=16, COLS=32)
+    want = torch.zeros(3, 20, 32)
+    for start in (0, 8, 16):
+        rows = want[1, start:start + 16]
+        rows += x[:len(rows)]                                     # in launch order, in fp32
+    assert torch.equal(buf, want)

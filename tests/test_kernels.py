@@ -195,16 +195,25 @@ def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through()
 
 
 # -------------------------------------------------------------------------------------------------------
-# The one-pass backward (deterministic=False): dQ summed over key tiles by fp32 atomics in the dK/dV pass
+# The one-pass backward (deterministic=False): dQ summed over key tiles by fp32 atomics in the dK/dV pass, or
+# by TMA reductions (kernels.DQ_TMA, the interpreter's through nanolp/interp_patch.py): the same bits
+
+@pytest.fixture(params=[False, True], ids=["atomics", "tma"])
+def dq_tma(request, monkeypatch):
+    """The one-pass backward's dQ added by fp32 atomics, then by TMA reductions (kernels.DQ_TMA)."""
+    monkeypatch.setattr(kernels, "DQ_TMA", request.param)
+    return request.param
+
 
 @requires_interpreter
 @pytest.mark.parametrize("shape", [(1, 2, 130, 64), (2, 1, 77, 32)])
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 @pytest.mark.parametrize("fix", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_one_pass_gradients_bitwise_equal_emulation(shape, precision, fix, causal, poisoned):
+def test_one_pass_gradients_bitwise_equal_emulation(shape, precision, fix, causal, dq_tma, poisoned):
     """dQ, dK, dV of the one-pass backward, bit for bit against the emulation of its summation order
-    (emulate._dq_one_pass), at lengths that leave a ragged last tile, with the fix on and off."""
+    (emulate._dq_one_pass), at lengths that leave a ragged last tile, with the fix on and off, with dQ by
+    atomics and by TMA reductions."""
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     k[..., 5, :] = k[..., 3, :]                                   # exact ties, so the shift has work to do
     numerics = Numerics(precision=precision)
@@ -218,12 +227,15 @@ def test_one_pass_gradients_bitwise_equal_emulation(shape, precision, fix, causa
 
 
 @requires_interpreter
-@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("deterministic, tma", [(True, False), (False, False), (False, True)],
+                         ids=["two-pass", "one-pass", "one-pass-tma"])
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
-def test_gradients_bitwise_equal_emulation_at_every_tuning(D, deterministic, poisoned):
+def test_gradients_bitwise_equal_emulation_at_every_tuning(D, deterministic, tma, monkeypatch, poisoned):
     """Each head_dim's backward tiles as the GPU runs them (BWD_TUNING, ONE_PASS_TUNING; the interpreter keeps
     them: 64 queries x 128 keys in the one-pass backward at d128), bit for bit against the emulation in both
-    precisions, at a length with three key tiles of 128, the last one ragged."""
+    precisions, at a length with three key tiles of 128, the last one ragged; the one-pass backward with dQ by
+    atomics and by TMA reductions."""
+    monkeypatch.setattr(kernels, "DQ_TMA", tma)
     shape = (1, 2, 300, D)
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     for precision in ("fa2", "paper"):
@@ -255,18 +267,19 @@ def test_one_pass_equals_two_pass_under_the_interpreter(delta_from, dtype, poiso
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision):
-    """The fp32 buffer the atomics fill, before its cast (where a difference of order is seen at all: it
-    rarely tips dQ's rounding to bf16), bit for bit against emulate._dq_one_pass and the sum over the key tiles
-    in ascending order (the dQ kernel's order, at the one-pass backward's tiles: 128 keys at d128); and the
-    order decides those bits: the same shares summed from the last key tile down differ."""
+def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision, dq_tma):
+    """The fp32 buffer the atomics (or TMA reductions) fill, before its cast (where a difference of order is
+    seen at all: it rarely tips dQ's rounding to bf16), bit for bit against emulate._dq_one_pass and the sum
+    over the key tiles in ascending order (the dQ kernel's order, at the one-pass backward's tiles: 128 keys at
+    d128); and the order decides those bits: the same shares summed from the last key tile down differ."""
     shape = (1, 2, 300, D)                                        # at least 3 key tiles, the last one ragged
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     o, lse, _ = kernels._flash_fwd(q, k, v, causal, False, "O", precision, 0, 0, False)
     (_, per_key), strides, meta = kernels._bwd_launch(q, k, v, o, causal, precision, deterministic=False)
     args = (q, k, v, do, lse, kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, False))
     dq_sum, dk, dv = torch.zeros_like(o, dtype=torch.float32), torch.empty_like(o), torch.empty_like(o)
-    kernels._bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum, *strides, 1.0, ONE_PASS=True, **meta)
+    kernels._bwd_dkdv_kernel[per_key](*args, dk, dv, kernels.dq_sum_target(dq_sum, meta["BLOCK_M"]), *strides,
+                                      1.0, ONE_PASS=True, DQ_TMA=dq_tma, **meta)
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, causal, precision)
     delta = emulate.delta(q, k, v, o, lse, do, causal, precision)
     dS = emulate._round(P * (dP - delta.unsqueeze(-1)), q.dtype)
@@ -277,9 +290,10 @@ def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_one_pass_gradients_against_float64(seed, poisoned):
+def test_one_pass_gradients_against_float64(seed, dq_tma, poisoned):
     """Within twice plain bf16 attention's error of float64, at every head_dim, in bf16 and fp16, causal or
-    not, with the fix on and off; on a GPU this is the one-pass backward's correctness test."""
+    not, with the fix on and off, dQ by atomics and by TMA reductions; on a GPU this is the one-pass
+    backward's correctness test."""
     g = torch.Generator().manual_seed(100 + seed)
     B, H = (int(x) for x in torch.randint(1, 3, (2,), generator=g))
     N = int(torch.randint(60, 200, (1,), generator=g))
@@ -326,12 +340,15 @@ def test_gradients_random_shapes(seed, poisoned):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs every setting unpipelined; this is for the GPU's")
-@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("deterministic, tma", [(True, False), (False, False), (False, True)],
+                         ids=["two-pass", "one-pass", "one-pass-tma"])
 @pytest.mark.parametrize("N", [kernels.SHORT_SEQ, kernels.SHORT_SEQ + 77])
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
-def test_gradients_every_tuning_setting(N, D, deterministic, poisoned):
+def test_gradients_every_tuning_setting(N, D, deterministic, tma, monkeypatch, poisoned):
     """Each head_dim's forward and backward settings (stages differ per head_dim and across SHORT_SEQ), with
-    the two-pass backward (BWD_TUNING) and the one-pass one (ONE_PASS_TUNING)."""
+    the two-pass backward (BWD_TUNING) and the one-pass one (ONE_PASS_TUNING), its dQ by atomics and by TMA
+    reductions (DQ_TMA)."""
+    monkeypatch.setattr(kernels, "DQ_TMA", tma)
     q, k, v = (rand((1, 2, N, D), seed=D + i) for i in range(3))
     check_against_float64(q, k, v, True, deterministic=deterministic)
 
@@ -656,12 +673,15 @@ def test_every_specialization_compiles_for_sm90():
     assert "compile for sm_90" in done.stdout
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("deterministic, tma", [(True, False), (False, False), (False, True)],
+                         ids=["two-pass", "one-pass", "one-pass-tma"])
 @pytest.mark.parametrize("seq_major", [True, False])
-def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, poisoned):
+def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, tma, monkeypatch, poisoned):
     """q, k, v viewed from (B, T, H, D) storage, as a GPT produces them, or plain (B, H, T, D): O, dQ, dK, dV come
     back in the same layout (so the model's reshape to (B, T, C) is free) with the right values, also for a dO
-    in another layout and for an expanded one (the gradient of a sum)."""
+    in another layout and for an expanded one (the gradient of a sum); the one-pass backward's TMA descriptor
+    of its dQ buffer too (seq-major, its strides are not in descending order)."""
+    monkeypatch.setattr(kernels, "DQ_TMA", tma)
     def inputs(seed):
         t = rand((2, 70, 3, 32), seed=seed).transpose(1, 2) if seq_major else rand((2, 3, 70, 32), seed=seed)
         return t.requires_grad_()
