@@ -35,8 +35,10 @@ the other experiments on these numerics are the fields of Numerics.
 """
 import math
 import os
+import struct
 from collections import namedtuple
 from dataclasses import dataclass, field, fields
+from fractions import Fraction
 
 import torch
 import triton
@@ -139,8 +141,8 @@ def wire_fix(fix, numerics):
 
 
 # The shift's constants in the kernel's units: a compile-time constant of the forward kernel, None there with
-# the shift off, so that no kernel that does not shift sees them.
-Shift = namedtuple("Shift", "beta tol lo hi span")
+# the shift off, so that no kernel that does not shift sees them. inv is the fold's 1 / span (_fold).
+Shift = namedtuple("Shift", "beta tol lo hi span inv")
 
 
 def fix_constants(precision, p_bits=0):
@@ -151,13 +153,24 @@ def fix_constants(precision, p_bits=0):
     would miss most of the near-ties the amplifier creates and shift some maxima by too little."""
     unit = LOG2E if precision == "fa2" else 1.0
     lo = SHIFT_LO * widening(p_bits)
-    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, (SHIFT_HI - lo) * unit)
+    span = (SHIFT_HI - lo) * unit
+    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, span, reciprocal_up(span))
+
+
+def reciprocal_up(span):
+    """The float64 nearest to 1 / span from above, for span as the kernel holds it (rounded to float32): _fold's
+    quotient d * inv is then never below d / span."""
+    span = struct.unpack("f", struct.pack("f", span))[0]
+    inv = 1.0 / span
+    return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
 
 
 @triton.jit
-def _shifted_max(s, t, SHIFT: tl.constexpr):
-    """Row max to subtract from this tile's scores s (r = rowmax(s), t = the raw row max of the earlier
-    tiles), in the units of s; returns it and the new raw row max max(t, r).
+def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
+    """Row max to subtract from this tile's scores s * scale (r = rowmax(s * scale), t = the raw row max of the
+    earlier tiles), in the units of s * scale; returns it and the new raw row max max(t, r). scale > 0: the
+    top-2 below is taken on s and scaled after, the same numbers (rounding is monotone), one multiply per row
+    instead of one per score.
 
     Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
     for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
@@ -178,19 +191,59 @@ def _shifted_max(s, t, SHIFT: tl.constexpr):
     per tile, and at head_dim 64 7-8 fewer registers: results/speed/backward_onepass.md).
     """
     tl.static_assert(SHIFT.beta > 1.0)            # beta * r moves a positive max up: exact for any beta > 1
+    tl.static_assert(SHIFT.beta <= 2.0)           # d <= |r|, which _fold's exactness needs
     tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
     r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
+    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
     across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
     tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
-    d = tl.where(r > 0, (SHIFT.beta - 1.0) * r, -r)
-    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, SHIFT.lo + d % SHIFT.span)
-    return tl.where(tied, r + d, r), tl.maximum(t, r)
+    if SHIFT.beta == 2.0:
+        # (beta - 1) r = r for r > 0 and -r below, i.e. |r|, which costs no instruction (an operand's modifier);
+        # at r = +0 it is +0 where -r is -0, and both fold to lo + 0 = lo
+        d = tl.abs(r)
+    else:
+        d = tl.where(r > 0, (SHIFT.beta - 1.0) * r, -r)
+    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
+    return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
 
 
 @triton.jit
 def _top2(a1, a2, b1, b2):
-    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice."""
-    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
+    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice.
+
+    The second's two maxima propagate NaN (there is none: masked scores are -inf), which makes -inf their
+    identity, so the compiler drops max(x, -inf) where a score enters with second -inf: 3 instructions per score
+    instead of 4. (The NaN-ignoring max cannot drop it: max(NaN, -inf) is -inf there, not NaN.) The second is
+    only compared, so the sign of a zero, where the two maxima may differ, does not matter either."""
+    ALL: tl.constexpr = tl.PropagateNan.ALL
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
+
+
+@triton.jit
+def _fold(d, SHIFT: tl.constexpr):
+    """lo + fmod(d, span) for 0 <= d <= |r|, the fold of _shifted_max, without a division: n = floor(d * inv)
+    and d - n * span, in float64. The same bits as fmod's wherever they can matter:
+
+    - d < 2^27 span: exactly fmod. inv >= 1 / span (reciprocal_up), and rounding is monotone, so the computed
+      quotient is >= d / span, and <= (d / span)(1 + 2^-51). The quotient of two float32 values lies at least
+      2^-24 min(1, d / span) below the next integer (write both as 24-bit integers times powers of two), more
+      than 2^-51 d / span there, so its floor n is floor(d / span) exactly. n < 2^27 and span has 24 bits, so
+      n * span is exact in float64, and so is d - n * span: fmod's result, which float32 holds exactly.
+    - d >= 2^27 span (>= 2^32, as span >= 32; so |r| >= 2^32): n may be one too large and the product
+      inexact; the fold is then below hi + 2^-49 |r| in size, and fmod's below hi: both less than half
+      float32's spacing on either side of r, at least max(2^8, 2^-24 |r|) there, so r + d rounds to r with
+      either.
+    - d = inf (r = +inf): NaN, as fmod.
+    Exhaustively, for every float32 d below 2^27 span and the spans of both precisions and every amplifier:
+    n = floor(d / span) and d - n * span = fmod(d, span). On sm_90 this is 2 conversions, a multiply, a floor and
+    an fma; d % span is an IEEE division (reciprocal, its refinement, a check and a call to the slow path).
+    """
+    tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
+    tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
+    d64 = d.to(tl.float64)
+    n = tl.floor(d64 * tl.full([], SHIFT.inv, tl.float64))
+    rem = d64 - n * tl.full([], SHIFT.span, tl.float32).to(tl.float64)   # span as the float32 fmod reads
+    return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
 
 
 def output_and_delta_o(o32, dtype, stochastic, delta):
@@ -256,8 +309,15 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         else:
             kT = tl.load(kT_ptrs)
             v = tl.load(v_ptrs)
-        # S = Q_i K_j^T * scale
-        s = _scores(q, kT, qk_scale, PAPER)
+        # S = Q_i K_j^T * scale. In "fa2" the row max is taken before the scale, as rowmax(Q K^T) * scale: the
+        # scale (> 0) rounds monotonically, so that is rowmax(S) exactly, and S itself is then only read by
+        # exp2(S - m'), which the compiler fuses into one fma per score (a multiply per score less).
+        if PAPER:
+            s = _scores(q, kT, qk_scale, PAPER)
+            scale = 1.0
+        else:
+            s = tl.dot(q, kT)
+            scale = qk_scale
         if MASKED:
             valid = cols[None, :] < N
             if CAUSAL:
@@ -265,9 +325,10 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
             s = tl.where(valid, s, float("-inf"))
         # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
         if SHIFT is None:
-            r = tl.max(s, 1)
+            r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
         else:
-            r, t_i = _shifted_max(s, t_i, SHIFT)
+            r, t_i = _shifted_max(s, scale, t_i, SHIFT)
+        s = s * scale                                                                 # ROUND: S's scale
         if PAPER:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'

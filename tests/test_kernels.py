@@ -555,7 +555,7 @@ def test_fix_shift_stays_in_range_and_value_dependent():
 def _shifted_max_kernel(S, T, M, T_NEW, BLOCK: tl.constexpr, COLS: tl.constexpr, SHIFT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.load(S + rows[:, None] * COLS + tl.arange(0, COLS)[None, :])
-    m, t_new = kernels._shifted_max(s, tl.load(T + rows), SHIFT)
+    m, t_new = kernels._shifted_max(s, 1.0, tl.load(T + rows), SHIFT)
     tl.store(M + rows, m)
     tl.store(T_NEW + rows, t_new)
 
@@ -591,6 +591,45 @@ def test_shifted_max_equals_emulation_on_adversarial_rows(precision):
     m_want, t_want = emulate.shifted_max(S, r, T, shift)
     assert torch.equal(m.view(torch.int32), m_want.view(torch.int32)) and torch.equal(t_new, t_want)
     assert (m > r).sum() > len(S) // 10                                          # many rows were shifted
+
+
+@triton.jit
+def _fold_kernel(D, OUT, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + offs, kernels._fold(tl.load(D + offs), SHIFT))
+
+
+@requires_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in fmod")   # d = inf, as in the kernel
+@pytest.mark.parametrize("precision, p_bits", [("fa2", 0), ("paper", 0), ("fa2", 1), ("paper", 3)])
+def test_fold_without_division_is_fmod(precision, p_bits):
+    """_fold (lo + fmod(d, span) by a float64 floor, no division) against the emulation's lo + torch.fmod, bit for
+    bit below 2^27 spans: at the multiples of span and the float32 values next to them, where the quotient is
+    closest to an integer, and log-uniformly from 2^-40 to 2^40. Above, where the float64 quotient may be off by
+    one, r + fold still rounds to what fmod's fold gives, for r = d and r = -d (beta 2)."""
+    shift = kernels.fix_constants(precision, p_bits)
+    span = torch.tensor(shift.span, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    k = torch.cat([torch.arange(1.0, 2049), 2.0 ** torch.arange(11, 28), torch.randint(1, 2 ** 27, (4000,),
+                                                                                      generator=g).double()])
+    multiples = (k.double() * span.double()).float()                   # k span, rounded to float32 when inexact
+    near = torch.cat([multiples.view(torch.int32) + i for i in range(-3, 4)]).view(torch.float32)
+    spread = 2.0 ** (torch.rand(20000, generator=g, dtype=torch.float64) * 80 - 40)
+    edges = torch.tensor([0.0, -0.0, 1e-45, shift.lo, shift.hi, shift.span, 2 * shift.span, 2.0 ** 27 * shift.span])
+    d = torch.cat([near, spread.float(), edges, edges.view(torch.int32).add(1).view(torch.float32)]).abs()
+    exact = d < 2.0 ** 27 * span
+    huge = 2.0 ** torch.linspace(35, 127.9, 4000, dtype=torch.float64)
+    d = torch.cat([d[exact], huge.float(), (huge * 1.0001).float()])
+    d = torch.cat([d, torch.full((-len(d) % 1024,), math.inf)])       # d = inf at the end: NaN, as fmod
+    out = torch.empty_like(d)
+    _fold_kernel[(len(d) // 1024,)](d, out, BLOCK=1024, SHIFT=shift)
+    want = shift.lo + torch.fmod(d, shift.span)
+    n, beyond = int(exact.sum()), (d >= 2.0 ** 27 * span) & (d < math.inf)
+    assert torch.equal(out[:n].view(torch.int32), want[:n].view(torch.int32))
+    assert beyond[n:].sum() == 2 * len(huge) and (out[beyond] != want[beyond]).any()   # the fold does differ
+    for r in (d[beyond], -d[beyond]):                                 # but r + fold, its only use, does not
+        assert torch.equal(r + out[beyond], r + want[beyond])
+    assert out[d == math.inf].isnan().all() and want[d == math.inf].isnan().all()
 
 
 # -------------------------------------------------------------------------------------------------------
