@@ -166,11 +166,9 @@ def reciprocal_up(span):
 
 
 @triton.jit
-def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
-    """Row max to subtract from this tile's scores s * scale (r = rowmax(s * scale), t = the raw row max of the
-    earlier tiles), in the units of s * scale; returns it and the new raw row max max(t, r). scale > 0: the
-    top-2 below is taken on s and scaled after, the same numbers (rounding is monotone), one multiply per row
-    instead of one per score.
+def _shifted_max(s, t, SHIFT: tl.constexpr):
+    """Row max to subtract from this tile's scores s (r = rowmax(s), t = the raw row max of the earlier
+    tiles), in the units of s; returns it and the new raw row max max(t, r).
 
     Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
     for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
@@ -194,7 +192,6 @@ def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
     tl.static_assert(SHIFT.beta <= 2.0)           # d <= |r|, which _fold's exactness needs
     tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
     r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
-    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
     across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
     tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
     if SHIFT.beta == 2.0:
@@ -309,15 +306,8 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         else:
             kT = tl.load(kT_ptrs)
             v = tl.load(v_ptrs)
-        # S = Q_i K_j^T * scale. In "fa2" the row max is taken before the scale, as rowmax(Q K^T) * scale: the
-        # scale (> 0) rounds monotonically, so that is rowmax(S) exactly, and S itself is then only read by
-        # exp2(S - m'), which the compiler fuses into one fma per score (a multiply per score less).
-        if PAPER:
-            s = _scores(q, kT, qk_scale, PAPER)
-            scale = 1.0
-        else:
-            s = tl.dot(q, kT)
-            scale = qk_scale
+        # S = Q_i K_j^T * scale
+        s = _scores(q, kT, qk_scale, PAPER)
         if MASKED:
             valid = cols[None, :] < N
             if CAUSAL:
@@ -325,10 +315,9 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
             s = tl.where(valid, s, float("-inf"))
         # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
         if SHIFT is None:
-            r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
+            r = tl.max(s, 1)
         else:
-            r, t_i = _shifted_max(s, scale, t_i, SHIFT)
-        s = s * scale                                                                 # ROUND: S's scale
+            r, t_i = _shifted_max(s, t_i, SHIFT)
         if PAPER:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'

@@ -555,7 +555,7 @@ def test_fix_shift_stays_in_range_and_value_dependent():
 def _shifted_max_kernel(S, T, M, T_NEW, BLOCK: tl.constexpr, COLS: tl.constexpr, SHIFT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.load(S + rows[:, None] * COLS + tl.arange(0, COLS)[None, :])
-    m, t_new = kernels._shifted_max(s, 1.0, tl.load(T + rows), SHIFT)
+    m, t_new = kernels._shifted_max(s, tl.load(T + rows), SHIFT)
     tl.store(M + rows, m)
     tl.store(T_NEW + rows, t_new)
 
