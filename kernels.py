@@ -617,10 +617,12 @@ BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
 SHORT_SEQ = 512
 # The one-pass backward's dQ: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory
-# (a candidate, compiled for sm_90 in results/speed/backward_tma_dq.md, not yet timed against the atomics).
-# The same shares summed in fp32 either way, so the same bits wherever they land in the same order (the
-# interpreter's: nanolp/interp_patch.py runs the TMA reduction as atomics).
-DQ_TMA = False
+# (FlashAttention-3's way; results/speed/backward_tma_dq.md); None, TMA where the GPU has it (sm_90 and
+# later). On the H200 TMA took the one-pass backward from 8.88 to 7.64 ms at head_dim 64, seq 16k, and from
+# 7.78 to 7.31 at 128 (results/speed/backward_variants.md). The same shares summed in fp32 either way, so the
+# same bits wherever they land in the same order (the interpreter's: nanolp/interp_patch.py runs the TMA
+# reduction as atomics).
+DQ_TMA = None
 if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
 
@@ -757,11 +759,19 @@ def _bwd_launch(q, k, v, o, causal, precision, deterministic=True):
     return grids, strides, meta
 
 
-def dq_sum_target(dq_sum, block_m):
+def dq_by_tma(device):
+    """Whether the one-pass backward adds dQ by TMA reductions on this device: DQ_TMA, or where that is None
+    whether the GPU has TMA (compute capability 9.0 and later)."""
+    if DQ_TMA is not None:
+        return DQ_TMA
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def dq_sum_target(dq_sum, block_m, tma):
     """What the one-pass dK/dV kernel adds dQ's shares into: the fp32 buffer itself (atomics), or with
-    DQ_TMA a host-side TMA descriptor of it in query tiles of block_m rows (the GPU's launcher encodes it;
+    tma a host-side TMA descriptor of it in query tiles of block_m rows (the GPU's launcher encodes it;
     it needs a 16-byte aligned buffer whose strides but the last are multiples of 16 bytes: O's, in fp32)."""
-    if not DQ_TMA:
+    if not tma:
         return dq_sum
     return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
 
@@ -786,7 +796,7 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """deterministic: dK/dV and dQ in two passes (7 matrix products per tile pair); else in one, dQ summed
-    with atomics (5 products; dQ's last bits depend on the order the GPU runs the programs in)."""
+    with atomics or TMA reductions (DQ_TMA; 5 products; dQ's last bits depend on the order the GPU runs the programs in)."""
     if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
         do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
     (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic)
@@ -798,8 +808,9 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
     else:
         dq_sum = torch.zeros_like(o, dtype=torch.float32)                  # the atomics' buffer, O's strides
-        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum_target(dq_sum, meta["BLOCK_M"]), *strides, sm_scale,
-                                  ONE_PASS=True, DQ_TMA=DQ_TMA, **meta)
+        tma = dq_by_tma(o.device)
+        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum_target(dq_sum, meta["BLOCK_M"], tma), *strides, sm_scale,
+                                  ONE_PASS=True, DQ_TMA=tma, **meta)
         _bwd_dq_cast_kernel[per_query](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
                                        HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
     return dq, dk, dv

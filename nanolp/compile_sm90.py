@@ -67,11 +67,12 @@ def record_launches():
         if D == 64:
             backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic, False) for precision, from_p,
                          deterministic in itertools.product(("fa2", "paper"), (False, True), (True, False))]
+        saved = kernels.DQ_TMA
         for N, precision, from_p, deterministic, tma in backward:
             kernels.DQ_TMA = tma
             q = k = v = o = torch.zeros(1, 2, N, D, dtype=torch.bfloat16)
             kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p, deterministic)
-    kernels.DQ_TMA = False
+        kernels.DQ_TMA = saved
     return launches
 
 

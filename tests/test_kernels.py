@@ -205,6 +205,21 @@ def dq_tma(request, monkeypatch):
     return request.param
 
 
+def test_dq_by_tma_where_the_gpu_has_it(monkeypatch):
+    """By default (DQ_TMA None) the one-pass backward adds dQ by TMA only on a GPU of compute capability 9.0
+    or later, by atomics elsewhere (the CPU here, older GPUs); a set DQ_TMA holds on any device."""
+    monkeypatch.setattr(kernels, "DQ_TMA", None)
+    assert kernels.dq_by_tma(torch.device("cpu")) is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert kernels.dq_by_tma(torch.device("cuda", 0)) is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert kernels.dq_by_tma(torch.device("cuda", 0)) is True
+    for setting in (False, True):
+        monkeypatch.setattr(kernels, "DQ_TMA", setting)
+        assert kernels.dq_by_tma(torch.device("cuda", 0)) is setting
+        assert kernels.dq_by_tma(torch.device("cpu")) is setting
+
+
 @requires_interpreter
 @pytest.mark.parametrize("shape", [(1, 2, 130, 64), (2, 1, 77, 32)])
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
@@ -278,8 +293,8 @@ def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision, dq_t
     (_, per_key), strides, meta = kernels._bwd_launch(q, k, v, o, causal, precision, deterministic=False)
     args = (q, k, v, do, lse, kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, False))
     dq_sum, dk, dv = torch.zeros_like(o, dtype=torch.float32), torch.empty_like(o), torch.empty_like(o)
-    kernels._bwd_dkdv_kernel[per_key](*args, dk, dv, kernels.dq_sum_target(dq_sum, meta["BLOCK_M"]), *strides,
-                                      1.0, ONE_PASS=True, DQ_TMA=dq_tma, **meta)
+    target = kernels.dq_sum_target(dq_sum, meta["BLOCK_M"], dq_tma)
+    kernels._bwd_dkdv_kernel[per_key](*args, dk, dv, target, *strides, 1.0, ONE_PASS=True, DQ_TMA=dq_tma, **meta)
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, causal, precision)
     delta = emulate.delta(q, k, v, o, lse, do, causal, precision)
     dS = emulate._round(P * (dP - delta.unsqueeze(-1)), q.dtype)
