@@ -188,18 +188,14 @@ def _shifted_max(s, t, SHIFT: tl.constexpr):
     the scores within tol took a compare per score and a sum after the max (on sm_90 ~12 fewer instructions
     per tile, and at head_dim 64 7-8 fewer registers: results/speed/backward_onepass.md).
     """
-    tl.static_assert(SHIFT.beta > 1.0)            # beta * r moves a positive max up: exact for any beta > 1
-    tl.static_assert(SHIFT.beta <= 2.0)           # d <= |r|, which _fold's exactness needs
+    tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
     tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
     r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
     across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
     tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
-    if SHIFT.beta == 2.0:
-        # (beta - 1) r = r for r > 0 and -r below, i.e. |r|, which costs no instruction (an operand's modifier);
-        # at r = +0 it is +0 where -r is -0, and both fold to lo + 0 = lo
-        d = tl.abs(r)
-    else:
-        d = tl.where(r > 0, (SHIFT.beta - 1.0) * r, -r)
+    # (beta - 1) r = r for r > 0 and -r below, i.e. |r|, which costs no instruction (an operand's modifier);
+    # at r = +0 it is +0 where -r is -0, and both fold to lo + 0 = lo
+    d = tl.abs(r)
     d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
     return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
 
