@@ -612,6 +612,13 @@ FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4
 BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
 SHORT_SEQ = 512
+# Every launch compiles without floating-point contraction (Triton's enable_fp_fusion=False, ptxas --fmad=false):
+# each multiply and each add rounds on its own, where the ROUND comments and nanolp/emulate.py say. With it
+# ptxas fused the scale into exp2's argument in the forward's tiles left of the diagonal, FFMA(Q K^T, scale,
+# -m'), one rounding where the code has two, so the max's P was 2^residue there, not exactly 1 (~4% off at
+# logits of 1e6); the CPU interpreter, which never fuses, could not see it. Costs 2 instructions per thread per
+# key tile, l's update (results/speed/sass.md).
+UNFUSED = dict(enable_fp_fusion=False)
 # The one-pass backward's dQ: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory
 # (FlashAttention-3's way; results/speed/backward_tma_dq.md); None, TMA where the GPU has it (sm_90 and
 # later). On the H200 TMA took the one-pass backward from 8.88 to 7.64 ms at head_dim 64, seq 16k, and from
@@ -723,7 +730,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
         PAPER=precision == "paper", SHIFT=fix_constants(precision, p_bits) if shift else None,
-        P_BITS=p_bits, O_BITS=o_bits, num_warps=warps, num_stages=stages)
+        P_BITS=p_bits, O_BITS=o_bits, num_warps=warps, num_stages=stages, **UNFUSED)
     if not fp32_o:
         return o, lse, o.new_empty(0)
     o, o_delta = output_and_delta_o(o, q.dtype, stochastic, delta)
@@ -751,7 +758,7 @@ def _bwd_launch(q, k, v, o, causal, precision, deterministic=True):
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
                qk_scale(D, precision))
     meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PAPER=precision == "paper",
-                num_warps=warps, num_stages=stages)
+                num_warps=warps, num_stages=stages, **UNFUSED)
     return grids, strides, meta
 
 
@@ -783,7 +790,7 @@ def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p):
         _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
     else:
         _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
-                                     BLOCK_M=meta["BLOCK_M"])
+                                     BLOCK_M=meta["BLOCK_M"], **UNFUSED)
     return delta
 
 
@@ -808,7 +815,7 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum_target(dq_sum, meta["BLOCK_M"], tma), *strides, sm_scale,
                                   ONE_PASS=True, DQ_TMA=tma, **meta)
         _bwd_dq_cast_kernel[per_query](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
-                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"])
+                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"], **UNFUSED)
     return dq, dk, dv
 
 

@@ -12,10 +12,12 @@ other pipelining. At head_dim 64 the forward in every combination of causal, shi
 (causal only with an amplifier) and the backward in both precisions with delta from O and from P; at every
 head_dim the plain forward and backward, the backward at a short and a long (pipelined) sequence, each backward
 in two passes (deterministic) and in one (dQ through atomics, and through TMA reductions: kernels.DQ_TMA).
+Each must compile without a fused multiply-add (kernels.UNFUSED), which the interpreter would never show.
 Compilation only: the numbers are the GPU tests' job.
 """
 import itertools
 import os
+import re
 import sys
 
 import torch
@@ -99,9 +101,12 @@ def main():
         if key in compiled:
             continue
         try:
-            triton.compile(source, target=TARGET, options=options)
+            ptx = triton.compile(source, target=TARGET, options=options).asm["ptx"]
         except Exception as error:
             sys.exit(f"{kernel.fn.__name__} {source.constants} {meta}: does not compile for sm_90:\n{error}")
+        if re.search(r"\bfma\.rn\.f(32|64)\b", ptx):    # (ptxas fuses nothing either: the same option)
+            sys.exit(f"{kernel.fn.__name__} {source.constants} {meta}: a fused multiply-add in its PTX, one rounding "
+                     "where the code has two: launch it with kernels.UNFUSED")
         compiled.add(key)
     print(f"{len(compiled)} kernel specializations compile for sm_90 (triton {triton.__version__})")
 

@@ -412,8 +412,10 @@ def test_runaway_logits_stay_finite_and_exact(logit):
     Tied rows are finite but not exact there, so they are checked for finiteness only: lse = m + log2(l) is fp32,
     whose spacing passes 1 at 2^24 (logits ~1.2e7), so at 1e9 a tie's log2(2) is lost and the backward recomputes
     P = 1 for both keys instead of 1/2 (their dV 1.8-2.0x the exact one at 1e8 and 1e9, exact at 1e6 and 1e7); and
-    with the fix P_max < 1 is rounded to bf16, so O carries that rounding (~2^-9) where P = 1 would carry none."""
-    q, k, v = (rand((1, 2, 128, 64), seed=40 + i) for i in range(3))
+    with the fix P_max < 1 is rounded to bf16, so O carries that rounding (~2^-9) where P = 1 would carry none.
+    256 keys: on a GPU (128-row forward programs) rows past 128 find their top key in tiles left of the
+    diagonal, the loop without masks, where a fused multiply-add had made P_max 2^residue (kernels.UNFUSED)."""
+    q, k, v = (rand((1, 2, 256, 64), seed=40 + i) for i in range(3))
     q = (q.float() * (logit / (q.float() @ k.float().transpose(-1, -2) / 8).amax())).to(torch.bfloat16)
     tied_k, tied_v = k.clone(), v.clone()
     tied_k[:, :, 9], tied_v[:, :, 9] = k[:, :, 5], v[:, :, 5]  # rows >= 9 that pick key 5 see it twice
