@@ -30,8 +30,8 @@ dtype right before P V, O rounded once at the end; it works in log2 units (exp2,
 qk_scale = scale * log2(e)), the cheapest form on a GPU. "paper" reproduces the rounding points of the
 paper's PyTorch implementation run under bf16 autocast: S rounded (after Q K^T and again after the scale),
 S - m, P, rowsum(P), P V, m, l and acc each rounded to the input dtype, natural units. Every rounding point
-below is marked "ROUND". nanolp/emulate.py computes exactly the same thing in PyTorch. The precision mode and
-the other experiments on these numerics are the fields of Numerics.
+below is marked "ROUND", and the compiler adds none (UNFUSED). nanolp/emulate.py computes exactly the same thing
+in PyTorch. The precision mode and the other experiments on these numerics are the fields of Numerics.
 """
 import math
 import os
