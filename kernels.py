@@ -616,8 +616,8 @@ SHORT_SEQ = 512
 # each multiply and each add rounds on its own, where the ROUND comments and nanolp/emulate.py say. With it
 # ptxas fused the scale into exp2's argument in the forward's tiles left of the diagonal, FFMA(Q K^T, scale,
 # -m'), one rounding where the code has two, so the max's P was 2^residue there, not exactly 1 (~4% off at
-# logits of 1e6); the CPU interpreter, which never fuses, could not see it. Costs 2 instructions per thread per
-# key tile, l's update (results/speed/sass.md).
+# logits of 1e6); the CPU interpreter, which never fuses, could not see it. Costs the forward's loop 1 to 4
+# instructions per thread per key tile, l's update (results/speed/sass.md).
 UNFUSED = dict(enable_fp_fusion=False)
 # The one-pass backward's dQ: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory
 # (FlashAttention-3's way; results/speed/backward_tma_dq.md); None, TMA where the GPU has it (sm_90 and
