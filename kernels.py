@@ -30,7 +30,9 @@ dtype right before P V, O rounded once at the end; it works in log2 units (exp2,
 qk_scale = scale * log2(e)), the cheapest form on a GPU. "paper" reproduces the rounding points of the
 paper's PyTorch implementation run under bf16 autocast: S rounded (after Q K^T and again after the scale),
 S - m, P, rowsum(P), P V, m, l and acc each rounded to the input dtype, natural units. Every rounding point
-below is marked "ROUND", and the compiler adds none (UNFUSED). nanolp/emulate.py computes exactly the same thing
+below is marked "ROUND", and the compiler adds none (UNFUSED). The exponent S * scale - m is one fused
+multiply-add, as FlashAttention-2 ships it, or (Numerics.exponent="torch") rounded twice, as PyTorch builds it;
+at runaway logits the two differ (_exp2). nanolp/emulate.py computes exactly the same thing
 in PyTorch. The precision mode and the other experiments on these numerics are the fields of Numerics.
 """
 import math
@@ -80,6 +82,9 @@ class Numerics:
                                 0, range(7))
     amplify: str = option("what mantissa_bits rounds: P before P V, or V and O (amplifies the tie bias)",
                           "p", ("p", "vo"))
+    exponent: str = option("softmax's exponent S * scale - m: fma, one fused multiply-add (FlashAttention-2 as "
+                           "its authors ship it); torch, S * scale rounded first (PyTorch's build of FA2)",
+                           "fma", ("fma", "torch"))
 
     def __post_init__(self):
         for f in fields(self):
@@ -91,6 +96,9 @@ class Numerics:
         if self.amplify != "p" and self.mantissa_bits == 0:
             raise ValueError(f"amplify={self.amplify!r} says what mantissa_bits rounds: "
                              "give mantissa_bits 1-6")
+        if self.exponent != "fma" and self.precision == "paper":
+            raise ValueError('exponent="torch" is a form of the "fa2" exponent; precision="paper" rounds S on its '
+                             "own (in natural units): choose one")
         if len(self._delta_options()) > 1:
             names = " and ".join(name for name, _ in self._delta_options())
             raise ValueError(f"{names} are different ways of computing delta: choose one")
@@ -107,6 +115,11 @@ class Numerics:
         final cast; "P", rowsum(dP * P) instead; "stochastic O", an independent stochastic rounding of the
         fp32 O."""
         return ([reads for _, reads in self._delta_options()] or ["O"])[0]
+
+    @property
+    def fma(self):
+        """Whether the exponent is one fused multiply-add (kernels._exp2)."""
+        return self.exponent == "fma"
 
     @property
     def p_bits(self):
@@ -166,9 +179,10 @@ def reciprocal_up(span):
 
 
 @triton.jit
-def _shifted_max(s, t, SHIFT: tl.constexpr):
-    """Row max to subtract from this tile's scores s (r = rowmax(s), t = the raw row max of the earlier
-    tiles), in the units of s; returns it and the new raw row max max(t, r).
+def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
+    """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
+    earlier tiles), in the units of s * scale; returns it and the new raw row max max(t, r). The top-2 is taken
+    on s and scaled after: scale > 0 rounds monotonically, so that is the top-2 of s * scale exactly.
 
     Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
     for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
@@ -191,6 +205,7 @@ def _shifted_max(s, t, SHIFT: tl.constexpr):
     tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
     tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
     r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
+    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
     across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
     tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
     # (beta - 1) r = r for r > 0 and -r below, i.e. |r|, which costs no instruction (an operand's modifier);
@@ -260,13 +275,30 @@ def output_and_delta_o(o32, dtype, stochastic, delta):
 
 @triton.jit
 def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
+    """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
+    "paper" scaled and rounded as the paper's PyTorch code does."""
     s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
     if PAPER:
         s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
         s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
-    else:
-        s = s * qk_scale                                         # fp32, log2 units
     return s
+
+
+@triton.jit
+def _exp2(s, qk_scale, m, FMA: tl.constexpr):
+    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
+
+    FMA: S * scale - m as one fused multiply-add, rounded once, as FlashAttention-2 computes it (its softmax.h:
+    exp2f(x * scale - max_scaled), "so that the compiler can use a single FFMA"; FA3 and FlashMLA keep it). At a
+    row's max, m is S * scale rounded, so the fma returns the product's rounding residue and P_max = 2^residue,
+    not 1: |residue| <= half an ulp of m, 2^-17 at logits ~10 (nothing), ~4% at 1e6, up to 2^64 at 1e9.
+    Otherwise (exponent="torch", as PyTorch builds FA2 with UNFUSE_FMA): S * scale rounded, then m subtracted,
+    each rounded on its own (the kernels compile without contraction, UNFUSED): P_max is exactly 1."""
+    if FMA:
+        x = tl.fma(s, qk_scale, -m)                              # ROUND: once
+    else:
+        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
+    return tl.math.exp2(x)
 
 
 @triton.jit
@@ -289,7 +321,7 @@ def _round_bits(x, BITS: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
-               SHIFT: tl.constexpr, P_BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+               SHIFT: tl.constexpr, P_BITS: tl.constexpr, FMA: tl.constexpr, BLOCK_N: tl.constexpr):
     """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
     causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
     for start_n in range(start, stop, BLOCK_N):
@@ -302,8 +334,13 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         else:
             kT = tl.load(kT_ptrs)
             v = tl.load(v_ptrs)
-        # S = Q_i K_j^T * scale
+        # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max here and per
+        # score inside the exponent (_exp2); rounding is monotone, so rowmax(s) * scale is rowmax(S) exactly
         s = _scores(q, kT, qk_scale, PAPER)
+        if PAPER:
+            scale = 1.0
+        else:
+            scale = qk_scale
         if MASKED:
             valid = cols[None, :] < N
             if CAUSAL:
@@ -311,9 +348,9 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
             s = tl.where(valid, s, float("-inf"))
         # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
         if SHIFT is None:
-            r = tl.max(s, 1)
+            r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
         else:
-            r, t_i = _shifted_max(s, t_i, SHIFT)
+            r, t_i = _shifted_max(s, scale, t_i, SHIFT)
         if PAPER:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
@@ -331,7 +368,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         else:
             m_new = tl.maximum(m_i, r)
             alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])
+            p = _exp2(s, qk_scale, m_new[:, None], FMA)
             # l = exp(m - m') l + rowsum(P), from the unrounded P
             l_i = l_i * alpha + tl.sum(p, 1)
             # acc = exp(m - m') acc + P V_j
@@ -346,7 +383,8 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr):
+                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
+                FMA: tl.constexpr):
     # One program per (query tile, batch * head); its pointers, offset once to its batch and head.
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
@@ -379,10 +417,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
         stop = N
     acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
                                     offs_m, offs_n, offs_d, N, qk_scale,
-                                    False, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
+                                    False, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
     acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
                                     offs_m, offs_n, offs_d, N, qk_scale,
-                                    True, CAUSAL, PAPER, SHIFT, P_BITS, BLOCK_N)
+                                    True, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
     # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
     # (log2 units in "fa2").
     o = _round_bits(acc / l_i[:, None], O_BITS)
@@ -432,8 +470,9 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_
 
 
 @triton.jit
-def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr):
-    """P = exp(S - lse) for a (query tile, key tile) pair, S rounded exactly as in the forward, in either
+def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
+               FMA: tl.constexpr):
+    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
     orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
     and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
     s = _scores(a, bT, qk_scale, PAPER)
@@ -443,7 +482,7 @@ def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, PAP
     s = tl.where(valid, s, float("-inf"))
     if PAPER:
         return tl.exp(s - lse)
-    return tl.math.exp2(s - lse)
+    return _exp2(s, qk_scale, lse, FMA)
 
 
 @triton.jit
@@ -451,7 +490,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, ONE_PASS: tl.constexpr,
+                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, ONE_PASS: tl.constexpr,
                      DQ_TMA: tl.constexpr = False):
     # One program per (key tile, batch * head), looping over the query tiles; its pointers, offset once. With
     # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
@@ -494,7 +533,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
         delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
         # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
-        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, PAPER)
+        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, PAPER, FMA)
         # dV += P^T dO
         dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
         # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
@@ -539,7 +578,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, PAPER: tl.constexpr, DELTA_FROM_P: tl.constexpr):
+                   CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
     # One program per (query tile, batch * head), looping over the keys; its pointers, offset once. With
     # DELTA_FROM_P the same pass is the paper's control instead: it accumulates delta = rowsum(dP * P) (over
     # rowsum(P) in "paper") and stores it (O is never read); run before dK/dV and dQ.
@@ -569,7 +608,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         cols = start_n + tl.arange(0, BLOCK_N)
         kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
         vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
-        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, PAPER)
+        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, PAPER, FMA)
         dp = tl.dot(do, vT)
         if DELTA_FROM_P:
             delta += tl.sum(p * dp, 1)
@@ -613,11 +652,12 @@ BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
 SHORT_SEQ = 512
 # Every launch compiles without floating-point contraction (Triton's enable_fp_fusion=False, ptxas --fmad=false):
-# each multiply and each add rounds on its own, where the ROUND comments and nanolp/emulate.py say. With it
-# ptxas fused the scale into exp2's argument in the forward's tiles left of the diagonal, FFMA(Q K^T, scale,
-# -m'), one rounding where the code has two, so the max's P was 2^residue there, not exactly 1 (~4% off at
-# logits of 1e6); the CPU interpreter, which never fuses, could not see it. Costs the forward's loop 1 to 4
-# instructions per thread per key tile, l's update (results/speed/sass.md).
+# each multiply and each add rounds on its own, where the ROUND comments and nanolp/emulate.py say, and the only
+# fused multiply-add is the one the code asks for (tl.fma in _exp2). Left to itself ptxas fused the exponent in
+# some tiles and not in others (the forward's tiles left of the diagonal only: there nothing stood between the
+# scale and the subtraction), one form here and another there, which the CPU interpreter, never fusing, could
+# not see. Costs the forward's loop 1 to 4 instructions per thread per key tile, l's update
+# (results/speed/sass.md).
 UNFUSED = dict(enable_fp_fusion=False)
 # The one-pass backward's dQ: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory
 # (FlashAttention-3's way; results/speed/backward_tma_dq.md); None, TMA where the GPU has it (sm_90 and
@@ -713,12 +753,13 @@ def stochastic_round(x, generator=None):
 # The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
 # from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
 # and stochastic: O stochastically rounded in the forward), then deterministic, which only the backward reads
-# (the forward op takes it so that its autograd context can hand it on).
+# (the forward op takes it so that its autograd context can hand it on), and fma: the exponent's form
+# (Numerics.exponent "fma"; both passes use it).
 
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
-               precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True,
+               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
     delta "P" is for the backward only (_setup_context)."""
     B, H, N, D = q.shape
@@ -730,7 +771,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
         PAPER=precision == "paper", SHIFT=fix_constants(precision, p_bits) if shift else None,
-        P_BITS=p_bits, O_BITS=o_bits, num_warps=warps, num_stages=stages, **UNFUSED)
+        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
     if not fp32_o:
         return o, lse, o.new_empty(0)
     o, o_delta = output_and_delta_o(o, q.dtype, stochastic, delta)
@@ -738,7 +779,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, deterministic=True):
+def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, deterministic=True, fma=True):
     o = empty_in_layout_of(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if delta in ("fp32 O", "stochastic O"):
@@ -746,7 +787,7 @@ def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, dete
     return o, lse, o.new_empty(0)
 
 
-def _bwd_launch(q, k, v, o, causal, precision, deterministic=True):
+def _bwd_launch(q, k, v, o, causal, precision, fma, deterministic=True):
     """What every backward kernel is launched with: the grids of programs per query tile (delta, dQ, dQ's
     cast) and per key tile (dK/dV), the strides (O's for dO, dQ, dK, dV too) and qk_scale, the
     meta-parameters (the one-pass backward's with deterministic=False)."""
@@ -757,7 +798,7 @@ def _bwd_launch(q, k, v, o, causal, precision, deterministic=True):
     grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
                qk_scale(D, precision))
-    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PAPER=precision == "paper",
+    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PAPER=precision == "paper", FMA=fma,
                 num_warps=warps, num_stages=stages, **UNFUSED)
     return grids, strides, meta
 
@@ -779,11 +820,11 @@ def dq_sum_target(dq_sum, block_m, tma):
     return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
 
 
-def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p):
+def _bwd_delta(do, q, k, v, o, lse, causal, precision, fma, from_p):
     """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
     not read O. Launched with the two-pass backward's tiles either way, so that both backwards read the same
     delta. do must be in O's layout."""
-    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision)
+    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma)
     delta = torch.empty_like(lse)
     if from_p:
         # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
@@ -796,14 +837,14 @@ def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p):
 
 @torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True,
+               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """deterministic: dK/dV and dQ in two passes (7 matrix products per tile pair); else in one, dQ summed
     with atomics or TMA reductions (DQ_TMA; 5 products; dQ's last bits depend on the order the GPU runs the programs in)."""
     if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
         do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
-    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic)
-    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p))
+    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma, deterministic)
+    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, fma, from_p))
     dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
     sm_scale = q.shape[-1] ** -0.5
     if deterministic:
@@ -820,22 +861,23 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, precision, from_p, deterministic=True):
+def _(do, q, k, v, o, lse, causal, precision, from_p, deterministic=True, fma=True):
     return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, _, delta, precision, _, _, _, *deterministic = inputs
+    q, k, v, causal, _, delta, precision, _, _, _, *rest = inputs
     o, lse, o_delta = output
     ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
     ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "P"
-    ctx.deterministic = deterministic[0] if deterministic else True
+    ctx.deterministic, ctx.fma = (*rest, True, True)[:2]   # (their defaults where the call left them out)
 
 
 def _backward(ctx, do, _dlse, _do_delta):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.deterministic)
-    return dq, dk, dv, *[None] * 8
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.deterministic,
+                            ctx.fma)
+    return dq, dk, dv, *[None] * 9
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -893,7 +935,7 @@ def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics(), determ
         raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
     v = amplified_v(v, numerics.o_bits)
     return _flash_fwd(q, k, v, causal, shift, delta, numerics.precision, numerics.p_bits, numerics.o_bits,
-                      numerics.stochastic_o == "forward", deterministic)[0]
+                      numerics.stochastic_o == "forward", deterministic, numerics.fma)[0]
 
 
 def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):
@@ -905,4 +947,4 @@ def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):
     with torch.no_grad():
         v = amplified_v(v, numerics.o_bits)
         return _flash_fwd(q, k, v, causal, shift, "fp32 O", numerics.precision, numerics.p_bits,
-                          numerics.o_bits, False)[2]
+                          numerics.o_bits, False, True, numerics.fma)[2]

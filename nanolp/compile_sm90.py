@@ -9,10 +9,12 @@ change would meet the compiler only on the next GPU run. The host functions (_fl
 CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled
 as the GPU's JIT specializes it (specialize): the code that runs, not a generic version with scalar loads and
 other pipelining. At head_dim 64 the forward in every combination of causal, shift, precision and amplifier
-(causal only with an amplifier) and the backward in both precisions with delta from O and from P; at every
-head_dim the plain forward and backward, the backward at a short and a long (pipelined) sequence, each backward
-in two passes (deterministic) and in one (dQ through atomics, and through TMA reductions: kernels.DQ_TMA).
-Each must compile without a fused multiply-add (kernels.UNFUSED), which the interpreter would never show.
+(causal only with an amplifier), both forms of the exponent (kernels._exp2), and the backward in both precisions
+with delta from O and from P and both exponents; at every head_dim the plain forward and backward, the backward
+at a short and a long (pipelined) sequence, each backward in two passes (deterministic) and in one (dQ through
+atomics, and through TMA reductions: kernels.DQ_TMA). Each must compile to the exponent it says, which the
+interpreter would never show: a kernel that computes "fa2"'s exponent as one fused multiply-add (FMA) has fma.rn in
+its PTX, and no other kernel has any (kernels.UNFUSED: the compiler contracts nothing itself).
 Compilation only: the numbers are the GPU tests' job.
 """
 import itertools
@@ -55,25 +57,27 @@ def record_launches():
         setattr(kernels, name, Recorder(getattr(kernels, name), launches))
     for D in (16, 32, 64, 128):
         q = k = v = torch.zeros(1, 2, kernels.SHORT_SEQ, D, dtype=torch.bfloat16)
-        forward = [(True, False, "fa2", (0, 0))]
-        if D == 64:  # every constexpr combination: the amplifiers (P_BITS, O_BITS) with causal masking only
-            amplifiers = ((0, 0), (3, 0), (0, 2))
-            forward = [(causal, shift, precision, bits) for causal, shift, precision, bits
-                       in itertools.product((True, False), (False, True), ("fa2", "paper"), amplifiers)
-                       if causal or bits == (0, 0)]
-        for causal, shift, precision, bits in forward:
-            kernels._flash_fwd(q, k, v, causal, shift, "O", precision, *bits, False)
+        forward = [(True, False, "fa2", (0, 0), True)]
+        if D == 64:  # every constexpr combination: the amplifiers (P_BITS, O_BITS) with causal masking only,
+            amplifiers = ((0, 0), (3, 0), (0, 2))   # the unfused exponent without them ("paper" has its own)
+            forward = [(causal, shift, precision, bits, fma) for causal, shift, precision, bits, fma
+                       in itertools.product((True, False), (False, True), ("fa2", "paper"), amplifiers, (True, False))
+                       if (causal or bits == (0, 0)) and (fma or (precision == "fa2" and bits == (0, 0)))]
+        for causal, shift, precision, bits, fma in forward:
+            kernels._flash_fwd(q, k, v, causal, shift, "O", precision, *bits, False, True, fma)
         # unpipelined, pipelined; two-pass (deterministic), one-pass with dQ by atomics and by TMA (DQ_TMA)
-        backward = [(N, "fa2", False, deterministic, tma) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
+        backward = [(N, "fa2", False, deterministic, tma, True) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
                     for deterministic, tma in ((True, False), (False, False), (False, True))]
         if D == 64:
-            backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic, False) for precision, from_p,
-                         deterministic in itertools.product(("fa2", "paper"), (False, True), (True, False))]
+            backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic, False, fma)
+                         for precision, from_p, deterministic, fma in itertools.product(
+                             ("fa2", "paper"), (False, True), (True, False), (True, False))
+                         if fma or precision == "fa2"]
         saved = kernels.DQ_TMA
-        for N, precision, from_p, deterministic, tma in backward:
+        for N, precision, from_p, deterministic, tma, fma in backward:
             kernels.DQ_TMA = tma
             q = k = v = o = torch.zeros(1, 2, N, D, dtype=torch.bfloat16)
-            kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p, deterministic)
+            kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p, deterministic, fma)
         kernels.DQ_TMA = saved
     return launches
 
@@ -93,6 +97,14 @@ def specialize(kernel, args, meta):
     return ASTSource(kernel, signature, constexprs, attrs), options.__dict__
 
 
+EXPONENT_KERNELS = ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")   # the kernels that call kernels._exp2
+
+
+def says_fma(kernel, meta):
+    """Whether the launch computes "fa2"'s exponent as a fused multiply-add (one fma.rn per score in its PTX)."""
+    return kernel.fn.__name__ in EXPONENT_KERNELS and bool(meta.get("FMA")) and not meta.get("PAPER")
+
+
 def main():
     compiled = set()
     for kernel, args, meta in record_launches():
@@ -104,9 +116,10 @@ def main():
             ptx = triton.compile(source, target=TARGET, options=options).asm["ptx"]
         except Exception as error:
             sys.exit(f"{kernel.fn.__name__} {source.constants} {meta}: does not compile for sm_90:\n{error}")
-        if re.search(r"\bfma\.rn\.f(32|64)\b", ptx):    # (ptxas fuses nothing either: the same option)
-            sys.exit(f"{kernel.fn.__name__} {source.constants} {meta}: a fused multiply-add in its PTX, one rounding "
-                     "where the code has two: launch it with kernels.UNFUSED")
+        fused = len(re.findall(r"\bfma\.rn\.f(?:32|64)\b", ptx))   # (ptxas fuses nothing either: the same option)
+        if bool(fused) != says_fma(kernel, meta):
+            sys.exit(f"{kernel.fn.__name__} {source.constants} {meta}: {fused} fused multiply-adds in its PTX, where its "
+                     f"exponent is {'one' if says_fma(kernel, meta) else 'none'} (kernels._exp2, kernels.UNFUSED)")
         compiled.add(key)
     print(f"{len(compiled)} kernel specializations compile for sm_90 (triton {triton.__version__})")
 

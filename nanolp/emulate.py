@@ -60,12 +60,42 @@ def _round(x, dtype):
     return x.to(dtype).float()
 
 
+def fma_f32(a, b, c):
+    """a * b + c rounded once to float32 (a fused multiply-add), for float32 tensors.
+
+    a * b is exact in float64 (24 + 24 significant bits fit in 53), but the float64 sum is rounded, and rounding
+    that to float32 again can land wrong: when the float64 sum falls exactly on a midpoint between two float32
+    values, the float32 cast breaks the tie to even although the exact sum lay on one side of it. E.g. a = 1 +
+    2^-18, b = 2^-24 (1 - 2^-18), c = 1 + 2^-23: the exact sum is 2^-60 below the midpoint 1 + 3 * 2^-24, so fma
+    gives 1 + 2^-23, float64 rounds it onto the midpoint, and the cast to float32 gives 1 + 2^-22. The cure is
+    rounding to odd: an inexact float64 sum is moved to the neighbour with an odd last bit on the exact sum's
+    side (it is never a float32 midpoint then, and lies on the exact sum's side of every one), and from 53 bits
+    to float32's 24 that gives the correctly rounded result (Boldo and Melquiond, 2008). The exact error of the
+    float64 sum comes from TwoSum (Knuth): s + err = a * b + c exactly."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    p_part = s - c
+    err = (p - p_part) + (c - (s - p_part))
+    bits = s.view(torch.int64)
+    even = (err != 0) & (bits & 1 == 0) & torch.isfinite(s)
+    toward = torch.where((err > 0) == (s > 0), 1, -1)    # sign-magnitude: +1 moves away from zero
+    return torch.where(even, bits + toward, bits).view(torch.float64).float()
+
+
+def exponent(S, scale, m, fma):
+    """S * scale - m, the argument of exp2 in "fa2" (kernels._exp2): one rounding with fma, as FlashAttention-2
+    computes it, else two, as PyTorch builds it."""
+    if fma:
+        return fma_f32(S, scale.expand_as(S), (-m).expand_as(S))
+    return S * scale - m
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The fix
 
 def shifted_max(S, r, t, shift):
-    """The row max to subtract from this tile's scores S, and the new raw row max (kernels._shifted_max; shift:
-    its constants, kernels.fix_constants).
+    """The row max to subtract from this tile's scaled scores S, and the new raw row max (kernels._shifted_max;
+    shift: its constants, kernels.fix_constants).
 
     r = rowmax(S), t = the raw (unshifted) row max of the earlier tiles. If two or more unmasked scores of this
     tile lie within tol of r, or r lies within tol of t (a tie across tiles), move the max up by d > 0, so that
@@ -84,13 +114,18 @@ def shifted_max(S, r, t, shift):
 # ---------------------------------------------------------------------------------------------------------
 # Forward: FlashAttention-2, one key tile at a time, all query rows at once (rows are independent).
 
+def scale_of(q, precision):
+    """qk_scale as the kernel holds it, in float32."""
+    return torch.tensor(qk_scale(q.shape[-1], precision), dtype=torch.float32, device=q.device)
+
+
 def scores(q, kt, precision, dtype):
-    """S for one key tile, exactly as kernels._scores (fa2: fp32, log2 units; paper: nats, rounded twice)."""
+    """S for one key tile as the exponent reads it, exactly as kernels._scores (fa2: Q K^T in fp32, its scale
+    applied in the exponent; paper: scaled, in nats, rounded twice)."""
     S = _dot(q, kt.transpose(-1, -2))
-    scale = torch.tensor(qk_scale(q.shape[-1], precision), dtype=torch.float32)
     if precision == "fa2":
-        return S * scale
-    return _round(_round(S, dtype) * scale, dtype)
+        return S
+    return _round(_round(S, dtype) * scale_of(q, precision), dtype)
 
 
 def _mask(S, col0, n_keys, causal):
@@ -118,13 +153,14 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     for col0 in range(0, N, TILE_N):
         kt, vt = k[:, :, col0:col0 + TILE_N], v[:, :, col0:col0 + TILE_N]
         S = _mask(scores(q, kt, precision, dtype), col0, N, causal)
-        r = S.amax(-1)
+        scale = scale_of(q, precision) if precision == "fa2" else torch.ones((), device=q.device)
+        r = S.amax(-1) * scale     # rowmax(S * scale): the scale rounds monotonically
         if shift:   # fix_constants: tol and the shift's range, in log2 units for "fa2"
-            r, t = shifted_max(S, r, t, fix_constants(precision, p_bits))
+            r, t = shifted_max(S * scale, r, t, fix_constants(precision, p_bits))
         if precision == "fa2":
             m_new = torch.maximum(m, r)
             alpha = _exp2(m - m_new)
-            P = _exp2(S - m_new.unsqueeze(-1))
+            P = _exp2(exponent(S, scale, m_new.unsqueeze(-1), numerics.fma))
             l = l * alpha + _rowsum(P)
             acc = acc * alpha.unsqueeze(-1) + _dot(_round(low(P), dtype), vt)   # P rounded right before P V
         else:  # "paper": every intermediate held in the input dtype, as under bf16 autocast in PyTorch
@@ -159,21 +195,25 @@ def _delta_tiles(n, head_dim):
     return _tiles(n, BWD_TUNING[head_dim][1])
 
 
-def _probs_and_dp(q, k, v, lse, do, causal, precision):
-    """P = exp(S - lse) (exp2 in "fa2"), S rounded exactly as in the forward, and dP = dO V^T, in fp32."""
+def _probs_and_dp(q, k, v, lse, do, causal, precision, fma=True):
+    """P = exp(S - lse) (exp2 in "fa2"), its exponent rounded exactly as in the forward, and dP = dO V^T, in
+    fp32."""
     S = _mask(scores(q, k, precision, q.dtype), 0, q.shape[-2], causal)
-    P = (_exp2 if precision == "fa2" else _exp)(S - lse.unsqueeze(-1))
+    if precision == "fa2":
+        P = _exp2(exponent(S, scale_of(q, precision), lse.unsqueeze(-1), fma))
+    else:
+        P = _exp(S - lse.unsqueeze(-1))
     return P, _dot(do, v.transpose(-1, -2))
 
 
-def delta(q, k, v, o, lse, do, causal, precision, from_p=False):
+def delta(q, k, v, o, lse, do, causal, precision, from_p=False, fma=True):
     """The backward's delta. rowsum(dO * O) from the stored O, the paper's channel (kernels._bwd_delta_kernel);
     from_p: the paper's localisation control rowsum(dP * P), divided by rowsum(P) in "paper", P recomputed in fp32
     and O never read, both sums accumulated per key tile as kernels._bwd_dq_kernel does in its DELTA_FROM_P pass
     (one more pass over the keys)."""
     if not from_p:
         return _rowsum(do.float() * o.float())
-    P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
+    P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision, fma)
     tiles = _delta_tiles(*q.shape[-2:])
     delta = sum(_rowsum((P * dP)[..., cols]) for cols in tiles)
     if precision == "paper":
@@ -196,12 +236,12 @@ def _dq_one_pass(dS, k, block_m, block_n):
     return dq
 
 
-def backward(q, k, v, o, lse, do, causal, precision, from_p=False, deterministic=True):
+def backward(q, k, v, o, lse, do, causal, precision, from_p=False, deterministic=True, fma=True):
     dtype = q.dtype
     N, D = q.shape[-2:]
     scale = D ** -0.5
-    P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision)
-    dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, from_p).unsqueeze(-1)), dtype)
+    P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision, fma)
+    dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, from_p, fma).unsqueeze(-1)), dtype)
     P = _round(P, dtype)
     block_m, block_n = (BWD_TUNING if deterministic else ONE_PASS_TUNING)[D][:2]
     if deterministic:
@@ -220,7 +260,7 @@ class _EmulatedAttention(torch.autograd.Function):
         _, o32, lse = forward(q, k, v, causal, shift, numerics)
         o, o_delta = output_and_delta_o(o32, q.dtype, numerics.stochastic_o == "forward", delta)   # as the kernel
         ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
-        ctx.args = (causal, numerics.precision, delta == "P", deterministic)
+        ctx.args = (causal, numerics.precision, delta == "P", deterministic, numerics.fma)
         return o
 
     @staticmethod

@@ -6,12 +6,14 @@ bitwise tests are skipped: tensor cores and the GPU's exp2 differ from float64-r
 """
 import math
 import os
+from fractions import Fraction
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -403,18 +405,21 @@ def ds_residue_atol(q, k, v, do, causal):
     return scale * err_ds @ k.abs(), scale * err_ds.transpose(-1, -2) @ q.abs()
 
 
+@pytest.mark.parametrize("exponent", ["fma", "torch"])
 @pytest.mark.parametrize("logit", [1e6, 1e9])
-def test_runaway_logits_stay_finite_and_exact(logit):
+def test_runaway_logits(logit, exponent):
     """Logits as large as the collapsing runs reach (layer 0 at 1e6-1e9 before the loss goes non-finite): every row
-    is one-hot, so O is the top key's V and the exact gradients of Q and K are ~0. The kernel gives that, with and
-    without the fix, and no inf or NaN even where rows hold exactly tied maxima (key 5 copied, value included, to
-    key 9): a non-finite loss at those logits is not the kernel overflowing.
-    Tied rows are finite but not exact there, so they are checked for finiteness only: lse = m + log2(l) is fp32,
-    whose spacing passes 1 at 2^24 (logits ~1.2e7), so at 1e9 a tie's log2(2) is lost and the backward recomputes
-    P = 1 for both keys instead of 1/2 (their dV 1.8-2.0x the exact one at 1e8 and 1e9, exact at 1e6 and 1e7); and
-    with the fix P_max < 1 is rounded to bf16, so O carries that rounding (~2^-9) where P = 1 would carry none.
-    256 keys: on a GPU (128-row forward programs) rows past 128 find their top key in tiles left of the
-    diagonal, the loop without masks, where a fused multiply-add had made P_max 2^residue (kernels.UNFUSED)."""
+    is one-hot, so O is the top key's V and the exact gradients of Q and K are ~0. With either exponent, with and
+    without the fix, no inf or NaN, even where rows hold exactly tied maxima (key 5 copied, value included, to key
+    9): a non-finite loss at those logits is not the kernel overflowing. Tied rows are checked for finiteness only:
+    lse = m + log2(l) is fp32, whose spacing passes 1 at 2^24 (logits ~1.2e7), so at 1e9 a tie's log2(2) is lost.
+    256 keys: on a GPU (128-row forward programs) rows past 128 find their top key in the tiles left of the
+    diagonal, the loop without masks.
+    exponent="torch" (S * scale rounded, then the max subtracted) is exact there: the top key's P is exactly 1.
+    exponent="fma", as FlashAttention-2 ships it, is not: the backward's P of the top key is 2^rho, rho the exact
+    S * scale - lse, up to half an ulp of lse (1/16 at 1e6, 64 at 1e9), so dV is off by up to 2^rho - 1 (4% at
+    1e6, 2^64 at 1e9; the forward's O is not, as l holds the same 2^rho), and dS = P * (dP - delta) no longer
+    cancels: dK, exactly ~0, is above 1 (~1e4 at 1e6 and ~1e24 at 1e9 in the emulation)."""
     q, k, v = (rand((1, 2, 256, 64), seed=40 + i) for i in range(3))
     q = (q.float() * (logit / (q.float() @ k.float().transpose(-1, -2) / 8).amax())).to(torch.bfloat16)
     tied_k, tied_v = k.clone(), v.clone()
@@ -424,17 +429,95 @@ def test_runaway_logits_stay_finite_and_exact(logit):
     ref.backward(do.double())
     atol = dict(O=1e-5, dV=1e-5)      # on a GPU; O = V_j and dV = P^T dO hold no cancellation
     atol["dQ"], atol["dK"] = ds_residue_atol(q, k, v, do, True)
+    # fma: half an ulp of the largest lse (log2 units), and what 2^rho makes of dV at most
+    half_ulp = 2.0 ** (math.floor(math.log2(logit * 1.01 * kernels.LOG2E)) - 24)
+    p_ref = reference_probs(q.double(), k.double(), True)
+    dv_bound = (2.0 ** half_ulp - 1) * (p_ref.transpose(-1, -2) @ do.double().abs()) + 1e-2 * ref_inputs[2].grad.abs().max()
     for fix in (False, True):
         for keys, values, exact in ((k, v, True), (tied_k, tied_v, False)):
             inputs = [t.clone().requires_grad_() for t in (q, keys, values)]
-            o = kernels.flash_attention(*inputs, causal=True, fix=fix)
+            o = kernels.flash_attention(*inputs, causal=True, fix=fix, numerics=Numerics(exponent=exponent))
             o.backward(do)
-            for name, a, r in zip(("O", "dQ", "dK", "dV"), [o] + [t.grad for t in inputs],
-                                  [ref] + [t.grad for t in ref_inputs]):
+            got = dict(zip(("O", "dQ", "dK", "dV"), [o] + [t.grad for t in inputs]))
+            want = dict(zip(("O", "dQ", "dK", "dV"), [ref] + [t.grad for t in ref_inputs]))
+            for name, a in got.items():
                 assert torch.isfinite(a).all(), f"{name} not finite (fix={fix}, tied={not exact})"
-                if exact:   # the interpreter rounds dP and delta once each, from float64: dS cancels exactly
+            if not exact:
+                continue
+            error = {name: (got[name].double() - want[name]).abs() for name in got}
+            if exponent == "torch":   # the interpreter rounds dP and delta once each, from float64: dS cancels
+                for name, r in want.items():
                     bound = 1e-2 * r.abs().max() + (1e-30 if kernels.INTERPRET else atol[name])
-                    assert ((a.double() - r).abs() <= bound).all(), f"{name} (fix={fix})"
+                    assert (error[name] <= bound).all(), f"{name} (fix={fix})"
+            else:
+                assert (error["O"] <= 1e-2 * want["O"].abs().max() + atol["O"]).all(), f"O (fix={fix})"
+                assert (error["dV"] <= dv_bound).all(), f"dV beyond 2^rho (fix={fix})"
+                assert error["dK"].max() > 1.0, f"dK cancels with the fused exponent (fix={fix})"
+
+
+def round_to_f32(x):
+    """The float32 nearest to the rational x, ties to even (exact: Fractions)."""
+    near = np.float32(float(x))
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    return min(candidates, key=lambda y: (abs(Fraction(float(y)) - x), int(np.array(y).view(np.uint32)) & 1))
+
+
+def fma_cases():
+    """(a, b, c) in float32 where rounding a * b + c to float64 first lands on a float32 midpoint that the exact
+    sum lies 2^-60 j^2 below (a = 1 + x, b = 2^-24 (1 - x), x = j 2^-18, c = 1 + i 2^-23, signs flipped too),
+    then random triples."""
+    g = np.random.default_rng(0)
+    j = np.arange(1, 12, dtype=np.float64).repeat(16)
+    i = g.integers(0, 2**23, j.size)
+    sign = np.where(g.random(j.size) < 0.5, -1.0, 1.0)
+    a = (1 + j * 2.0 ** -18) * sign
+    b = 2.0 ** -24 * (1 - j * 2.0 ** -18)
+    c = (1 + i * 2.0 ** -23) * sign
+    random = g.standard_normal((3, 2048 - j.size)) * np.exp2(g.integers(-20, 20, (3, 2048 - j.size)))   # 2048 in all: a power of 2 for tl.arange
+    return [torch.from_numpy(np.concatenate([x, r]).astype(np.float32)) for x, r in zip((a, b, c), random)]
+
+
+@triton.jit
+def _fma_kernel(A, B, C, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, tl.fma(tl.load(A + offs), tl.load(B + offs), tl.load(C + offs)))
+
+
+def test_fma_rounds_once():
+    """emulate.fma_f32 is a * b + c rounded once, also where float64 then float32 would round twice (the cases
+    where that naive way fails are there: the test could fail), and the interpreter's tl.fma gives the same bits."""
+    a, b, c = fma_cases()
+    want = torch.tensor([round_to_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+                         for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    assert torch.equal(emulate.fma_f32(a, b, c), want)
+    naive = (a.double() * b.double() + c.double()).float()
+    assert (naive != want).sum() > 50, "the cases must include sums that round twice"
+    if INTERPRETED:
+        out = torch.empty_like(a)
+        _fma_kernel[(1,)](a, b, c, out, N=a.numel())
+        assert torch.equal(out, want), "the interpreter's tl.fma is not a * b + c rounded once"
+
+
+@requires_interpreter
+@pytest.mark.parametrize("fix", [False, True])
+def test_both_exponents_bitwise_equal_emulation(fix, poisoned):
+    """Both forms of the exponent (kernels._exp2), forward and backward, bit for bit; with rows at logits ~1e6,
+    where the fused form's P_max = 2^residue (up to 2^(1/16)), the two forms give different O, lse and dV."""
+    q, k, v, do = (rand((1, 2, 130, 64), seed=70 + i) for i in range(4))
+    q[..., ::3, :] *= 30000
+    results = {}
+    for exponent in ("fma", "torch"):
+        numerics = Numerics(exponent=exponent)
+        o, lse = kernels._flash_fwd(q, k, v, True, fix, "O", "fa2", 0, 0, False, True, numerics.fma)[:2]
+        o_want, _, lse_want = emulate.forward(q, k, v, True, fix, numerics)
+        assert torch.equal(o.view(torch.int16), o_want.view(torch.int16)) and torch.equal(lse, lse_want), exponent
+        ours = grads(kernels.flash_attention, q, k, v, do, fix=fix, numerics=numerics)
+        want = grads(emulate.emulate_attention, q, k, v, do, fix=fix, numerics=numerics)
+        for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} ({exponent})"
+        results[exponent] = (o, lse, ours[2])
+    assert all(not torch.equal(a, b) for a, b in zip(results["fma"], results["torch"]))
+
 
 def test_emulation_gradients_against_float64():
     q, k, v = (rand((2, 2, 70, 32)) for _ in range(3))
