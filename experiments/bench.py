@@ -33,6 +33,8 @@ IMPLS = {
     "ours": lambda q, k, v: flash_attention(q, k, v, causal=True),
     # the complete fix: the paper's shift and delta from the fp32 O
     "ours_fix": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=True),
+    # softmax's exponent as PyTorch builds FA2 (S * scale rounded, then the max subtracted), not one fma
+    "ours_torch_exp": lambda q, k, v: flash_attention(q, k, v, causal=True, numerics=Numerics(exponent="torch")),
     # the paper's rule alone
     "ours_paper": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="paper"),
     # the paper's control, delta = rowsum(dP * P): one more pass over the keys in the backward

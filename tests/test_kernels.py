@@ -446,8 +446,8 @@ def test_runaway_logits(logit, exponent):
                 continue
             error = {name: (got[name].double() - want[name]).abs() for name in got}
             if exponent == "torch":   # the interpreter rounds dP and delta once each, from float64: dS cancels
-                for name, r in want.items():
-                    bound = 1e-2 * r.abs().max() + (1e-30 if kernels.INTERPRET else atol[name])
+                for name, r in want.items():   # (1e-30: float64's gradients of ~1e-59 are 0 in fp32, P underflows)
+                    bound = 1e-2 * r.abs().max() + 1e-30 + (0 if kernels.INTERPRET else atol[name])
                     assert (error[name] <= bound).all(), f"{name} (fix={fix})"
             else:
                 assert (error["O"] <= 1e-2 * want["O"].abs().max() + atol["O"]).all(), f"O (fix={fix})"
