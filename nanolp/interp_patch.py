@@ -11,6 +11,10 @@ depends on an implementation's internal order or approximation (tl.dot, tl.sum, 
 evaluated in float64 and rounded once to float32, exactly as the emulation does. Then the two agree bit for
 bit unless their algorithms or rounding points differ.
 
+tl.fma needs no patch: the stock interpreter computes it in C, rounded once (kernels._exp2's fused exponent;
+nanolp/emulate.fma_f32 rounds it once too, by rounding to odd from float64); self_test() checks a case where
+rounding to float64 first and then to float32 would be wrong.
+
 Third, the stock interpreters have no TMA reduction (a tensor descriptor's atomic_add: "'InterpreterBuilder'
 object has no attribute 'create_descriptor_reduce'"), which kernels.py's one-pass backward uses with DQ_TMA;
 here it adds the block element by element with the interpreter's own atomics, as tl.atomic_add does.
@@ -194,9 +198,15 @@ def _exp2_sum_kernel(X, Y, N: tl.constexpr):
     tl.store(Y, tl.sum(tl.math.exp2(tl.load(X + offs)), 0))
 
 
+@triton.jit
+def _fma_kernel(A, B, C, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, tl.fma(tl.load(A + offs), tl.load(B + offs), tl.load(C + offs)))
+
+
 def self_test():
-    """Raise AssertionError unless bf16 casts round to nearest even, bf16 dots are real products, and fp32
-    exp2/sum are the exactly rounded values the emulation computes."""
+    """Raise AssertionError unless bf16 casts round to nearest even, bf16 dots are real products, fp32
+    exp2/sum are the exactly rounded values the emulation computes, and tl.fma rounds once."""
     g = torch.Generator().manual_seed(0)
     # exact ties (low 16 bits 0x8000) with odd and even kept mantissas, plus random values
     ties = torch.arange(0x3F800000, 0x3F800000 + 512 * 0x10000, 0x10000, dtype=torch.int64) + 0x8000
@@ -216,3 +226,9 @@ def self_test():
     _exp2_sum_kernel[(1,)](x, y, N=64)
     assert torch.equal(y[0], torch.exp2(x.double()).float().double().sum().float()), \
         "interpreter fp32 exp2/sum are not exactly rounded: patch inactive"
+    # a * b + c = 1 + 3 * 2^-24 - 2^-60, just below a float32 midpoint: rounded once it is 1 + 2^-23; rounded to
+    # float64 first it lands on the midpoint, which float32 breaks to the even 1 + 2^-22
+    a, b, c = (torch.tensor([x, x], dtype=torch.float32) for x in (1 + 2**-18, 2**-24 * (1 - 2**-18), 1 + 2**-23))
+    out = torch.empty(2)
+    _fma_kernel[(1,)](a, b, c, out, N=2)
+    assert torch.equal(out, c), "interpreter tl.fma rounds twice: kernels._exp2's fused form would not be emulated"
