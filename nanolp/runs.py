@@ -2,7 +2,8 @@
 two runs from writing one folder, and write the CSV tables made of them (write_csv).
 
 A run folder may still be in progress or may come from an older train.py, so every file and
-every column is optional: missing files read as empty, empty cells read as NaN.
+every column is optional: missing files read as empty, empty cells read as NaN. A file that is there but cannot be
+read (cut short by a full disk or a copy) is DamagedFile, one line naming it.
 """
 
 import csv
@@ -28,6 +29,12 @@ LOCK = "lock"   # in a run folder while a run writes it: that run's process id
 class RunError(Exception):
     """A command that cannot run as given: a bad setting, or a run folder that it may not write or continue. The
     message says why and what to do, one line per problem; train.py prints it and exits with status 2."""
+
+
+class DamagedFile(RunError):
+    """A run folder's file that is there but cannot be read, as a disk that filled or a copy cut short leaves it:
+    the message names it and says why, in one line. train.py refuses the run; analyze.py and the sweep leave the
+    run out (load_runs)."""
 
 
 @dataclass
@@ -175,7 +182,16 @@ def locked(run_dir):
 
 
 def read_json(path):
-    return json.loads(path.read_text()) if path.exists() else {}
+    """A config.json or summary.json: {} if there is none, DamagedFile if it cannot be parsed."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as e:   # not JSON, or not even UTF-8 text
+        raise DamagedFile(f"{path} cannot be parsed as JSON ({e})") from None
+    if not isinstance(value, dict):   # (train.py writes an object)
+        raise DamagedFile(f"{path} holds JSON but not an object")
+    return value
 
 
 def log_path(run_dir):
@@ -202,6 +218,18 @@ def to_float(cell):
 def load_run(path):
     path = Path(path)
     return Run(path, read_json(path / "config.json"), read_json(path / "summary.json"), read_log(log_path(path)))
+
+
+def load_runs(paths):
+    """The runs at `paths`, less those with a file that cannot be read, each named in one line: a table of many runs
+    is not lost to one damaged file."""
+    runs = []
+    for path in paths:
+        try:
+            runs.append(load_run(path))
+        except DamagedFile as e:
+            print(f"{path}: left out, {e}")
+    return runs
 
 
 def thin_log(src, dst, every=100):
