@@ -37,7 +37,7 @@ from experiments.mechanism import demonstrate   # --mechanism: a study on synthe
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import THOUSANDS, family, fix_word, plot_grid, run_styles, save
-from nanolp.runs import find_runs, load_run, write_csv
+from nanolp.runs import find_runs, load_runs, write_csv
 from nanolp.presets import COMMON, NUMERICS, PRESETS, changed_settings
 
 # -----------------------------------------------------------------------------
@@ -371,8 +371,8 @@ def study_table(rows, folder):
                  str(sum(row.get("log_kept") == "True" for row in group)), f"**{len(fell)} / {len(group)}**",
                  span([number(row, "collapse_step") for row in fell]), span([number(row, "steps") for row in stood]),
                  span([number(row, "collapse_minute") for row in fell], ".1f"),
-                 span([peak_logit(load_run(folder / "runs" / row["name"])) for row in group
-                       if row.get("log_kept") == "True"], ".3g")]
+                 span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
+                                                            if row.get("log_kept") == "True")], ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     if variants:
         lines += ["", f"Not in the table: {len(variants)} runs of patched kernels (runs.csv's `variant` column)."]
@@ -445,13 +445,12 @@ def main(argv=None):
     if args.mechanism and args.runs:
         parser.error("--mechanism reads no runs")
 
-    paths = [] if args.mechanism else find_runs(args.runs or ["runs"])
-    if not args.mechanism and not paths:
+    runs = [] if args.mechanism else load_runs(find_runs(args.runs or ["runs"]))   # (a damaged one: left out)
+    if not args.mechanism and not runs:
         raise SystemExit(f"no run folders (with a log.csv or log.csv.gz) found in {args.runs or ['runs']}")
-    root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
+    root = Path(os.path.commonpath([run.path.parent for run in runs])) if runs else Path("runs")
     out = args.out or root / "figures"
     out.mkdir(parents=True, exist_ok=True)
-    runs = [load_run(p) for p in paths]
 
     if args.mechanism:
         section = demonstrate(out)

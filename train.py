@@ -70,8 +70,9 @@ from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implement
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, FIX, NUMERICS, PRESETS
-from nanolp.runconfig import claim_folder, describe, resolve_config
-from nanolp.runs import RunError, latest_checkpoint, locked, log_outcome, provenance, read_log
+from nanolp.runconfig import claim_folder, describe, nothing_to_resume, resolve_config
+from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
+                         read_log, set_aside, write_checksum)
 
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum (see the docstring)
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
@@ -173,23 +174,43 @@ def evaluate(model, tokens, c, ctx):
 
 
 def save_checkpoint(run_dir, model, optimizer, state):
-    """Write ckpt/step_XXXXXXX.pt atomically and keep only the newest KEEP_CKPTS."""
+    """Write ckpt/step_XXXXXXX.pt and its checksum, then keep only the newest KEEP_CKPTS. The checkpoint is written
+    to a .tmp file and renamed, after its checksum: a run killed at any point leaves either a whole, checked
+    checkpoint or none under that name (and what it left half-done goes at the next save)."""
     ckpt_dir = run_dir / "ckpt"
     ckpt_dir.mkdir(exist_ok=True)
     path = ckpt_dir / f"step_{state['step']:07d}.pt"
+    tmp = path.with_name(path.name + ".tmp")
     rng = {"cpu": torch.get_rng_state()}   # --stochastic-o draws from torch's generator: resume continues its stream
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state, "rng": rng},
-               f"{path}.tmp")
-    os.replace(f"{path}.tmp", path)
-    for old in sorted(ckpt_dir.glob("step_*.pt"))[:-KEEP_CKPTS]:
-        old.unlink()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state, "rng": rng}, tmp)
+    write_checksum(path, tmp)
+    os.replace(tmp, path)
+    keep = {file.name for ckpt in checkpoints(run_dir)[-KEEP_CKPTS:] for file in (ckpt, checksum_path(ckpt))}
+    for file in ckpt_dir.iterdir():
+        if file.is_file() and file.name not in keep:   # older checkpoints, and the .tmp and checksum of a killed save
+            file.unlink()
 
 
 def load_checkpoint(run_dir, model, optimizer, device, columns):
-    """Restore the newest checkpoint and drop the log rows written after it (they will be written again)."""
-    ckpt = torch.load(latest_checkpoint(run_dir), map_location=device)
+    """Restore the newest good checkpoint and drop the log rows written after it (they will be written again). A
+    checkpoint that fails its checksum or cannot be read is named in one line, moved to ckpt/damaged/ (set_aside),
+    and the one before it tried; RunError if none is good."""
+    for path in reversed(checkpoints(run_dir)):
+        problem = checksum_problem(path)
+        if problem is None:
+            try:
+                ckpt = torch.load(path, map_location=device)
+                break
+            except Exception as e:   # whatever a damaged file makes torch's zip reader or unpickler raise
+                # (torch's message goes on for lines of advice: its first sentence says what failed)
+                what = str(e).strip().partition("\n")[0].partition(". ")[0]
+                problem = f"it cannot be read ({type(e).__name__}: {what})"
+        damaged = set_aside(path)
+        print(f"{path}: skipped, {problem}; moved to {damaged}")
+    else:   # (no break: none was good)
+        raise nothing_to_resume(run_dir)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     rng = ckpt.get("rng", {})   # (checkpoints written before it was saved have none)

@@ -20,6 +20,7 @@ A run is train.py with the study's common flags and the arm's, --steps MIN_STEPS
     resumable a checkpoint in OUT's ckpt/                                        -> train.py --resume
     stale     a log.csv but no checkpoint (stopped before its first one)         -> moved to OUT/.stale/, started again
     new       nothing yet                                                        -> started
+    damaged   a config.json or summary.json that cannot be parsed                -> left out, named
 A run folder whose config.json contradicts its arm's flags (the study was edited) is an error, not reused.
 
 Runs start in this order: the resumable ones, then seed by seed across the arms (every arm's first seed before
@@ -52,7 +53,8 @@ from pathlib import Path
 import numpy as np
 
 from nanolp.presets import COMMON, NUMERICS
-from nanolp.runs import find_runs, latest_checkpoint, load_run, log_path, read_json, thin_log, write_csv
+from nanolp.runs import (DamagedFile, find_runs, latest_checkpoint, load_run, load_runs, log_path, read_json,
+                         thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -226,14 +228,17 @@ def plan(study, out, results):
     """The study's runs, each with its state, in the order they are to start (see the top of this file)."""
     runs = study.runs(out, results)
     for run in runs:
-        run["state"] = run_state(run["dir"], study.min_steps)
-        if run["state"] in ("new", "stale") and finished(run["kept"], study.min_steps):
-            run["state"] = "collected"
-        for folder in [run["dir"]] + ([run["kept"]] if run["state"] == "collected" else []):
-            why = contradiction(folder, run["arm_flags"])
-            if why:
-                raise StudyError(f"{folder}: {why}. The study changed since this run: move the folder away, or "
-                                 f"give the arm a new name")
+        try:
+            run["state"] = run_state(run["dir"], study.min_steps)
+            if run["state"] in ("new", "stale") and finished(run["kept"], study.min_steps):
+                run["state"] = "collected"
+            for folder in [run["dir"]] + ([run["kept"]] if run["state"] == "collected" else []):
+                why = contradiction(folder, run["arm_flags"])
+                if why:
+                    raise StudyError(f"{folder}: {why}. The study changed since this run: move the folder away, "
+                                     f"or give the arm a new name")
+        except DamagedFile as e:   # the other runs go on; this one waits for a person to look
+            run["state"], run["damage"] = "damaged", str(e)
     seed_rank = {run["name"]: study.arms[run["arm"]][1].index(run["seed"]) for run in runs}
     return sorted(runs, key=lambda run: (run["state"] != "resumable", seed_rank[run["name"]]))
 
@@ -319,7 +324,11 @@ def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, gra
                     log.close()
                     active.remove(item)
                     results[run["name"]] = "terminated" if run["name"] in terminated else proc.returncode
-                    print(f"{run['name']}: exited {proc.returncode}, now {run_state(run['dir'], run['min_steps'])}")
+                    try:
+                        now = run_state(run["dir"], run["min_steps"])
+                    except DamagedFile as e:   # (killed as it wrote its summary.json, say)
+                        now = f"damaged: {e}"
+                    print(f"{run['name']}: exited {proc.returncode}, now {now}")
     finally:
         for run, proc, log, _ in active:  # interrupted: leave no orphans behind
             proc.terminate()
@@ -388,9 +397,8 @@ def first_growth(log):
     return (None, None, None) if best is None else (best[2], best[3], int(best[0]))
 
 
-def collect_row(path, arm=None, flags=""):
-    """One CSV row (COLUMNS) of a run folder; arm defaults to the run's name less its -sSEED."""
-    run = load_run(path)
+def collect_row(run, arm=None, flags=""):
+    """One CSV row (COLUMNS) of a run (nanolp.runs.Run); arm defaults to the run's name less its -sSEED."""
     log = run.log
     tie_rates = [last_finite(log[c]) for c in run.columns(r"tie_rate_L\d+")]
     tie_rates = [t for t in tie_rates if t is not None]
@@ -415,8 +423,9 @@ def collect_row(path, arm=None, flags=""):
 
 
 def collect(paths, csv_path):
-    """One row per run folder found in `paths` (run folders or folders of them), written to csv_path."""
-    rows = [collect_row(path) for path in find_runs(paths)]
+    """One row per run folder found in `paths` (run folders or folders of them), written to csv_path; a folder with
+    a damaged file is left out, in one line."""
+    rows = [collect_row(run) for run in load_runs(find_runs(paths))]
     write_csv(csv_path, rows, COLUMNS)
     return rows
 
@@ -424,20 +433,26 @@ def collect(paths, csv_path):
 def collect_study(study, out, results):
     """Copy each run of the study from `out` into results/runs/ (config.json, summary.json, and log.csv thinned
     by thin_log), unless the copy there is finished and the run in `out` is not; then write results/runs.csv,
-    one row per run of the study that results/runs/ holds, in the study's order."""
+    one row per run of the study that results/runs/ holds, in the study's order. A run with a file that cannot be
+    parsed is left out, in one line: in `out`, it is not copied (the copy in results/runs/ stays); in
+    results/runs/, it has no row."""
     rows, runs = [], study.runs(out, results)
     for run in runs:
         src, dst = run["dir"], run["kept"]
-        if (src / "log.csv").exists() and not (finished(dst, study.min_steps) and
-                                               not finished(src, study.min_steps)):
-            shutil.rmtree(dst, ignore_errors=True)
-            dst.mkdir(parents=True)
-            for name in ("config.json", "summary.json"):
-                if (src / name).exists():
-                    shutil.copy2(src / name, dst / name)
-            thin_log(src / "log.csv", dst / "log.csv.gz")
+        try:
+            # src's files read first: a summary.json (finished) or config.json that cannot be parsed is not copied
+            if (src / "log.csv").exists() and (finished(src, study.min_steps) or not finished(dst, study.min_steps)):
+                read_json(src / "config.json")
+                shutil.rmtree(dst, ignore_errors=True)
+                dst.mkdir(parents=True)
+                for name in ("config.json", "summary.json"):
+                    if (src / name).exists():
+                        shutil.copy2(src / name, dst / name)
+                thin_log(src / "log.csv", dst / "log.csv.gz")
+        except DamagedFile as e:
+            print(f"{run['name']}: not collected, {e}")
         if log_path(dst).exists():
-            rows.append(collect_row(dst, run["arm"], shlex.join(run["arm_flags"])))
+            rows += [collect_row(kept, run["arm"], shlex.join(run["arm_flags"])) for kept in load_runs([dst])]
     for path in find_runs([Path(results) / "runs"]):
         if path.name not in {run["name"] for run in runs}:
             print(f"{path}: not a run of study {study.name}, left out of runs.csv")
@@ -496,8 +511,10 @@ def main(argv=None):
         results = Path(args.results or Path(args.studies).parent / study.name)
         runs = plan(study, out, results)
         for run in runs:
-            print(f"{run['name']}: {run['state']}" + (f" ({run['kept']})" if run["state"] == "collected" else ""))
-        todo = [run for run in runs if run["state"] not in DONE]
+            detail = (f" ({run['kept']})" if run["state"] == "collected" else
+                      f", left out: {run['damage']}" if run["state"] == "damaged" else "")
+            print(f"{run['name']}: {run['state']}{detail}")
+        todo = [run for run in runs if run["state"] not in (*DONE, "damaged")]
         outcome = {}
         if args.collect is None and todo:
             slots = device_slots(args.per_gpu, study.cpu_sized, study.name)

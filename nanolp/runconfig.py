@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from nanolp.presets import ARM, COMMON, NAMED, PRESETS, changed_settings, check_config, flag
-from nanolp.runs import RunError, latest_checkpoint, read_json
+from nanolp.runs import DAMAGED, RunError, latest_checkpoint, read_json
 
 # a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
 LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
@@ -88,7 +88,8 @@ def claim_folder(run_dir, c, resume):
     """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
     is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
     collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
-    first checkpoint has nothing to continue: a new run replaces it."""
+    first checkpoint has nothing to continue, nor one whose checkpoints --resume found all damaged: a new run
+    replaces it."""
     ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
     collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
                 if summary.get("collapsed") else None)
@@ -96,8 +97,7 @@ def claim_folder(run_dir, c, resume):
         if collapse:
             raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
         if ckpt is None:
-            raise RunError(f"--resume: no checkpoint in {run_dir / 'ckpt'} (the run stopped before its first): leave "
-                           f"out --resume to start it afresh")
+            raise nothing_to_resume(run_dir)
     elif ckpt or summary:
         saved = read_json(run_dir / "config.json")
         if not saved:
@@ -118,3 +118,14 @@ def claim_folder(run_dir, c, resume):
                 shutil.rmtree(path)
             else:
                 path.unlink()
+
+
+def nothing_to_resume(run_dir):
+    """--resume's refusal of a run with no checkpoint to continue from, and how to start it afresh: in its folder
+    (an attempt is replaced), or, beside a summary.json (a result, never replaced), under another --name."""
+    ckpt_dir = run_dir / "ckpt"
+    why = (f"no good checkpoint in {ckpt_dir} (the damaged ones are in {ckpt_dir / DAMAGED})"
+           if (ckpt_dir / DAMAGED).exists() else f"no checkpoint in {ckpt_dir} (the run stopped before its first)")
+    afresh = ("start it afresh under another --name" if (run_dir / "summary.json").exists()
+              else "leave out --resume to start it afresh")
+    return RunError(f"--resume: {why}: {afresh}")

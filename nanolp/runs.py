@@ -2,11 +2,14 @@
 two runs from writing one folder, and write the CSV tables made of them (write_csv).
 
 A run folder may still be in progress or may come from an older train.py, so every file and
-every column is optional: missing files read as empty, empty cells read as NaN.
+every column is optional: missing files read as empty, empty cells read as NaN. A file that is there but cannot be
+read (cut short by a full disk or a copy) is DamagedFile, one line naming it; a checkpoint is checked against the
+sha256 written beside it (checksum_problem).
 """
 
 import csv
 import gzip
+import hashlib
 import io
 import json
 import math
@@ -23,11 +26,19 @@ import numpy as np
 
 
 LOCK = "lock"   # in a run folder while a run writes it: that run's process id
+CHECKSUM = ".sha256"   # step_N.pt.sha256 beside each checkpoint, as sha256sum writes it (sha256sum -c checks it too)
+DAMAGED = "damaged"    # ckpt/damaged/: the checkpoints that --resume found damaged, moved out of its way
 
 
 class RunError(Exception):
     """A command that cannot run as given: a bad setting, or a run folder that it may not write or continue. The
     message says why and what to do, one line per problem; train.py prints it and exits with status 2."""
+
+
+class DamagedFile(RunError):
+    """A run folder's file that is there but cannot be read, as a disk that filled or a copy cut short leaves it:
+    the message names it and says why, in one line. train.py refuses the run; analyze.py and the sweep leave the
+    run out (load_runs)."""
 
 
 @dataclass
@@ -125,9 +136,53 @@ def git_state(root):
     return commit, dirty
 
 
+def checkpoints(run_dir):
+    """The run's checkpoints, oldest first (not those in ckpt/damaged/)."""
+    return sorted((Path(run_dir) / "ckpt").glob("step_*.pt"))
+
+
 def latest_checkpoint(run_dir):
-    ckpts = sorted((Path(run_dir) / "ckpt").glob("step_*.pt"))
+    """The newest checkpoint, whether or not it is damaged: a damaged one is still a run's result until --resume
+    moves it to ckpt/damaged/."""
+    ckpts = checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
+
+
+def checksum_path(ckpt):
+    return ckpt.with_name(ckpt.name + CHECKSUM)
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksum(ckpt, written):
+    """Record the sha256 of `written`, the file that is about to be renamed ckpt. Written before that rename, so
+    that a checkpoint never exists without its checksum, wherever a run is killed."""
+    checksum_path(ckpt).write_text(f"{sha256(written)}  {ckpt.name}\n")
+
+
+def checksum_problem(ckpt):
+    """Why ckpt fails its check, or None: its sha256 is the one recorded when it was written, or it has no
+    checksum (it was written by a train.py that recorded none)."""
+    recorded = checksum_path(ckpt)
+    if not recorded.exists():
+        return None
+    if recorded.read_bytes().split()[:1] != [sha256(ckpt).encode()]:
+        return f"its sha256 is not the one recorded in {recorded.name} when it was written"
+    return None
+
+
+def set_aside(ckpt):
+    """Move a damaged checkpoint and its checksum to ckpt/damaged/: out of the way of the checkpoints after it and
+    of their pruning, but kept, to look at. Returns that folder."""
+    damaged = ckpt.parent / DAMAGED
+    damaged.mkdir(exist_ok=True)
+    for file in (ckpt, checksum_path(ckpt)):
+        if file.exists():
+            os.replace(file, damaged / file.name)
+    return damaged
 
 
 def lock_holder(run_dir):
@@ -175,7 +230,16 @@ def locked(run_dir):
 
 
 def read_json(path):
-    return json.loads(path.read_text()) if path.exists() else {}
+    """A config.json or summary.json: {} if there is none, DamagedFile if it cannot be parsed."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as e:   # not JSON, or not even UTF-8 text
+        raise DamagedFile(f"{path} cannot be parsed as JSON ({e})") from None
+    if not isinstance(value, dict):   # (train.py writes an object)
+        raise DamagedFile(f"{path} holds JSON but not an object")
+    return value
 
 
 def log_path(run_dir):
@@ -202,6 +266,18 @@ def to_float(cell):
 def load_run(path):
     path = Path(path)
     return Run(path, read_json(path / "config.json"), read_json(path / "summary.json"), read_log(log_path(path)))
+
+
+def load_runs(paths):
+    """The runs at `paths`, less those with a file that cannot be read, each named in one line: a table of many runs
+    is not lost to one damaged file."""
+    runs = []
+    for path in paths:
+        try:
+            runs.append(load_run(path))
+        except DamagedFile as e:
+            print(f"{path}: left out, {e}")
+    return runs
 
 
 def thin_log(src, dst, every=100):

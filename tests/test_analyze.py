@@ -266,6 +266,29 @@ def test_runs_report_and_figures(tmp_path):
     assert (out / "rates.csv").stat().st_size > 0
 
 
+def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
+    """A summary.json or config.json that cannot be parsed (a disk that filled, a run killed as it wrote it): the run
+    is named in one line and left out of the figures, the report and the study's table; the others are drawn."""
+    rng = np.random.default_rng(0)
+    runs = tmp_path / "runs"
+    write_run(runs, "off-s0", 0, True, rng)
+    for name, damaged in (("on-s0", "summary.json"), ("on-s1", "config.json")):
+        write_run(runs, name, 0, False, rng, fix="on")
+        (runs / name / damaged).write_text('{"fix": "on", "seed')
+    analyze.main([str(runs)])
+    assert [line for line in capsys.readouterr().out.splitlines() if "left out" in line] == [
+        f"{runs / name}: left out, {runs / name / damaged} cannot be parsed as JSON (Unterminated string starting "
+        f"at: line 1 column 15 (char 14))" for name, damaged in (("on-s0", "summary.json"), ("on-s1", "config.json"))]
+    report = (runs / "figures" / "report.md").read_text()
+    assert "off-s0" in report and "on-s" not in report
+    # the study's table: layer 0's peak from the kept logs that can be read
+    rows = [dict(name=name, arm=name[:-3], flags="", seed=name[-1], collapsed="False", collapse_step="",
+                 collapse_minute="", steps="390", tokens_per_s="", log_kept="True")
+            for name in ("off-s0", "on-s0", "on-s1")]
+    table = analyze.study_table(rows, tmp_path)
+    assert not table[2].endswith("| - |") and table[3].endswith("| - |")
+
+
 def test_probe_report_without_phases(tmp_path):
     """A run with the probe's columns that never logged step 10,000: no pooled rows, the run named as left out."""
     rng = np.random.default_rng(0)

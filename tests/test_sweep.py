@@ -385,6 +385,35 @@ def test_collected_finished_run_is_not_overwritten(tmp_path):
     assert row["steps"] == 100
 
 
+def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
+    """A config.json or summary.json that cannot be parsed (a disk that filled, a run killed as it wrote it): that
+    run is left out of the plan and of runs.csv, in one line; the others go on. A copy collected before stays."""
+    studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0, 1, 2]\n[s.arms]\nx = '--fix off'\n")
+    out, results = tmp_path / "out", tmp_path / "s"
+    for seed in (0, 1, 2):
+        write_run(out, f"x-s{seed}", dict(fix="off", seed=seed), dict(steps=100), [dict(step=100, elapsed_s=6)])
+    write_run(results / "runs", "x-s1", dict(fix="off", seed=1), dict(steps=100), [dict(step=100, elapsed_s=9)])
+    (out / "x-s1" / "summary.json").write_text('{"steps": 1')
+    (out / "x-s2" / "config.json").write_text("")
+    damaged = {"x-s1": f"{out / 'x-s1' / 'summary.json'} cannot be parsed as JSON (Expecting ',' delimiter: line 1 "
+                       f"column 12 (char 11))",
+               "x-s2": f"{out / 'x-s2' / 'config.json'} cannot be parsed as JSON (Expecting value: line 1 column 1 "
+                       f"(char 0))"}
+    assert sweep.main(["s", "--studies", str(studies), "--out", str(out), "--collect"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for name, why in damaged.items():
+        assert f"{name}: damaged, left out: {why}" in printed and f"{name}: not collected, {why}" in printed
+    rows = read_csv(results / "runs.csv")
+    assert [(row["name"], row["minutes"]) for row in rows] == [("x-s0", "0.1"), ("x-s1", "0.15")]   # x-s1: as kept
+    assert not (results / "runs" / "x-s2").exists()
+
+    csv_path = tmp_path / "any.csv"
+    assert sweep.main(["--collect", str(out), "--csv", str(csv_path)]) == 0
+    assert [row["name"] for row in read_csv(csv_path)] == ["x-s0"]
+    assert [line for line in capsys.readouterr().out.splitlines() if "left out" in line] == [
+        f"{out / name}: left out, {why}" for name, why in damaged.items()]
+
+
 # -----------------------------------------------------------------------------
 # Collecting any run folders
 
@@ -500,7 +529,8 @@ def test_committed_rows_equal_their_run_folders():
         if row.get("log_kept") != "True":
             assert not folder.exists() and row["name"].endswith(sweep.NO_LOG), row["name"]
             continue
-        rebuilt = {k: str(cell(v)) for k, v in sweep.collect_row(folder, row["arm"], row["flags"]).items()}
+        rebuilt = sweep.collect_row(load_run(folder), row["arm"], row["flags"])
+        rebuilt = {k: str(cell(v)) for k, v in rebuilt.items()}
         assert {k: row[k] for k in rebuilt} == rebuilt, folder
         summary = json.loads((folder / "summary.json").read_text())
         for key in ("fix", "attn", "seed", "collapsed", "steps"):

@@ -84,8 +84,11 @@ def test_smoke_run_learns_and_writes_its_folder(run):
     assert summary["final_val_loss"] == pytest.approx(float(rows[-1]["val_loss"]))
     config = json.loads((run_dir / "config.json").read_text())
     assert config["preset"] == "tiny" and config["n_embd"] == 64 and config["batch_size"] == 8
-    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_0000020.pt", "step_0000040.pt",
-                                                                     "step_0000060.pt"]
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == [
+        "step_0000020.pt", "step_0000020.pt.sha256", "step_0000040.pt", "step_0000040.pt.sha256", "step_0000060.pt",
+        "step_0000060.pt.sha256"]   # each checkpoint with its checksum, as sha256sum writes it
+    assert (run_dir / "ckpt" / "step_0000060.pt.sha256").read_text() == (
+        f"{runs.sha256(run_dir / 'ckpt' / 'step_0000060.pt')}  step_0000060.pt\n")
 
 
 def test_summary_holds_the_arm(run):
@@ -244,7 +247,7 @@ def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, caps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["collapsed"] is True and summary["collapse_step"] == 25 and "step 25" in summary["reason"]
     assert summary["steps"] == 30 and summary["final_train_loss"] is None
-    ckpts = sorted(p.name for p in (run_dir / "ckpt").iterdir())
+    ckpts = [p.name for p in runs.checkpoints(run_dir)]
     assert ckpts == ["step_0000010.pt", "step_0000020.pt"]  # none from the poisoned weights
     last = torch.load(run_dir / "ckpt" / ckpts[-1])
     assert all(torch.isfinite(t).all() for t in last["model"].values())

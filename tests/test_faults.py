@@ -1,0 +1,183 @@
+"""train.py against the faults a long run meets: a kill at any point (between checkpoints, halfway through writing
+one, between its checksum and its rename), a damaged checkpoint, a damaged config.json or summary.json. The
+standard: a run resumed after any of them logs the same losses, bit for bit, as the same run uninterrupted; a damaged
+file is named in one line, never a traceback. (The sweep and analyze.py on damaged folders: their own tests.)"""
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+from nanolp import data
+from nanolp.runs import CHECKSUM, checksum_problem
+from tests.test_train import read_log, refusal
+
+# a tiny CPU run, a checkpoint every 10 steps
+FLAGS = ["--preset", "tiny", "--attn", "sdpa", "--device", "cpu", "--batch-size", "8", "--block-size", "32",
+         "--steps", "60", "--log-interval", "10", "--ckpt-interval", "10", "--eval-interval", "30",
+         "--diag-interval", "60"]
+
+# train.py in a process that kills itself (SIGKILL: nothing is cleaned up, as when a machine is taken away) at
+# one point of step or checkpoint AT: "step" as that step begins; "write" halfway through writing the checkpoint's
+# file; "rename" once the file and its checksum are written, before the rename that makes it the checkpoint.
+KILLED = r"""
+import io, os, signal, sys
+from pathlib import Path
+import torch
+import train
+from nanolp import data
+
+data.DATA_DIR = Path(sys.argv[1])
+point, at = sys.argv[2], int(sys.argv[3])
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+get_lr, save, replace = train.get_lr, torch.save, os.replace
+
+def get_lr_or_die(step, c):
+    if point == "step" and step == at:
+        die()
+    return get_lr(step, c)
+
+def save_or_die(obj, f):
+    if point == "write" and obj["state"]["step"] == at:
+        whole = io.BytesIO()
+        save(obj, whole)
+        Path(f).write_bytes(whole.getvalue()[:whole.tell() // 2])
+        die()
+    save(obj, f)
+
+def replace_or_die(src, dst):
+    if point == "rename" and Path(dst).name == f"step_{at:07d}.pt":
+        die()
+    replace(src, dst)
+
+train.get_lr, torch.save, os.replace = get_lr_or_die, save_or_die, replace_or_die
+train.main(sys.argv[4:])
+"""
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """A small made-up text, its token cache kept out of the repository (and no $NANOLP_DATA, which would be part
+    of every run's arm)."""
+    folder = tmp_path_factory.mktemp("text")
+    rng = random.Random(0)
+    words = ["the", "king", "queen", "speaks", "to", "his", "her", "lord", "and", "good", "night", "sweet"]
+    path = folder / "words.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(8000)) + "\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("NANOLP_DATA", raising=False)
+        patch.setattr(data, "DATA_DIR", folder / "data")
+        yield path
+
+
+def command(text, run_dir, *flags):
+    return [*FLAGS, "--data", str(text), "--out", str(run_dir.parent), "--name", run_dir.name, *flags]
+
+
+@pytest.fixture(scope="module")
+def whole(text, tmp_path_factory):
+    """The run uninterrupted: the standard."""
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    train.main(command(text, run_dir))
+    return run_dir
+
+
+@pytest.fixture
+def copy(whole, tmp_path):
+    """A copy of the uninterrupted run, to damage."""
+    return Path(shutil.copytree(whole, tmp_path / "run"))
+
+
+def losses(run_dir):
+    return [(row["step"], row["train_loss"]) for row in read_log(run_dir)]
+
+
+def kill(text, run_dir, point, at, *flags):
+    done = subprocess.run([sys.executable, "-c", KILLED, str(data.DATA_DIR), point, str(at),
+                           *command(text, run_dir, *flags)], cwd=Path(train.__file__).parent,
+                          capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+
+def files(run_dir):
+    return sorted(p.name for p in (run_dir / "ckpt").iterdir())
+
+
+def checkpoint_files(*steps):
+    return sorted(f"step_{step:07d}.pt{end}" for step in steps for end in ("", CHECKSUM))
+
+
+def test_a_run_killed_anywhere_resumes_to_the_same_losses(text, whole, tmp_path):
+    run_dir = tmp_path / "run"
+    kill(text, run_dir, "step", 25)   # between checkpoints: resumes from step 20
+    assert files(run_dir) == checkpoint_files(10, 20)
+    kill(text, run_dir, "write", 40, "--resume")   # halfway through checkpoint 40: resumes from 30
+    assert files(run_dir) == checkpoint_files(10, 20, 30) + ["step_0000040.pt.tmp"]
+    assert [row["step"] for row in read_log(run_dir)] == ["10", "20", "30", "40"]   # row 40 goes: written again
+    kill(text, run_dir, "rename", 50, "--resume")   # checkpoint 50 and its checksum written, not renamed: from 40
+    assert files(run_dir) == sorted(checkpoint_files(20, 30, 40) + ["step_0000050.pt.sha256", "step_0000050.pt.tmp"])
+    train.main(command(text, run_dir, "--resume"))
+    assert losses(run_dir) == losses(whole)
+    assert files(run_dir) == checkpoint_files(40, 50, 60)   # as a run leaves it that was never killed
+    assert all(checksum_problem(path) is None for path in (run_dir / "ckpt").glob("*.pt"))
+
+
+def cut_short(path, size=1000):
+    """As a full disk or a copy cut short leaves a file."""
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_the_run_resumes_from_the_one_before(text, copy, whole, capsys):
+    ckpt = copy / "ckpt"
+    cut_short(ckpt / "step_0000060.pt")
+    (ckpt / "step_0000060.pt.sha256").unlink()   # as a train.py that recorded no checksum left it: loading tells
+    changed = bytearray((ckpt / "step_0000050.pt").read_bytes())
+    changed[len(changed) // 2] ^= 0xFF   # torch would load this one without complaint: its checksum tells
+    (ckpt / "step_0000050.pt").write_bytes(changed)
+    capsys.readouterr()
+    train.main(command(text, copy, "--resume"))
+    out = capsys.readouterr().out.splitlines()
+    at = re.escape(str(ckpt))
+    assert re.fullmatch(rf"{at}/step_0000060.pt: skipped, it cannot be read \(\w+: .+\); moved to {at}/damaged", out[0])
+    assert out[1:3] == [f"{ckpt}/step_0000050.pt: skipped, its sha256 is not the one recorded in "
+                        f"step_0000050.pt.sha256 when it was written; moved to {ckpt}/damaged",
+                        f"resuming {copy} at step 40"]
+    assert losses(copy) == losses(whole)
+    assert files(copy) == ["damaged"] + checkpoint_files(40, 50, 60)
+    assert sorted(p.name for p in (ckpt / "damaged").iterdir()) == ["step_0000050.pt", "step_0000050.pt.sha256",
+                                                                    "step_0000060.pt"]
+
+
+def test_with_no_good_checkpoint_resume_says_how_to_start_afresh(text, copy, whole, capsys):
+    ckpt = copy / "ckpt"
+    for step in (40, 50, 60):
+        cut_short(ckpt / f"step_{step:07d}.pt")
+    err = refusal(capsys, lambda: train.main(command(text, copy, "--resume")))
+    assert err == (f"train.py: error: --resume: no good checkpoint in {ckpt} (the damaged ones are in "
+                   f"{ckpt}/damaged): start it afresh under another --name\n")   # its summary.json is a result
+    assert files(copy) == ["damaged"]
+    (copy / "summary.json").unlink()   # as a run killed before its end leaves it
+    assert refusal(capsys, lambda: train.main(command(text, copy, "--resume"))).endswith(
+        "damaged): leave out --resume to start it afresh\n")
+    train.main(command(text, copy, "--steps", "20"))
+    assert losses(copy) == losses(whole)[:2]
+
+
+DAMAGE = {"cut short": b'{"preset": "ti', "zeros": b"\x00" * 300, "not text": b"\xff\xd8\xff", "a list": b"[]"}
+
+
+@pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE)
+@pytest.mark.parametrize("name", ["config.json", "summary.json"])
+def test_a_damaged_config_or_summary_is_named_in_one_line(text, copy, capsys, name, damage):
+    path = copy / name
+    path.write_bytes(damage)
+    for flags in (["--resume"], []):
+        err = refusal(capsys, lambda: train.main(command(text, copy, *flags)))
+        assert re.fullmatch(rf"train.py: error: {re.escape(str(path))} (cannot be parsed as JSON \(.+\)|holds JSON but not an "
+                            rf"object)\n", err)
+    assert path.read_bytes() == damage
