@@ -787,7 +787,7 @@ def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, dete
     return o, lse, o.new_empty(0)
 
 
-def _bwd_launch(q, k, v, o, causal, precision, fma, deterministic=True):
+def _bwd_launch(q, k, v, o, causal, precision, deterministic=True, fma=True):
     """What every backward kernel is launched with: the grids of programs per query tile (delta, dQ, dQ's
     cast) and per key tile (dK/dV), the strides (O's for dO, dQ, dK, dV too) and qk_scale, the
     meta-parameters (the one-pass backward's with deterministic=False)."""
@@ -820,11 +820,11 @@ def dq_sum_target(dq_sum, block_m, tma):
     return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
 
 
-def _bwd_delta(do, q, k, v, o, lse, causal, precision, fma, from_p):
+def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma=True):
     """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
     not read O. Launched with the two-pass backward's tiles either way, so that both backwards read the same
     delta. do must be in O's layout."""
-    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma)
+    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma=fma)
     delta = torch.empty_like(lse)
     if from_p:
         # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
@@ -843,8 +843,8 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     with atomics or TMA reductions (DQ_TMA; 5 products; dQ's last bits depend on the order the GPU runs the programs in)."""
     if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
         do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
-    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma, deterministic)
-    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, fma, from_p))
+    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic, fma)
+    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma))
     dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
     sm_scale = q.shape[-1] ** -0.5
     if deterministic:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from experiments.sweep import COLUMNS, collect_row
-from nanolp.runs import read_json, read_log, thin_log, write_csv
+from nanolp.runs import load_run, read_json, read_log, thin_log, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"fma": {}, "torch": {"exponent": "torch"}, "sdpa-flash": {"attn": "sdpa-flash"}}
@@ -98,7 +98,7 @@ def collect(out, results):
         for name in ("config.json", "summary.json"):
             shutil.copy2(src / name, dst / name)
         thin_log(src / "log.csv", dst / "log.csv.gz")
-        rows.append({**collect_row(dst, arm), "forked_from": read_json(dst / "config.json")["forked_from"]})
+        rows.append({**collect_row(load_run(dst), arm), "forked_from": read_json(dst / "config.json")["forked_from"]})
     write_csv(Path(results) / "runs.csv", rows, COLUMNS + ["forked_from"])
 
 

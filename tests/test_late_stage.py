@@ -1,0 +1,32 @@
+"""experiments/late_stage.py on the CPU: a fork of a run's checkpoint continues it exactly (the arm that keeps the
+base's settings repeats the base's losses bit for bit), and an arm with another setting runs with it."""
+import csv
+
+import train
+from experiments import late_stage
+from nanolp.runs import read_json
+from tests.test_train import text  # noqa: F401  (the fixture)
+
+
+def losses(run_dir):
+    with open(run_dir / "log.csv", newline="") as f:
+        return {int(row["step"]): row["train_loss"] for row in csv.DictReader(f)}
+
+
+def test_fork_continues_the_checkpoint_with_the_arms_setting(tmp_path, text):  # noqa: F811
+    common = ["--device", "cpu", "--out", str(tmp_path), "--steps", "30"]
+    train.main(["--preset", "tiny", "--data", str(text), "--name", "base", "--batch-size", "4", "--block-size",
+                "16", "--log-interval", "10", "--eval-interval", "10", "--diag-interval", "10", "--ckpt-interval",
+                "10", *common])
+    base = tmp_path / "base"
+    assert late_stage.fork_step(base, float("inf")) is None
+    step = late_stage.fork_step(base, 0.0)
+    assert step == 10
+    for arm, settings in (("same", {}), ("torch", {"exponent": "torch"})):
+        late_stage.fork(base, step, arm, settings)
+        assert sorted(losses(tmp_path / arm)) == [10]                  # the log up to the fork, no further
+        summary = train.main(["--resume", "--name", arm, *common])
+        assert summary["exponent"] == settings.get("exponent", "fma") and summary["steps"] == 30
+        assert read_json(tmp_path / arm / "config.json")["forked_from"] == "base@10"
+    assert losses(tmp_path / "same") == losses(base)                   # the fork repeats the base bit for bit
+    assert losses(tmp_path / "torch")[10] == losses(base)[10] and losses(tmp_path / "torch") != losses(base)
