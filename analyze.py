@@ -36,7 +36,7 @@ from matplotlib.lines import Line2D
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
-from nanolp.plots import THOUSANDS, family, fix_word, plot_grid, run_styles, save
+from nanolp.plots import family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_run, write_csv
 from nanolp.presets import COMMON, NUMERICS, PRESETS, changed_settings
 
@@ -162,7 +162,7 @@ def plot_headline(runs, styles, path):
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.xaxis.set_major_formatter(THOUSANDS)
+        step_axis(ax.xaxis)
         ax.grid(alpha=0.3, which="both")
     for ax in axes[:2]:
         ax.set_yscale("log")

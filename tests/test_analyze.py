@@ -4,6 +4,7 @@ import csv
 import json
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
@@ -378,6 +379,21 @@ def test_grid_panels_keep_step_labels_apart(tmp_path, monkeypatch):
     for ax in figures[0].axes:
         lo, hi = ax.get_xlim()
         assert 2 <= sum(lo <= t <= hi for t in ax.get_xticks()) <= 5
+
+
+@pytest.mark.parametrize("last, labels", [(400, ["0", "100", "200", "300", "400"]),
+                                          (5000, ["0", "1,000", "2,000", "3,000", "4,000", "5,000"]),
+                                          (150_000, ["0", "50k", "100k", "150k"])])
+def test_step_labels_read_as_steps(last, labels):
+    """50k on a long axis, 1,000 on a short one; never 0.05k."""
+    fig, ax = plt.subplots()
+    ax.plot([0, last], [0, 1])
+    ax.set_xlim(0, last)
+    ax.set_xticks(np.linspace(0, last, len(labels)))
+    plots.step_axis(ax.xaxis)
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels
+    plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
