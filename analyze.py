@@ -86,18 +86,33 @@ def fmt(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
+def span(values, spec=",.0f"):
+    """'median (low-high)' of numbers; one number where they are all one; '-' for none."""
+    values = sorted(values)
+    if not values:
+        return "-"
+    if values[0] == values[-1]:
+        return format(values[0], spec)
+    return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
+
+
 def outcome(group):
-    """An arm's runs in a few words: "1 seed; no collapse; stopped at 60,000 steps", "8 seeds; 8 collapsed,
-    median step 94,395"."""
-    collapsed = [run.collapse_step for run in group if run.collapse_step is not None]
-    open_steps = sorted(run.outcome["steps"] for run in group if run.collapse_step is None)
-    words = [f"{len(group)} seed{'s' if len(group) > 1 else ''}"]
-    if collapsed:
-        words.append(f"{len(collapsed)} collapsed, median step {median(collapsed):,.0f}")
-    if open_steps:
-        reach = f"{open_steps[0]:,}" + (f"-{open_steps[-1]:,}" if open_steps[-1] != open_steps[0] else "")
-        words.append(("no collapse; stopped" if not collapsed else f"{len(open_steps)} stopped") + f" at {reach} steps")
-    return "; ".join(words)
+    """An arm's runs in a few words, steps as median (range): "10 runs: 10 collapsed at step 91,028
+    (52,440-141,554)", "4 runs: no collapse in 150,000 (150,000-152,000) steps", "3 runs: 1 collapsed at step 300;
+    1 without a collapse in 390 steps; 1 stopped at step 10, before its end (killed)". Run.ended says which."""
+    steps = lambda kind: [run.collapse_step if kind == "collapsed" else run.outcome["steps"]
+                          for run in group if run.ended == kind]
+    collapsed, finished, stopped, running = map(steps, ("collapsed", "finished", "stopped", "running"))
+    words = [f"{len(collapsed)} collapsed at step {span(collapsed)}"] if collapsed else []
+    if finished:
+        words.append(("no collapse" if len(finished) == len(group) else f"{len(finished)} without a collapse")
+                     + f" in {span(finished)} steps")
+    if stopped:
+        their = "its" if len(stopped) == 1 else "their"
+        words.append(f"{len(stopped)} stopped at step {span(stopped)}, before {their} end (killed)")
+    if running:
+        words.append(f"{len(running)} still running (step {span(running)})")
+    return f"{len(group)} run{'s' if len(group) > 1 else ''}: " + "; ".join(words)
 
 
 # -----------------------------------------------------------------------------
@@ -218,12 +233,15 @@ def peak_logit(run):
     return None if series is None else float(series[1].max())
 
 
+ENDED = dict(finished="no", running="no, still running", stopped="no, but stopped before its end (killed)")
+
+
 def run_table(runs):
     lines = [f"| run | arm | seed | steps | collapsed | final train loss | final val loss | peak {LOGIT} "
              "| tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        collapsed = ("n/a (no summary.json)" if not run.summary else "no" if run.collapse_step is None
-                     else f"step {run.collapse_step:,}, {fmt(run.summary.get('collapse_minute'), '.1f')} min")
+        collapsed = ENDED.get(run.ended) or (f"step {run.collapse_step:,}, "
+                                             f"{fmt(run.summary.get('collapse_minute'), '.1f')} min")
         cells = [f"`{run.path}`", f"`{arm(run)}`", run.setting("seed", "n/a"),
                  fmt(run.outcome["steps"], ","), collapsed, fmt(run.outcome.get("final_train_loss"), ".4f"),
                  fmt(run.outcome["final_val_loss"], ".4f"),
@@ -233,15 +251,18 @@ def run_table(runs):
 
 
 def arm_rates(runs):
-    """One row per arm, in the order the arms first appear: how many of its runs collapsed, the median minutes to
-    collapse over those, medians over all of its runs, and its val loss against fp32 attention's (val_loss_vs)."""
+    """One row per arm, in the order the arms first appear: how many of its runs collapsed among those that ended
+    by themselves (a collapse, or their --steps or --minutes), how many did not end so (killed, or still running:
+    they have not said), the median minutes to collapse over the collapsed, medians over all of its runs, and its
+    val loss against fp32 attention's (val_loss_vs)."""
     groups = by_arm(runs)
     reference = next((g for g in groups.values() if all(family(run) == "fp32" for run in g)), None)
     rows = []
     for name, group in groups.items():
-        collapsed = [run for run in group if run.collapse_step is not None]
+        collapsed = [run for run in group if run.ended == "collapsed"]
         step, ratio = val_loss_vs(group, reference) if reference else (None, None)
         rows.append(dict(arm=name, collapsed=len(collapsed), runs=len(group),
+                         ended=sum(run.ended in ("collapsed", "finished") for run in group),
                          median_collapse_minute=median([run.summary.get("collapse_minute") for run in collapsed]),
                          **{f"median_{key}": median([run.outcome[key] for run in group])
                             for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")},
@@ -265,12 +286,12 @@ def val_loss_vs(group, reference):
 
 
 def rate_table(rates):
-    lines = ["| arm | collapsed | median minutes to collapse | median steps | median final val loss "
-             "| median max logit | median tokens/s | val loss / fp32's (at step) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | collapsed / ended | killed or running | median minutes to collapse | median steps "
+             "| median final val loss | median max logit | median tokens/s | val loss / fp32's (at step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rates:
         versus = "-" if r["val_loss_vs_fp32"] is None else f"{r['val_loss_vs_fp32']:.4f} ({r['val_step']:,})"
-        cells = [f"`{r['arm']}`", f"{r['collapsed']}/{r['runs']}",
+        cells = [f"`{r['arm']}`", f"{r['collapsed']}/{r['ended']}", str(r["runs"] - r["ended"]),
                  fmt(r["median_collapse_minute"], ".1f") if r["collapsed"] else "-",
                  fmt(r["median_steps"], ",.0f"), fmt(r["median_final_val_loss"], ".4f"),
                  fmt(r["median_max_logit"], ".4g"), fmt(r["median_tokens_per_s"], ",.0f"), versus]
@@ -316,7 +337,8 @@ def analyze_runs(runs, out):
                       ""] + study_table(list(csv.DictReader(f)), table.parent) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
-              "only. Also in rates.csv.", ""] + rate_table(rates)
+              "only; a run ended by itself in a collapse or at its --steps or --minutes. Also in rates.csv.",
+              ""] + rate_table(rates)
     lines += ["", "### Where W_Q grows", ""]
     if layer is None:
         lines.append("No sn_q columns with data: growth layer not determined.")
@@ -332,16 +354,6 @@ def analyze_runs(runs, out):
 # The study's table: runs.csv by arm, written into README.md between markers, so it is never typed
 
 ALONE_TOKENS_PER_S = 2.5e6  # a default-preset run above this had the H200 alone (side by side: ~1.5M each)
-
-
-def span(values, spec=",.0f"):
-    """'median (low-high)' of numbers; one number alone; '-' for none."""
-    values = sorted(values)
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return format(values[0], spec)
-    return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
 
 
 def seed_list(seeds):

@@ -74,10 +74,29 @@ class Run:
         return self.summary.get("collapse_step") if self.summary.get("collapsed") else None
 
     @cached_property
+    def summarised(self):
+        """Whether summary.json tells how the run ended. train.py writes it when a run ends by itself (a collapse,
+        its --steps or its --minutes), so a run without one, or whose log goes on past it (resumed, then killed),
+        has not ended so: it was killed, or it is still running."""
+        return bool(self.summary) and log_outcome(self.log)["steps"] <= self.summary.get("steps", 0)
+
+    @property
+    def ended(self):
+        """How the run ended: "collapsed"; "finished", at its --steps or --minutes without a collapse; "running" (a
+        live process holds its lock); or "stopped" before its end (killed)."""
+        if self.collapse_step is not None:
+            return "collapsed"
+        if lock_holder(self.path) is not None:
+            return "running"
+        return "finished" if self.summarised else "stopped"
+
+    @cached_property
     def outcome(self):
         """steps, minutes, final losses, max_logit, tokens_per_s and the rest of summary.json: the summary's where
-        it has them, else what the log says (log_outcome: a run in progress, or killed before its summary)."""
-        return {**log_outcome(self.log), **{k: v for k, v in self.summary.items() if v is not None}}
+        it has them, else what the log says (log_outcome: a run in progress, or killed before or after its
+        summary)."""
+        summary = self.summary if self.summarised else {}
+        return {**log_outcome(self.log), **{k: v for k, v in summary.items() if v is not None}}
 
 
 def log_outcome(log):

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -148,8 +149,8 @@ def test_headline_draws_each_arm_once_named_by_its_flags(tmp_path, monkeypatch):
     analyze.plot_headline(runs, run_styles(runs, {r.path: analyze.arm(r) for r in runs}), tmp_path / "h.png")
     fig = figures[0]
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["--preset tiny --fix off --delta-fp32 (1 seed; no collapse; stopped at 390 steps)",
-                     "--preset tiny --fix off (3 seeds; 1 collapsed, median step 300; 2 stopped at 390 steps)",
+    assert texts == ["--preset tiny --fix off --delta-fp32 (1 run: no collapse in 390 steps)",
+                     "--preset tiny --fix off (3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps)",
                      "collapse"]
     loss, logit, alive = fig.axes
     assert [len(ax.lines) for ax in (loss, logit)] == [1 + 1 + 1] * 2  # two medians and one collapse mark each
@@ -260,11 +261,35 @@ def test_runs_report_and_figures(tmp_path):
     assert f"| `--preset tiny --fix off` | 0 | 390 | step {COLLAPSE_STEP}, {COLLAPSE_STEP * 1.5 / 60:.1f} min" in row
     assert f"{[r['val_loss'] for r in collapsed if r['val_loss'] != ''][-1]:.4f}" in row
     # what its log says: the last train loss, no val loss, no logits, no speed
-    assert (f"| `{partial}` | `--preset tiny --fix paper` | 5 | 10 | n/a (no summary.json) | 4.0000 | n/a | n/a "
-            "| n/a |" in report)
-    assert "| `--preset tiny --attn sdpa` | 0/1 | - | 390 |" in report
+    assert (f"| `{partial}` | `--preset tiny --fix paper` | 5 | 10 | no, but stopped before its end (killed) "
+            "| 4.0000 | n/a | n/a | n/a |" in report)
+    assert "| `--preset tiny --attn sdpa` | 0/1 | 0 | - | 390 |" in report
+    assert "| `--preset tiny --fix paper` | 0/0 | 1 | - | 10 |" in report   # killed: not a run without a collapse
     assert "**layer 1**" in report  # the synthetic collapsing run grows W_Q in layer 1
     assert (out / "rates.csv").stat().st_size > 0
+
+
+def test_a_killed_run_is_counted_as_stopped(tmp_path):
+    """A run without summary.json (killed), or whose log goes on past it (resumed, then killed), stopped before its
+    end: neither a collapse nor a run that trained through. One whose lock a live process holds is still running."""
+    rng = np.random.default_rng(0)
+    write_run(tmp_path, "done-s0", 0, False, rng)
+    write_run(tmp_path, "killed-s1", 1, False, rng)
+    (tmp_path / "killed-s1" / "summary.json").unlink()
+    write_run(tmp_path, "resumed-s2", 2, False, rng)
+    summary = tmp_path / "resumed-s2" / "summary.json"
+    summary.write_text(json.dumps(json.loads(summary.read_text()) | dict(steps=200)))   # its first leg's
+    write_run(tmp_path, "live-s3", 3, False, rng)
+    (tmp_path / "live-s3" / "summary.json").unlink()
+    (tmp_path / "live-s3" / "lock").write_text(str(os.getpid()))
+    write_run(tmp_path, "fell-s4", 4, True, rng)
+    runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
+    assert [run.ended for run in runs] == ["finished", "collapsed", "stopped", "running", "stopped"]
+    words = analyze.outcome(runs)
+    assert words == ("5 runs: 1 collapsed at step 300; 1 without a collapse in 390 steps; 2 stopped at step 390, "
+                     "before their end (killed); 1 still running (step 390)")
+    rates = analyze.arm_rates(runs)[0]
+    assert (rates["collapsed"], rates["ended"], rates["runs"]) == (1, 2, 5)
 
 
 def test_probe_report_without_phases(tmp_path):
@@ -282,14 +307,15 @@ def test_probe_report_without_phases(tmp_path):
 
 def test_arm_rates(tmp_path):
     """The per-arm table, in report.md and rates.csv: two arms, one collapsed run. The summaries' values are chosen
-    so that each median differs from the mean; --fix off's max logits come from its logs."""
+    so that each median differs from the mean (steps from the log's last, 390, on: a summary short of its log is
+    one of a run resumed and killed since); --fix off's max logits come from its logs."""
     rng = np.random.default_rng(0)
     runs = tmp_path / "runs"
-    seeds = [("off", 0, True, dict(steps=300, tokens_per_s=4000.0, final_val_loss=9.0)),
-             ("off", 1, False, dict(steps=390, tokens_per_s=5000.0, final_val_loss=2.0)),
-             ("off", 2, False, dict(steps=100, tokens_per_s=9000.0, final_val_loss=2.5)),
-             ("on", 0, False, dict(steps=390, tokens_per_s=6000.0, final_val_loss=2.2, max_logit=20.0)),
-             ("on", 1, False, dict(steps=200, tokens_per_s=7000.0, final_val_loss=2.4, max_logit=30.0))]
+    seeds = [("off", 0, True, dict(steps=400, tokens_per_s=4000.0, final_val_loss=9.0)),
+             ("off", 1, False, dict(steps=600, tokens_per_s=5000.0, final_val_loss=2.0)),
+             ("off", 2, False, dict(steps=450, tokens_per_s=9000.0, final_val_loss=2.5)),
+             ("on", 0, False, dict(steps=400, tokens_per_s=6000.0, final_val_loss=2.2, max_logit=20.0)),
+             ("on", 1, False, dict(steps=500, tokens_per_s=7000.0, final_val_loss=2.4, max_logit=30.0))]
     max_logits = []
     for fix, seed, collapse, values in seeds:
         rows = write_run(runs, f"{fix}-s{seed}", seed, collapse, rng, fix=fix)
@@ -304,16 +330,16 @@ def test_arm_rates(tmp_path):
 
     report = (runs / "figures" / "report.md").read_text()
     minutes = COLLAPSE_STEP * 1.5 / 60
-    assert (f"| `--preset tiny --fix off` | 1/3 | {minutes:.1f} | 300 | 2.5000 | {max_logits[1]:.4g} | 5,000 | - |"
-            in report)
-    assert "| `--preset tiny --fix on` | 0/2 | - | 295 | 2.3000 | 25 | 6,500 | - |" in report  # no fp32 arm
+    assert (f"| `--preset tiny --fix off` | 1/3 | 0 | {minutes:.1f} | 450 | 2.5000 | {max_logits[1]:.4g} | 5,000 "
+            "| - |" in report)
+    assert "| `--preset tiny --fix on` | 0/2 | 0 | - | 450 | 2.3000 | 25 | 6,500 | - |" in report  # no fp32 arm
     with open(runs / "figures" / "rates.csv", newline="") as f:
         rates = list(csv.DictReader(f))
-    assert [(r["arm"], r["collapsed"], r["runs"], r["median_collapse_minute"]) for r in rates] == [
-        ("--preset tiny --fix off", "1", "3", str(minutes)), ("--preset tiny --fix on", "0", "2", "")]
+    assert [(r["arm"], r["collapsed"], r["ended"], r["runs"], r["median_collapse_minute"]) for r in rates] == [
+        ("--preset tiny --fix off", "1", "3", "3", str(minutes)), ("--preset tiny --fix on", "0", "2", "2", "")]
     numbers = [float(r[f"median_{key}"]) for r in rates
                for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")]
-    assert numbers == pytest.approx([300, 2.5, max_logits[1], 5000, 295, 2.3, 25, 6500], rel=1e-5)
+    assert numbers == pytest.approx([450, 2.5, max_logits[1], 5000, 450, 2.3, 25, 6500], rel=1e-5)
 
 
 def test_val_loss_against_fp32_at_the_same_step(tmp_path):
