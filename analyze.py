@@ -25,7 +25,6 @@ Runs are named by their arm: the train.py flags that set them apart from their p
 """
 
 import argparse
-import csv
 import os
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from experiments.mechanism import demonstrate   # --mechanism: a study on synthe
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import family, fix_word, plot_grid, run_styles, save, step_axis
-from nanolp.runs import find_runs, load_run, write_csv
+from nanolp.runs import find_runs, load_run, read_table, study_runs, write_csv
 from nanolp.presets import COMMON, NUMERICS, PRESETS, changed_settings
 
 # -----------------------------------------------------------------------------
@@ -116,30 +115,37 @@ def outcome(group):
 
 
 # -----------------------------------------------------------------------------
-# The headline: per arm, the median and the range over seeds of the loss and of layer 0's max logit
+# The headline: per arm, each run's loss and layer 0's max logit to its end, and the share not yet collapsed
 
 LOGIT = f"max_logit_L{PROBE_LAYER}"  # the layer that runs away
+MEDIAN_RUNS = 3   # an arm's median is drawn only where this many of its runs are alive: the median of two is their
+                  # midpoint, and a median jumps where one of few runs ends, which reads as a recovery
 
 
-def band(group, column):
-    """(steps, median, min, max) of a log column over the runs of `group`, on the union of their logged steps;
-    each run counts within its own logged range (interpolated between its rows), so a run that stopped early
-    drops out of the band there. None if no run has the column."""
+def median_line(group, column):
+    """(steps, median) of a log column over the runs of `group`, on the union of their logged steps; each run
+    counts within its own logged range (interpolated between its rows), and the median is NaN (not drawn) where
+    fewer than MEDIAN_RUNS runs count. None where it is NaN everywhere."""
     series = [s for s in (run.series(column) for run in group) if s is not None]
-    if not series:
+    if len(series) < MEDIAN_RUNS:
         return None
     steps = np.unique(np.concatenate([x for x, _ in series]))
     values = np.full((len(series), len(steps)), np.nan)
     for row, (x, y) in zip(values, series):
         inside = (steps >= x[0]) & (steps <= x[-1])
         row[inside] = np.interp(steps[inside], x, y)
-    return steps, np.nanmedian(values, axis=0), np.nanmin(values, axis=0), np.nanmax(values, axis=0)
+    enough = np.isfinite(values).sum(axis=0) >= MEDIAN_RUNS
+    if not enough.any():
+        return None
+    middle = np.full(len(steps), np.nan)
+    middle[enough] = np.nanmedian(values[:, enough], axis=0)
+    return steps, middle
 
 
 def survival(group):
-    """(steps, share of runs not yet collapsed) of an arm, the Kaplan-Meier estimate over its seeds: at each
-    collapse the share falls by 1/(runs still training there); a run that stopped without collapsing leaves the
-    count where its log ends. The curve runs from step 0 to the arm's last logged step."""
+    """(steps, share of runs not yet collapsed) of an arm, the Kaplan-Meier estimate over its runs: at each
+    collapse the share falls by 1/(runs still training there); a run that ended without collapsing (or stopped)
+    leaves the count where it ended. The curve runs from step 0 to the arm's last step."""
     ends = sorted((run.collapse_step if run.collapse_step is not None else run.outcome["steps"],
                    run.collapse_step is not None) for run in group)
     steps, share, alive = [0], [1.0], 1.0
@@ -151,29 +157,43 @@ def survival(group):
     return np.array(steps), np.array(share)
 
 
-def plot_headline(runs, styles, path):
-    """Train loss and layer 0's max logit per arm (median and range over seeds, an X where a run collapsed), and
-    the share of each arm's runs not yet collapsed: how often, and how soon, at a glance."""
+def plot_headline(runs, study, styles, path):
+    """Per arm, train loss and layer 0's max logit of each run with a log: a thin line to its end, an X where it
+    collapsed, and the median where at least MEDIAN_RUNS of them are alive; then the share of the arm's runs not yet
+    collapsed, over `study`: the runs and every other run of their studies (runs.csv rows without a log), so that
+    the panel and the legend count what the table counts."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=[1, 1, 0.8])
+    drawn = by_arm(runs)
+    max_step = max(run.outcome["steps"] for run in study)
     handles = []
-    for name, group in by_arm(runs).items():
+    for name, group in by_arm(study).items():
         colour = styles[group[0].path]["color"]
+        lines = drawn.get(name, [])
         for ax, column in zip(axes, ("train_loss", LOGIT)):
-            curve = band(group, column)
-            if curve is None:
-                continue
-            steps, middle, low, high = curve
-            ax.plot(steps, middle, color=colour, linewidth=1.4)
-            if len(group) > 1:
-                ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
-            for run in group:
+            for run in lines:
+                if run.series(column) is not None:
+                    ax.plot(*run.series(column), color=colour, linewidth=0.8, alpha=0.75)
                 mark_collapse(ax, run, column, colour)
-        axes[2].step(*survival(group), where="post", color=colour, linewidth=1.6)
-        handles.append(Line2D([], [], color=colour, linewidth=1.4, label=f"{name} ({outcome(group)})"))
+            curve = median_line(lines, column)
+            if curve is not None:
+                ax.plot(*curve, color=colour, linewidth=2.6)
+        steps, share = survival(group)
+        # a tick where each run ended without a collapse; shorter arms drawn over longer ones, so that arms that
+        # never collapsed, all at 1, each show where they end
+        axes[2].step(steps, share, where="post", color=colour, linewidth=1.6, zorder=3 - steps[-1] / max_step)
+        ended = [run.outcome["steps"] for run in group if run.collapse_step is None]
+        axes[2].plot(ended, share[np.searchsorted(steps, ended, side="right") - 1], "|", color=colour,
+                     markersize=14, markeredgewidth=1.6, zorder=4)
+        logs = "" if len(lines) == len(group) else f"; lines: {len(lines)} of them" if lines else "; no lines"
+        handles.append(Line2D([], [], color=colour, linewidth=1.6, label=f"{name}: {outcome(group)}{logs}"))
+    handles.append(Line2D([], [], color="gray", linewidth=2.6,
+                          label=f"median of an arm's lines, where at least {MEDIAN_RUNS} are alive"))
     if any(run.collapse_step is not None for run in runs):
         handles.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9, label="collapse"))
+    handles.append(Line2D([], [], color="k", marker="|", linestyle="", markersize=12,
+                          label="a run's end without a collapse (right)"))
     titles = ("training loss (nats/token)", f"layer {PROBE_LAYER}'s max attention logit",
-              "share of seeds not yet collapsed")
+              "share of runs not yet collapsed" + (" (all of runs.csv)" if len(study) > len(runs) else ""))
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -182,10 +202,10 @@ def plot_headline(runs, styles, path):
     for ax in axes[:2]:
         ax.set_yscale("log")
     axes[2].set_ylim(-0.03, 1.03)
-    spread = ": median over seeds, shaded min to max" if any(len(g) > 1 for g in by_arm(runs).values()) else ""
-    fig.suptitle(f"per arm (the train.py flags that differ from the preset){spread}", fontsize=11)
+    fig.suptitle("per arm (the train.py flags that differ from the preset): each run with a kept log a thin line "
+                 "to its end", fontsize=11)
     fig.tight_layout()
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=9)
     return save(fig, path)
 
 
@@ -300,9 +320,14 @@ def rate_table(rates):
 
 
 def analyze_runs(runs, out):
-    """The headline and the per-layer figures into `out`; returns the report section as markdown lines."""
-    styles = run_styles(runs, {run.path: arm(run) for run in runs})
-    figures = [plot_headline(runs, styles, out / "headline.png")]
+    """The headline and the per-layer figures into `out`; returns the report section as markdown lines. A study's
+    runs (their folder's parent has a runs.csv) come with the study's other runs, those whose logs were not kept,
+    for the counts that the table makes (the headline's survival panel and legend)."""
+    tables = sorted({t for t in (run.path.parent.parent / "runs.csv" for run in runs) if t.exists()})
+    logged = {run.path: run for run in runs}
+    study = [logged.pop(run.path, run) for table in tables for run in study_runs(table)] + list(logged.values())
+    styles = run_styles(study, {run.path: arm(run) for run in study})
+    figures = [plot_headline(runs, study, styles, out / "headline.png")]
     layers = range(layer_count(runs))
     layer, growth = growth_layer(runs)
     if layers:
@@ -330,11 +355,9 @@ def analyze_runs(runs, out):
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))
     lines = ["## Runs", ""]
-    tables = {path.parent.parent / "runs.csv" for path in (run.path for run in runs)}
-    for table in sorted(t for t in tables if t.exists()):   # a study's runs: README.md's table, with the rows of
-        with open(table, newline="") as f:                # runs whose logs were not kept
-            lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in README.md):",
-                      ""] + study_table(list(csv.DictReader(f)), table.parent) + ["", "The runs with logs:", ""]
+    for table in tables:   # a study's runs: README.md's table, with the rows of runs whose logs were not kept
+        lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in README.md):",
+                  ""] + study_table(read_table(table), table.parent) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
               "only; a run ended by itself in a collapse or at its --steps or --minutes. Also in rates.csv.",
@@ -364,37 +387,36 @@ def seed_list(seeds):
 
 
 def study_table(rows, folder):
-    """The markdown table of a study's runs.csv rows, one line per arm in the order the arms first appear, and a
-    line on how long the fix-off arm takes to collapse alone on the GPU. Layer 0's peak comes from the runs whose
-    logs are kept in folder/runs/."""
+    """The markdown table of a study's runs.csv rows (nanolp.runs.read_table), one line per arm in the order the
+    arms first appear, and a line on how long the fix-off arm takes to collapse alone on the GPU. Layer 0's peak
+    comes from the runs whose logs are kept in folder/runs/."""
     arms, variants = {}, [row for row in rows if row.get("variant")]
     for row in rows:
         if not row.get("variant"):   # a patched kernel is no train.py command: results/README.md has those
             arms.setdefault(row["arm"], []).append(row)
-    number = lambda row, key: float(row[key]) if row[key] not in ("", None) else None
     lines = ["| arm | command | runs (seeds) | logs kept | collapsed | steps to collapse: median (range) "
              f"| steps without a collapse: median (range) | training minutes to collapse | peak of {LOGIT} "
              "(kept logs) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, group in arms.items():
-        fell = [row for row in group if row["collapsed"] == "True"]
-        stood = [row for row in group if row["collapsed"] != "True"]
+        fell = [row for row in group if row["collapsed"]]
+        stood = [row for row in group if not row["collapsed"]]
         cells = [f"`{name}`", f"`python train.py {group[0]['flags']}`",
-                 f"{len(group)} ({seed_list(int(row['seed']) for row in group)})",
-                 str(sum(row.get("log_kept") == "True" for row in group)), f"**{len(fell)} / {len(group)}**",
-                 span([number(row, "collapse_step") for row in fell]), span([number(row, "steps") for row in stood]),
-                 span([number(row, "collapse_minute") for row in fell], ".1f"),
+                 f"{len(group)} ({seed_list(row['seed'] for row in group)})",
+                 str(sum(bool(row.get("log_kept")) for row in group)), f"**{len(fell)} / {len(group)}**",
+                 span([row["collapse_step"] for row in fell]), span([row["steps"] for row in stood]),
+                 span([row["collapse_minute"] for row in fell], ".1f"),
                  span([peak_logit(load_run(folder / "runs" / row["name"])) for row in group
-                       if row.get("log_kept") == "True"], ".3g")]
+                       if row.get("log_kept")], ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     if variants:
         lines += ["", f"Not in the table: {len(variants)} runs of patched kernels (runs.csv's `variant` column)."]
-    off = [row for row in arms.get("off", []) if row["collapsed"] == "True"]
-    alone = [row for row in off if number(row, "tokens_per_s") > ALONE_TOKENS_PER_S]
+    off = [row for row in arms.get("off", []) if row["collapsed"]]
+    alone = [row for row in off if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
     if alone:   # steps a minute of the runs that had the GPU alone, evaluations and diagnostics included
-        pace = median([number(row, "collapse_step") / number(row, "collapse_minute") for row in alone])
+        pace = median([row["collapse_step"] / row["collapse_minute"] for row in alone])
         lines += ["", f"Alone on one H200 a fix-off run trains {pace:,.0f} steps a minute (median of its "
                       f"{len(alone)} runs that had the GPU alone: {', '.join(row['name'] for row in alone)}), so "
-                      f"its collapses come after {span([number(row, 'collapse_step') / pace for row in off], '.1f')} "
+                      f"its collapses come after {span([row['collapse_step'] / pace for row in off], '.1f')} "
                       f"minutes."]
     return lines
 
@@ -405,8 +427,7 @@ def update_readme(readme, table):
     text = readme.read_text()
     if begin not in text:
         raise SystemExit(f"{readme} has no line {begin!r}: add it, and {end!r}, where the table goes")
-    with open(table, newline="") as f:
-        lines = study_table(list(csv.DictReader(f)), table.parent)
+    lines = study_table(read_table(table), table.parent)
     head, rest = text.split(begin, 1)
     readme.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
 

@@ -1,5 +1,6 @@
-"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/), the lock that keeps
-two runs from writing one folder, and write the CSV tables made of them (write_csv).
+"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/) and a study's runs.csv
+(study_runs), the lock that keeps two runs from writing one folder, and write the CSV tables made of them
+(write_csv).
 
 A run folder may still be in progress or may come from an older train.py, so every file and
 every column is optional: missing files read as empty, empty cells read as NaN.
@@ -221,6 +222,36 @@ def to_float(cell):
 def load_run(path):
     path = Path(path)
     return Run(path, read_json(path / "config.json"), read_json(path / "summary.json"), read_log(log_path(path)))
+
+
+def study_runs(table):
+    """The runs of a study's runs.csv (experiments/sweep.py writes it beside the study's runs/ folder): each row's
+    run folder where its log is kept, else a Run of the row alone, without a log (an earlier run whose log was not
+    kept: its settings and outcome). Rows of patched kernels (the `variant` column) are left out: they are no
+    train.py command, and their flags would put them in the plain kernel's arm."""
+    folder = Path(table).parent / "runs"
+    return [load_run(folder / row["name"]) if row["log_kept"] else Run(folder / row["name"], {}, row, {})
+            for row in read_table(table) if not row.get("variant")]
+
+
+def read_table(path):
+    """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell)."""
+    with open(path, newline="") as f:
+        return [{k: from_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def from_cell(text):
+    """A CSV cell as the value it spells: None, a bool, an int, a float or the text."""
+    if text in ("", None):
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def thin_log(src, dst, every=100):

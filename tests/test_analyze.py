@@ -15,7 +15,7 @@ from experiments import mechanism
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
-from nanolp.runs import Run, load_run
+from nanolp.runs import Run, load_run, read_table, study_runs, write_csv
 
 N_LAYER, N_HEAD = 2, 2  # the tiny preset's
 STEPS = np.arange(0, 400, 10)
@@ -108,18 +108,16 @@ def loss_run(name, steps, loss):
     return Run(Path(name), dict(fix="off", seed=name[-1]), {}, log)
 
 
-def test_band_is_the_median_and_range_of_the_runs_still_running():
+def test_median_only_where_three_runs_are_alive():
     a = loss_run("a-s0", [0, 100, 200, 300], [4.0, 3.0, 2.0, 1.0])
-    b = loss_run("a-s1", [0, 200], [5.0, 1.0])           # logged less often: interpolated at 100 (3.0)
+    b = loss_run("a-s1", [0, 200, 300], [5.0, 1.0, 1.0])    # logged less often: interpolated at 100 (3.0)
     c = loss_run("a-s2", [0, 100, 200], [1.0, 9.0, np.nan])  # an empty cell at 200, then stopped
-    steps, middle, low, high = analyze.band([a, b, c], "train_loss")
+    steps, middle = analyze.median_line([a, b, c], "train_loss")
     assert steps.tolist() == [0, 100, 200, 300]
-    assert middle.tolist() == [4.0, 3.0, 1.5, 1.0]      # at 200: c has no value, at 300 only a runs
-    assert low.tolist() == [1.0, 3.0, 1.0, 1.0]
-    assert high.tolist() == [5.0, 9.0, 2.0, 1.0]
-    steps, middle, low, high = analyze.band([a], "train_loss")
-    assert middle.tolist() == low.tolist() == high.tolist() == [4.0, 3.0, 2.0, 1.0]  # one seed: a line
-    assert analyze.band([a], "val_loss") is None
+    assert middle[:2].tolist() == [4.0, 3.0] and np.isnan(middle[2:]).all()   # from 200 on, two are alive
+    # two runs: no median at all (the median of two, where one ends, would jump to the other and read as a recovery)
+    assert analyze.median_line([a, b], "train_loss") is None
+    assert analyze.median_line([a, b, c], "val_loss") is None
 
 
 def ended_run(name, steps, collapse_step=None):
@@ -138,27 +136,84 @@ def test_survival_falls_at_each_collapse_among_the_runs_still_training():
     assert steps.tolist() == [0, 600] and share.tolist() == [1.0, 1.0]   # none collapsed: flat at all
 
 
-def test_headline_draws_each_arm_once_named_by_its_flags(tmp_path, monkeypatch):
+def headline(runs, study, monkeypatch):
+    """The headline figure of `runs` (and `study`, the runs of their runs.csv), not saved."""
+    figures = []
+    monkeypatch.setattr(analyze, "save", lambda fig, path: figures.append(fig) or path)
+    analyze.plot_headline(runs, study, run_styles(study, {r.path: analyze.arm(r) for r in study}), Path("h.png"))
+    return figures[0]
+
+
+def test_headline_draws_each_run_to_its_end(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     for seed, collapse in ((0, True), (1, False), (2, False)):
         write_run(tmp_path, f"off-s{seed}", seed, collapse, rng)
     write_run(tmp_path, "o32-s0", 0, False, rng, delta_fp32=True)  # an internal name: the legend must not use it
     runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
-    figures = []
-    monkeypatch.setattr(analyze, "save", lambda fig, path: figures.append(fig) or path)
-    analyze.plot_headline(runs, run_styles(runs, {r.path: analyze.arm(r) for r in runs}), tmp_path / "h.png")
-    fig = figures[0]
+    fig = headline(runs, runs, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["--preset tiny --fix off --delta-fp32 (1 run: no collapse in 390 steps)",
-                     "--preset tiny --fix off (3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps)",
-                     "collapse"]
+    assert texts == ["--preset tiny --fix off --delta-fp32: 1 run: no collapse in 390 steps",
+                     "--preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps",
+                     "median of an arm's lines, where at least 3 are alive", "collapse",
+                     "a run's end without a collapse (right)"]
     loss, logit, alive = fig.axes
-    assert [len(ax.lines) for ax in (loss, logit)] == [1 + 1 + 1] * 2  # two medians and one collapse mark each
-    assert [np.round(line.get_ydata(), 6).tolist() for line in alive.lines] == [[1.0, 1.0], [1.0, 0.666667, 0.666667]]
-    assert len(loss.collections) == 1  # a range only for the arm with several seeds
-    median = analyze.band([r for r in runs if r.name.startswith("off")], "train_loss")[1]
-    assert np.allclose(loss.lines[1].get_ydata(), median)
+    off = [r for r in runs if r.name.startswith("off")]
+    for ax, column in ((loss, "train_loss"), (logit, analyze.LOGIT)):
+        # a thin line per run, each to its own end, one X, and one median (off's three runs)
+        assert [line.get_linewidth() for line in ax.lines].count(0.8) == 4
+        assert [line.get_marker() for line in ax.lines].count("X") == 1
+        medians = [line for line in ax.lines if line.get_linewidth() > 2]
+        assert len(medians) == 1 and np.allclose(medians[0].get_ydata(), analyze.median_line(off, column)[1])
     assert loss.get_yscale() == logit.get_yscale() == "log"
+    steps = [line for line in alive.lines if line.get_marker() != "|"]
+    assert [np.round(line.get_ydata(), 6).tolist() for line in steps] == [[1.0, 1.0], [1.0, 0.666667, 0.666667]]
+    ticks = [line for line in alive.lines if line.get_marker() == "|"]
+    assert [line.get_xdata().tolist() for line in ticks] == [[390], [390, 390]]   # where each run ended
+
+
+def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
+    """Lines for the runs with logs; the survival panel and the legend over every row of runs.csv, the rows without
+    a log included, so that they say what README's table says."""
+    study = tmp_path / "study"
+    rng = np.random.default_rng(0)
+    write_run(study / "runs", "off-s0", 0, True, rng, preset="default", n_layer=6, n_head=6)   # the default's shape
+    rows = [dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", collapsed=True,
+                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=5e8, tokens_per_s=5000.0,
+                 log_kept=True, variant="")]
+    rows += [dict(name=f"off-s{seed}-nolog", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off",
+                  collapsed=True, collapse_step=step, collapse_minute=step / 40, steps=step + 5, max_logit=1e9,
+                  tokens_per_s=5000.0, log_kept=False, variant="") for seed, step in ((1, 600), (2, 900))]
+    rows += [dict(name="sdpa-s0-nolog", arm="sdpa", flags="--attn sdpa", seed=0, attn="sdpa", fix="off",
+                  collapsed=False, collapse_step="", collapse_minute="", steps=1000, max_logit=3e5,
+                  tokens_per_s=5000.0, log_kept=False, variant=""),
+             dict(name="patched-s0-nolog", arm="patched", flags="--fix off", seed=0, attn="kernel", fix="off",
+                  collapsed=True, collapse_step=50, collapse_minute=1.0, steps=55, max_logit=1e9, tokens_per_s=5000.0,
+                  log_kept=False, variant="a patched kernel")]
+    write_csv(study / "runs.csv", rows, list(rows[0]))
+    runs = [load_run(study / "runs" / "off-s0")]
+    everyone = study_runs(study / "runs.csv")
+    assert [run.name for run in everyone] == ["off-s0", "off-s1-nolog", "off-s2-nolog", "sdpa-s0-nolog"]
+    assert everyone[0].log and not everyone[1].log   # the kept log is read; the others are their row alone
+    assert [analyze.arm(run) for run in everyone] == ["--fix off"] * 3 + ["--attn sdpa"]   # runs.csv's flags
+
+    fig = headline(runs, everyone, monkeypatch)
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts[:2] == ["--fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
+                         "--attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
+    table = analyze.study_table(read_table(study / "runs.csv"), study)
+    assert "| **3 / 3** | 600 (300-900) |" in table[2] and "| **0 / 1** | - | 1,000 |" in table[3]
+    alive = [line for line in fig.axes[2].lines if line.get_marker() != "|"]
+    assert alive[0].get_xdata().tolist() == [0, 300, 600, 900, 900]   # falls at each of the table's collapses
+    assert np.round(alive[0].get_ydata(), 6).tolist() == [1.0, 0.666667, 0.333333, 0.0, 0.0]
+    assert alive[1].get_xdata().tolist() == [0, 1000] and alive[1].get_ydata().tolist() == [1.0, 1.0]
+    assert len(fig.axes[0].lines) == 2   # off-s0's line and its X: no median of one run
+
+
+def test_the_seed_studys_rows_are_named_by_their_flags():
+    """A runs.csv row without a log reads as the run it summarises: its arm is its `flags` column."""
+    table = Path(analyze.__file__).parent / "results/seed_study/runs.csv"
+    rows = [row for row in read_table(table) if not row["variant"]]
+    assert [analyze.arm(run) for run in study_runs(table)] == [row["flags"] for row in rows]
 
 
 # -----------------------------------------------------------------------------
@@ -478,18 +533,17 @@ def test_readme_table_is_the_study_table_of_its_runs_csv():
     """README.md's table is regenerated from runs.csv (python analyze.py --table), never typed."""
     root = Path(analyze.__file__).parent
     readme, table = root / "README.md", Path("results/seed_study/runs.csv")
-    with open(root / table, newline="") as f:
-        lines = analyze.study_table(list(csv.DictReader(f)), root / table.parent)
+    lines = analyze.study_table(read_table(root / table), root / table.parent)
     block = readme.read_text().split(f"<!-- table: python analyze.py --table {table} -->\n")[1]
     assert block.split("<!-- end of table -->")[0] == "\n".join(lines) + "\n"
 
 
 def test_study_table_counts_collapses_per_arm(tmp_path):
-    rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=str(s), collapsed="True",
-                 collapse_step=str(step), collapse_minute=str(minute), steps=str(step), tokens_per_s=str(speed),
-                 log_kept="False") for s, step, minute, speed in ((0, 100, 1.0, 3e6), (1, 300, 6.0, 1.5e6))]
-    rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed="0", collapsed="False", collapse_step="",
-                     collapse_minute="", steps="500", tokens_per_s="3e6", log_kept="False"))
+    rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=s, collapsed=True, collapse_step=step,
+                 collapse_minute=minute, steps=step, tokens_per_s=speed, log_kept=False)
+            for s, step, minute, speed in ((0, 100, 1.0, 3e6), (1, 300, 6.0, 1.5e6))]
+    rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed=0, collapsed=False, collapse_step=None,
+                     collapse_minute=None, steps=500, tokens_per_s=3e6, log_kept=False))
     lines = analyze.study_table(rows, tmp_path)
     assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 200 (100-300) | - " \
                        "| 3.5 (1.0-6.0) | - |"
