@@ -377,6 +377,8 @@ def analyze_runs(runs, out):
 # The study's table: runs.csv by arm, written into README.md between markers, so it is never typed
 
 ALONE_TOKENS_PER_S = 2.5e6  # a default-preset run above this had the H200 alone (side by side: ~1.5M each)
+RUNAWAY_LOGIT = 1e4   # a max logit past this ran away: the seed study's arms whose logits stay flat (fp32
+                      # attention, delta from P or the fp32 O, the fix) peak at 84-242 over all layers
 
 
 def seed_list(seeds):
@@ -388,15 +390,16 @@ def seed_list(seeds):
 
 def study_table(rows, folder):
     """The markdown table of a study's runs.csv rows (nanolp.runs.read_table), one line per arm in the order the
-    arms first appear, and a line on how long the fix-off arm takes to collapse alone on the GPU. Layer 0's peak
-    comes from the runs whose logs are kept in folder/runs/."""
+    arms first appear, a line on the arms that ran away without a collapse, and one on how long the fix-off arm
+    takes to collapse alone on the GPU. The peak max logit over all layers is every row's (runs.csv's max_logit),
+    layer 0's comes from the runs whose logs are kept in folder/runs/."""
     arms, variants = {}, [row for row in rows if row.get("variant")]
     for row in rows:
         if not row.get("variant"):   # a patched kernel is no train.py command: results/README.md has those
             arms.setdefault(row["arm"], []).append(row)
     lines = ["| arm | command | runs (seeds) | logs kept | collapsed | steps to collapse: median (range) "
-             f"| steps without a collapse: median (range) | training minutes to collapse | peak of {LOGIT} "
-             "(kept logs) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| steps without a collapse: median (range) | training minutes to collapse | peak max logit, any layer "
+             f"| peak of {LOGIT} (kept logs) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, group in arms.items():
         fell = [row for row in group if row["collapsed"]]
         stood = [row for row in group if not row["collapsed"]]
@@ -405,11 +408,22 @@ def study_table(rows, folder):
                  str(sum(bool(row.get("log_kept")) for row in group)), f"**{len(fell)} / {len(group)}**",
                  span([row["collapse_step"] for row in fell]), span([row["steps"] for row in stood]),
                  span([row["collapse_minute"] for row in fell], ".1f"),
+                 span([row["max_logit"] for row in group if row["max_logit"] is not None], ".3g"),
                  span([peak_logit(load_run(folder / "runs" / row["name"])) for row in group
                        if row.get("log_kept")], ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     if variants:
         lines += ["", f"Not in the table: {len(variants)} runs of patched kernels (runs.csv's `variant` column)."]
+    quiet = {name: group for name, group in arms.items() if not any(row["collapsed"] for row in group)}
+    high = {name: [row for row in group if (row["max_logit"] or 0) > RUNAWAY_LOGIT] for name, group in quiet.items()}
+    ran_away = {name: rows for name, rows in high.items() if rows}
+    if ran_away:   # "0 / 4" beside "10 / 10" reads as "stays flat"; these ran away and had not collapsed yet
+        flat = [row["max_logit"] for name, group in quiet.items() if name not in ran_away for row in group
+                if row["max_logit"] is not None]
+        lines += ["", f"No collapse is not no runaway: the max logit passed {RUNAWAY_LOGIT:,.0f} in " + ", ".join(
+            f"{len(rows)} of the {len(arms[name])} runs of `{name}`" for name, rows in ran_away.items()) +
+            ", which ended at the steps above before a collapse" + (
+            f"; the other arms without a collapse peak at {max(flat):.3g}." if flat else ".")]
     off = [row for row in arms.get("off", []) if row["collapsed"]]
     alone = [row for row in off if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
     if alone:   # steps a minute of the runs that had the GPU alone, evaluations and diagnostics included

@@ -540,13 +540,21 @@ def test_readme_table_is_the_study_table_of_its_runs_csv():
 
 def test_study_table_counts_collapses_per_arm(tmp_path):
     rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=s, collapsed=True, collapse_step=step,
-                 collapse_minute=minute, steps=step, tokens_per_s=speed, log_kept=False)
-            for s, step, minute, speed in ((0, 100, 1.0, 3e6), (1, 300, 6.0, 1.5e6))]
+                 collapse_minute=minute, steps=step, tokens_per_s=speed, max_logit=logit, log_kept=False)
+            for s, step, minute, speed, logit in ((0, 100, 1.0, 3e6, 1e9), (1, 300, 6.0, 1.5e6, 2e6))]
     rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed=0, collapsed=False, collapse_step=None,
-                     collapse_minute=None, steps=500, tokens_per_s=3e6, log_kept=False))
+                     collapse_minute=None, steps=500, tokens_per_s=3e6, max_logit=120.0, log_kept=False))
+    rows += [dict(name=f"sdpa-s{s}-nolog", arm="sdpa", flags="--attn sdpa", seed=s, collapsed=False,
+                  collapse_step=None, collapse_minute=None, steps=400, tokens_per_s=3e6, max_logit=logit,
+                  log_kept=False) for s, logit in ((0, 3e5), (1, None))]
     lines = analyze.study_table(rows, tmp_path)
     assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 200 (100-300) | - " \
-                       "| 3.5 (1.0-6.0) | - |"
-    assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | - |"
+                       "| 3.5 (1.0-6.0) | 5.01e+08 (2e+06-1e+09) | - |"
+    assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | 120 | - |"
+    assert lines[4] == "| `sdpa` | `python train.py --attn sdpa` | 2 (0, 1) | 0 | **0 / 2** | - | 400 | - | 3e+05 | - |"
+    # an arm without a collapse whose logits ran away is said so
+    assert lines[6] == ("No collapse is not no runaway: the max logit passed 10,000 in 1 of the 2 runs of `sdpa`, "
+                        "which ended at the steps above before a collapse; the other arms without a collapse peak "
+                        "at 120.")
     # one run had the GPU alone: 100 steps a minute, so the collapses come after 1 and 3 minutes
     assert lines[-1].endswith("so its collapses come after 2.0 (1.0-3.0) minutes.")
