@@ -240,6 +240,17 @@ def growth_layer(runs):
     return (max(mean, key=mean.get) if mean else None), mean
 
 
+GROWTH_MARGIN = 2   # while a model learns, every layer's W_Q grows alike (a 300-step tiny run: 1.8x and 2.1x); a
+                    # runaway grows one layer's far past the others' (the seed study's fix off: 349x against <= 8.2x)
+
+
+def stands_out(layer, growth):
+    """Whether `layer`'s growth ({layer: growth}) is at least GROWTH_MARGIN times every other layer's: only then
+    does the report name it as the layer where W_Q grows."""
+    others = [g for i, g in growth.items() if i != layer]
+    return bool(others) and growth[layer] >= GROWTH_MARGIN * max(others)
+
+
 def layer_count(runs):
     return max((len(run.columns(r"max_logit_L\d+")) for run in runs), default=0)
 
@@ -366,10 +377,13 @@ def analyze_runs(runs, out):
     if layer is None:
         lines.append("No sn_q columns with data: growth layer not determined.")
     else:
+        verdict = (f"Largest, at least {GROWTH_MARGIN}x every other layer's: **layer {layer}** (per head: "
+                   f"spectral_norm_heads.png)." if stands_out(layer, growth) else
+                   f"No layer stands out: none grew {GROWTH_MARGIN}x as much as every other, as in a run that only "
+                   f"learned (per head, layer {layer}, the largest: spectral_norm_heads.png).")
         lines.append("Growth of sn_q = max over logged steps / value at the first logged step, mean over the "
                      "`--fix off` runs of our attention (all runs if there are none): " + ", ".join(
-                         f"L{i} {g:.3g}" for i, g in sorted(growth.items())) +
-                     f". Largest: **layer {layer}** (per head: spectral_norm_heads.png).")
+                         f"L{i} {g:.3g}" for i, g in sorted(growth.items())) + ". " + verdict)
     return lines + ["", "### Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
 
 

@@ -320,7 +320,8 @@ def test_runs_report_and_figures(tmp_path):
             "| 4.0000 | n/a | n/a | n/a |" in report)
     assert "| `--preset tiny --attn sdpa` | 0/1 | 0 | - | 390 |" in report
     assert "| `--preset tiny --fix paper` | 0/0 | 1 | - | 10 |" in report   # killed: not a run without a collapse
-    assert "**layer 1**" in report  # the synthetic collapsing run grows W_Q in layer 1
+    # the synthetic collapsing run grows W_Q in layer 1: 4.9x, against 1.4x in layer 0
+    assert "Largest, at least 2x every other layer's: **layer 1**" in report
     assert (out / "rates.csv").stat().st_size > 0
 
 
@@ -345,6 +346,17 @@ def test_a_killed_run_is_counted_as_stopped(tmp_path):
                      "before their end (killed); 1 still running (step 390)")
     rates = analyze.arm_rates(runs)[0]
     assert (rates["collapsed"], rates["ended"], rates["runs"]) == (1, 2, 5)
+
+
+def test_a_layer_is_named_only_where_it_stands_out(tmp_path):
+    """A short run's W_Q grows alike in every layer, as it learns: the report names no layer."""
+    rng = np.random.default_rng(0)
+    write_run(tmp_path / "runs", "off-s0", 0, False, rng)   # every layer's W_Q grows 1.39x
+    analyze.main([str(tmp_path / "runs")])
+    report = (tmp_path / "runs" / "figures" / "report.md").read_text()
+    assert "**layer" not in report and "No layer stands out" in report
+    assert analyze.stands_out(0, {0: 349, 1: 8.2}) and not analyze.stands_out(1, {0: 1.8, 1: 2.1})
+    assert not analyze.stands_out(0, {0: 5.0})   # one layer: nothing to stand out from
 
 
 def test_probe_report_without_phases(tmp_path):
