@@ -1,7 +1,9 @@
 """The last chapter: what the runs show, in figures and a short report, and the rounding bias without training.
 
-    python analyze.py RUN... --out DIR           headline.png (loss and layer 0's max logit per arm), per-layer
-                                                 figures, rates.csv (per arm: collapsed, medians)
+    python analyze.py RUN... [--out DIR]         headline.png (per arm: each run's loss and layer 0's max logit,
+                                                 the share not yet collapsed), per-layer figures, rates.csv (per
+                                                 arm: collapsed, medians) and report.md, into DIR (by default the
+                                                 runs' folder's figures/: runs/figures for `python analyze.py runs`)
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
                                                  phase of layer 0's runaway; delta_probe.png: per run
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
@@ -501,14 +503,18 @@ def main(argv=None):
     mode.add_argument("--table", type=Path, metavar="CSV",
                       help="rewrite README.md's table of a study's runs.csv (between its markers); no runs")
     args = parser.parse_args(argv)
-    if args.table:
-        return update_readme(Path(__file__).resolve().parent / "README.md", args.table)
     if args.mechanism and args.runs:
         parser.error("--mechanism reads no runs")
+    given = [args.table] if args.table else [] if args.mechanism else args.runs or ["runs"]
+    missing = [str(path) for path in given if not Path(path).exists()]
+    if missing:   # one line, not a traceback
+        raise SystemExit(f"analyze.py: error: no such file or folder: {', '.join(missing)}")
+    if args.table:
+        return update_readme(Path(__file__).resolve().parent / "README.md", args.table)
 
-    paths = [] if args.mechanism else find_runs(args.runs or ["runs"])
+    paths = [] if args.mechanism else find_runs(given)
     if not args.mechanism and not paths:
-        raise SystemExit(f"no run folders (with a log.csv or log.csv.gz) found in {args.runs or ['runs']}")
+        raise SystemExit(f"analyze.py: error: no run folders (with a log.csv or log.csv.gz) in {', '.join(given)}")
     root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
     out = args.out or root / "figures"
     out.mkdir(parents=True, exist_ok=True)

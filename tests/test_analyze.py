@@ -359,6 +359,19 @@ def test_a_layer_is_named_only_where_it_stands_out(tmp_path):
     assert not analyze.stands_out(0, {0: 5.0})   # one layer: nothing to stand out from
 
 
+def test_a_missing_folder_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, missing in ((["nosuchdir"], "nosuchdir"), ([], "runs"), (["--table", "no.csv"], "no.csv")):
+        with pytest.raises(SystemExit) as exited:
+            analyze.main(argv)
+        assert exited.value.code == f"analyze.py: error: no such file or folder: {missing}"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exited:
+        analyze.main(["empty"])
+    assert exited.value.code == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
+
+
 def test_probe_report_without_phases(tmp_path):
     """A run with the probe's columns that never logged step 10,000: no pooled rows, the run named as left out."""
     rng = np.random.default_rng(0)
