@@ -231,10 +231,24 @@ def test_help_groups_the_flags(capsys):
     assert groups["training"] == {"--lr", "--warmup", "--batch-size", "--dtype", "--compile", "--device",
                                   "--log-interval", "--eval-interval", "--diag-interval", "--ckpt-interval"}
 
-    # every flag that takes a value says its default
+    # every flag says what it does in words, and every flag that takes a value says its default
     for action in train.parser()._actions:
+        words = re.sub(r"\(default[^)]*\)", "", action.help)
+        assert len(words.split()) >= 2, action.dest
         if action.option_strings and action.nargs != 0 and action.dest != "help":
             assert "default" in action.help, action.dest
+
+
+@pytest.mark.parametrize("argv", [["--preset", "tiny", "--help"], ["--help", "--preset", "tiny"], ["--help"]])
+def test_help_shows_the_chosen_presets_defaults(argv, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    tiny = "tiny" in argv
+    assert f"The defaults shown are the {'tiny' if tiny else 'default'} preset's" in text
+    assert f"--steps N training steps, one batch each (default {'300' if tiny else '200,000'})" in text
+    assert f"--n-layer N transformer blocks (default {2 if tiny else 6})" in text
+    assert f"learning rate (AdamW), constant after the warmup (default {0.003 if tiny else 0.001})" in text
 
 
 def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, capsys):
