@@ -68,7 +68,7 @@ from tqdm import tqdm
 from kernels import Numerics
 from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
-from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
+from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, FIX, NUMERICS, PRESETS
 from nanolp.runconfig import claim_folder, describe, resolve_config
 from nanolp.runs import RunError, latest_checkpoint, locked, log_outcome, provenance, read_log
@@ -78,6 +78,7 @@ EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an avera
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
 KEEP_CKPTS = 3
 DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T, T) scores per layer
+LOGIT = f"max_logit_L{PROBE_LAYER}"   # the progress bar's and the end's logit: layer 0's, the one that runs away
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 
 
@@ -340,7 +341,7 @@ def run(c, data, resume):
     t_start = t_row = time.time()
     elapsed0 = state["elapsed"]
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
-    max_logit = None
+    logit = None   # LOGIT at the last diagnostics, for the progress bar
     while step < stop_at:
         # one step: forward, backward, clip, update
         lr = get_lr(step, c)
@@ -392,9 +393,9 @@ def run(c, data, resume):
                 row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
             if step % c["diag_interval"] == 0 or step >= stop_at or collapse:  # every row once collapsed
                 row.update(diagnose(model, diag_x, diag_y, ctx, probe))
-                max_logit = max(row[f"max_logit_L{i}"] for i in range(c["n_layer"]))
+                logit = row[LOGIT]
         write_rows(run_dir / "log.csv", [row], columns)
-        pbar.set_postfix(loss=f"{train_loss:.4f}", max_logit="-" if max_logit is None else f"{max_logit:.1f}")
+        pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
         # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
         if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
             state.update(step=step, elapsed=elapsed)
@@ -404,8 +405,23 @@ def run(c, data, resume):
     pbar.close()
 
     summary = write_summary(run_dir, c, collapse)
-    print(json.dumps(summary))
+    print_outcome(run_dir, c, summary)
     return summary
+
+
+def print_outcome(run_dir, c, summary):
+    """The run's end in a few plain lines; summary.json holds the whole outcome and arm."""
+    if summary["collapsed"]:
+        print(f"collapsed at step {summary['collapse_step']:,}, after {summary['collapse_minute']:.1f} training "
+              f"minutes: {summary['reason']}")
+    else:
+        print(f"no collapse in {summary['steps']:,} steps ({summary['minutes']:.1f} training minutes)")
+    logits = [v for v in read_log(run_dir / "log.csv").get(LOGIT, []) if math.isfinite(v)]
+    if logits:
+        print(f"layer {PROBE_LAYER}'s max attention logit peaked at {max(logits):.4g}")
+    print(f"run folder: {run_dir} (summary.json: the outcome and every setting)")
+    print(f"next: python analyze.py {c['out']}   (figures and report.md of the runs in {c['out']}, written to "
+          f"{Path(c['out']) / 'figures'})")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,19 @@ def refusal(capsys, command):
     return err
 
 
-def test_smoke_run_learns_and_writes_its_folder(run):
+def test_smoke_run_learns_and_writes_its_folder(run, tmp_path, capsys):
     run_dir = run("smoke", "--steps", "60")
+    out, err = capsys.readouterr()
+    # the progress bar shows layer 0's max logit, the one that runs away; the end, a few plain lines, no JSON
+    assert "max_logit_L0=" in err and "max_logit=" not in err
+    peak = max(float(r["max_logit_L0"]) for r in read_log(run_dir) if r["max_logit_L0"])
+    end = out.splitlines()[-4:]
+    assert re.fullmatch(r"no collapse in 60 steps \(\d+\.\d training minutes\)", end[0])
+    assert end[1:] == [
+        f"layer 0's max attention logit peaked at {peak:.4g}",
+        f"run folder: {run_dir} (summary.json: the outcome and every setting)",
+        f"next: python analyze.py {tmp_path / 'runs'}   (figures and report.md of the runs in {tmp_path / 'runs'}, "
+        f"written to {tmp_path / 'runs' / 'figures'})"]
     rows = read_log(run_dir)
     assert list(rows[0]) == train.BASE_COLUMNS + diag_columns(2, 2)
     assert [int(r["step"]) for r in rows] == [10, 20, 30, 40, 50, 60]
@@ -254,7 +265,9 @@ def test_help_shows_the_chosen_presets_defaults(argv, capsys):
 def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, capsys):
     monkeypatch.setenv("NANOLP_NAN_AT_STEP", "25")  # train.py's test hook: poison the loss of step 25
     run_dir = run("nan", "--steps", "60", "--ckpt-interval", "10")
-    assert "non-finite loss at step 25" in "".join(capsys.readouterr())
+    out = capsys.readouterr().out
+    assert "collapse at step 25: non-finite loss at step 25" in out   # when it happens, above the progress bar
+    assert re.search(r"^collapsed at step 25, after \d+\.\d training minutes: non-finite loss at step 25$", out, re.M)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["collapsed"] is True and summary["collapse_step"] == 25 and "step 25" in summary["reason"]
     assert summary["steps"] == 30 and summary["final_train_loss"] is None
