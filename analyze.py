@@ -163,13 +163,13 @@ def plot_headline(runs, study, styles, path):
     """Per arm, train loss and layer 0's max logit of each run with a log: a thin line to its end, an X where it
     collapsed, and the median where at least MEDIAN_RUNS of them are alive; then the share of the arm's runs not yet
     collapsed, over `study`: the runs and every other run of their studies (runs.csv rows without a log), so that
-    the panel and the legend count what the table counts."""
+    the panel and the legend count what the table counts. `styles` colours at least one run of each arm."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=[1, 1, 0.8])
     drawn = by_arm(runs)
     max_step = max(run.outcome["steps"] for run in study)
     handles = []
     for name, group in by_arm(study).items():
-        colour = styles[group[0].path]["color"]
+        colour = next(styles[run.path]["color"] for run in group if run.path in styles)
         lines = drawn.get(name, [])
         for ax, column in zip(axes, ("train_loss", LOGIT)):
             for run in lines:
@@ -338,8 +338,12 @@ def analyze_runs(runs, out):
     for the counts that the table makes (the headline's survival panel and legend)."""
     tables = sorted({t for t in (run.path.parent.parent / "runs.csv" for run in runs) if t.exists()})
     logged = {run.path: run for run in runs}
-    study = [logged.pop(run.path, run) for table in tables for run in study_runs(table)] + list(logged.values())
-    styles = run_styles(study, {run.path: arm(run) for run in study})
+    study = [logged.get(run.path, run) for table in tables for run in study_runs(table)]
+    in_study = {run.path for run in study}
+    study += [run for run in runs if run.path not in in_study]
+    # and one run of each arm without a log, so that every arm gets its own shade, the same in every figure
+    styled = runs + [group[0] for group in by_arm(study).values() if not any(run.path in logged for run in group)]
+    styles = run_styles(styled, {run.path: arm(run) for run in styled})
     figures = [plot_headline(runs, study, styles, out / "headline.png")]
     layers = range(layer_count(runs))
     layer, growth = growth_layer(runs)

@@ -209,6 +209,21 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
     assert len(fig.axes[0].lines) == 2   # off-s0's line and its X: no median of one run
 
 
+def test_a_row_without_a_log_does_not_rename_a_run_with_one(tmp_path, monkeypatch):
+    """An earlier run of the same arm and seed, known by its runs.csv row alone, is no twin in the figures' legends."""
+    study = tmp_path / "study"
+    write_run(study / "runs", "off-s0", 0, True, np.random.default_rng(0), preset="default", n_layer=6, n_head=6)
+    rows = [dict(name=name, arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", collapsed=True,
+                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=1e9, tokens_per_s=5000.0,
+                 log_kept=kept, variant="")
+            for name, kept in (("off-s0-nolog", False), ("off-s0", True))]
+    write_csv(study / "runs.csv", rows, list(rows[0]))
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
+    analyze.analyze_runs([load_run(study / "runs" / "off-s0")], tmp_path)
+    assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["--fix off, seed 0"]   # max_logit.png
+
+
 def test_the_seed_studys_rows_are_named_by_their_flags():
     """A runs.csv row without a log reads as the run it summarises: its arm is its `flags` column."""
     table = Path(analyze.__file__).parent / "results/seed_study/runs.csv"
