@@ -1,7 +1,9 @@
 """The last chapter: what the runs show, in figures and a short report, and the rounding bias without training.
 
-    python analyze.py RUN... --out DIR           headline.png (loss and layer 0's max logit per arm), per-layer
-                                                 figures, rates.csv (per arm: collapsed, medians)
+    python analyze.py RUN... [--out DIR]         headline.png (per arm: each run's loss and layer 0's max logit,
+                                                 the share not yet collapsed), per-layer figures, rates.csv (per
+                                                 arm: collapsed, medians) and report.md, into DIR (by default the
+                                                 runs' folder's figures/: runs/figures for `python analyze.py runs`)
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
                                                  phase of layer 0's runaway; delta_probe.png: per run
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
@@ -25,7 +27,6 @@ Runs are named by their arm: the train.py flags that set them apart from their p
 """
 
 import argparse
-import csv
 import os
 from pathlib import Path
 
@@ -36,8 +37,8 @@ from matplotlib.lines import Line2D
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
-from nanolp.plots import THOUSANDS, family, fix_word, plot_grid, run_styles, save
-from nanolp.runs import find_runs, load_runs, write_csv
+from nanolp.plots import family, fix_word, plot_grid, run_styles, save, step_axis
+from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
 from nanolp.presets import COMMON, NUMERICS, PRESETS, changed_settings
 
 # -----------------------------------------------------------------------------
@@ -86,45 +87,67 @@ def fmt(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
+def span(values, spec=",.0f"):
+    """'median (low-high)' of numbers; one number where they are all one; '-' for none."""
+    values = sorted(values)
+    if not values:
+        return "-"
+    if values[0] == values[-1]:
+        return format(values[0], spec)
+    return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
+
+
 def outcome(group):
-    """An arm's runs in a few words: "1 seed; no collapse; stopped at 60,000 steps", "8 seeds; 8 collapsed,
-    median step 94,395"."""
-    collapsed = [run.collapse_step for run in group if run.collapse_step is not None]
-    open_steps = sorted(run.outcome["steps"] for run in group if run.collapse_step is None)
-    words = [f"{len(group)} seed{'s' if len(group) > 1 else ''}"]
-    if collapsed:
-        words.append(f"{len(collapsed)} collapsed, median step {median(collapsed):,.0f}")
-    if open_steps:
-        reach = f"{open_steps[0]:,}" + (f"-{open_steps[-1]:,}" if open_steps[-1] != open_steps[0] else "")
-        words.append(("no collapse; stopped" if not collapsed else f"{len(open_steps)} stopped") + f" at {reach} steps")
-    return "; ".join(words)
+    """An arm's runs in a few words, steps as median (range): "10 runs: 10 collapsed at step 91,028
+    (52,440-141,554)", "4 runs: no collapse in 150,000 (150,000-152,000) steps", "3 runs: 1 collapsed at step 300;
+    1 without a collapse in 390 steps; 1 stopped at step 10, before its end (killed)". Run.ended says which."""
+    steps = lambda kind: [run.collapse_step if kind == "collapsed" else run.outcome["steps"]
+                          for run in group if run.ended == kind]
+    collapsed, finished, stopped, running = map(steps, ("collapsed", "finished", "stopped", "running"))
+    words = [f"{len(collapsed)} collapsed at step {span(collapsed)}"] if collapsed else []
+    if finished:
+        words.append(("no collapse" if len(finished) == len(group) else f"{len(finished)} without a collapse")
+                     + f" in {span(finished)} steps")
+    if stopped:
+        their = "its" if len(stopped) == 1 else "their"
+        words.append(f"{len(stopped)} stopped at step {span(stopped)}, before {their} end (killed)")
+    if running:
+        words.append(f"{len(running)} still running (step {span(running)})")
+    return f"{len(group)} run{'s' if len(group) > 1 else ''}: " + "; ".join(words)
 
 
 # -----------------------------------------------------------------------------
-# The headline: per arm, the median and the range over seeds of the loss and of layer 0's max logit
+# The headline: per arm, each run's loss and layer 0's max logit to its end, and the share not yet collapsed
 
 LOGIT = f"max_logit_L{PROBE_LAYER}"  # the layer that runs away
+MEDIAN_RUNS = 3   # an arm's median is drawn only where this many of its runs are alive: the median of two is their
+                  # midpoint, and a median jumps where one of few runs ends, which reads as a recovery
 
 
-def band(group, column):
-    """(steps, median, min, max) of a log column over the runs of `group`, on the union of their logged steps;
-    each run counts within its own logged range (interpolated between its rows), so a run that stopped early
-    drops out of the band there. None if no run has the column."""
+def median_line(group, column):
+    """(steps, median) of a log column over the runs of `group`, on the union of their logged steps; each run
+    counts within its own logged range (interpolated between its rows), and the median is NaN (not drawn) where
+    fewer than MEDIAN_RUNS runs count. None where it is NaN everywhere."""
     series = [s for s in (run.series(column) for run in group) if s is not None]
-    if not series:
+    if len(series) < MEDIAN_RUNS:
         return None
     steps = np.unique(np.concatenate([x for x, _ in series]))
     values = np.full((len(series), len(steps)), np.nan)
     for row, (x, y) in zip(values, series):
         inside = (steps >= x[0]) & (steps <= x[-1])
         row[inside] = np.interp(steps[inside], x, y)
-    return steps, np.nanmedian(values, axis=0), np.nanmin(values, axis=0), np.nanmax(values, axis=0)
+    enough = np.isfinite(values).sum(axis=0) >= MEDIAN_RUNS
+    if not enough.any():
+        return None
+    middle = np.full(len(steps), np.nan)
+    middle[enough] = np.nanmedian(values[:, enough], axis=0)
+    return steps, middle
 
 
 def survival(group):
-    """(steps, share of runs not yet collapsed) of an arm, the Kaplan-Meier estimate over its seeds: at each
-    collapse the share falls by 1/(runs still training there); a run that stopped without collapsing leaves the
-    count where its log ends. The curve runs from step 0 to the arm's last logged step."""
+    """(steps, share of runs not yet collapsed) of an arm, the Kaplan-Meier estimate over its runs: at each
+    collapse the share falls by 1/(runs still training there); a run that ended without collapsing (or stopped)
+    leaves the count where it ended. The curve runs from step 0 to the arm's last step."""
     ends = sorted((run.collapse_step if run.collapse_step is not None else run.outcome["steps"],
                    run.collapse_step is not None) for run in group)
     steps, share, alive = [0], [1.0], 1.0
@@ -136,41 +159,55 @@ def survival(group):
     return np.array(steps), np.array(share)
 
 
-def plot_headline(runs, styles, path):
-    """Train loss and layer 0's max logit per arm (median and range over seeds, an X where a run collapsed), and
-    the share of each arm's runs not yet collapsed: how often, and how soon, at a glance."""
+def plot_headline(runs, study, styles, path):
+    """Per arm, train loss and layer 0's max logit of each run with a log: a thin line to its end, an X where it
+    collapsed, and the median where at least MEDIAN_RUNS of them are alive; then the share of the arm's runs not yet
+    collapsed, over `study`: the runs and every other run of their studies (runs.csv rows without a log), so that
+    the panel and the legend count what the table counts. `styles` colours at least one run of each arm."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=[1, 1, 0.8])
+    drawn = by_arm(runs)
+    max_step = max(run.outcome["steps"] for run in study)
     handles = []
-    for name, group in by_arm(runs).items():
-        colour = styles[group[0].path]["color"]
+    for name, group in by_arm(study).items():
+        colour = next(styles[run.path]["color"] for run in group if run.path in styles)
+        lines = drawn.get(name, [])
         for ax, column in zip(axes, ("train_loss", LOGIT)):
-            curve = band(group, column)
-            if curve is None:
-                continue
-            steps, middle, low, high = curve
-            ax.plot(steps, middle, color=colour, linewidth=1.4)
-            if len(group) > 1:
-                ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
-            for run in group:
+            for run in lines:
+                if run.series(column) is not None:
+                    ax.plot(*run.series(column), color=colour, linewidth=0.8, alpha=0.75)
                 mark_collapse(ax, run, column, colour)
-        axes[2].step(*survival(group), where="post", color=colour, linewidth=1.6)
-        handles.append(Line2D([], [], color=colour, linewidth=1.4, label=f"{name} ({outcome(group)})"))
+            curve = median_line(lines, column)
+            if curve is not None:
+                ax.plot(*curve, color=colour, linewidth=2.6)
+        steps, share = survival(group)
+        # a tick where each run ended without a collapse; shorter arms drawn over longer ones, so that arms that
+        # never collapsed, all at 1, each show where they end
+        axes[2].step(steps, share, where="post", color=colour, linewidth=1.6, zorder=3 - steps[-1] / max_step)
+        ended = [run.outcome["steps"] for run in group if run.collapse_step is None]
+        axes[2].plot(ended, share[np.searchsorted(steps, ended, side="right") - 1], "|", color=colour,
+                     markersize=14, markeredgewidth=1.6, zorder=4)
+        logs = "" if len(lines) == len(group) else f"; lines: {len(lines)} of them" if lines else "; no lines"
+        handles.append(Line2D([], [], color=colour, linewidth=1.6, label=f"{name}: {outcome(group)}{logs}"))
+    handles.append(Line2D([], [], color="gray", linewidth=2.6,
+                          label=f"median of an arm's lines, where at least {MEDIAN_RUNS} are alive"))
     if any(run.collapse_step is not None for run in runs):
         handles.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9, label="collapse"))
+    handles.append(Line2D([], [], color="k", marker="|", linestyle="", markersize=12,
+                          label="a run's end without a collapse (right)"))
     titles = ("training loss (nats/token)", f"layer {PROBE_LAYER}'s max attention logit",
-              "share of seeds not yet collapsed")
+              "share of runs not yet collapsed" + (" (all of runs.csv)" if len(study) > len(runs) else ""))
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.xaxis.set_major_formatter(THOUSANDS)
+        step_axis(ax.xaxis)
         ax.grid(alpha=0.3, which="both")
     for ax in axes[:2]:
         ax.set_yscale("log")
     axes[2].set_ylim(-0.03, 1.03)
-    spread = ": median over seeds, shaded min to max" if any(len(g) > 1 for g in by_arm(runs).values()) else ""
-    fig.suptitle(f"per arm (the train.py flags that differ from the preset){spread}", fontsize=11)
+    fig.suptitle("per arm (the train.py flags that differ from the preset): each run with a kept log a thin line "
+                 "to its end", fontsize=11)
     fig.tight_layout()
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=9)
     return save(fig, path)
 
 
@@ -205,6 +242,17 @@ def growth_layer(runs):
     return (max(mean, key=mean.get) if mean else None), mean
 
 
+GROWTH_MARGIN = 2   # while a model learns, every layer's W_Q grows alike (a 300-step tiny run: 1.8x and 2.1x); a
+                    # runaway grows one layer's far past the others' (the seed study's fix off: 349x against <= 8.2x)
+
+
+def stands_out(layer, growth):
+    """Whether `layer`'s growth ({layer: growth}) is at least GROWTH_MARGIN times every other layer's: only then
+    does the report name it as the layer where W_Q grows."""
+    others = [g for i, g in growth.items() if i != layer]
+    return bool(others) and growth[layer] >= GROWTH_MARGIN * max(others)
+
+
 def layer_count(runs):
     return max((len(run.columns(r"max_logit_L\d+")) for run in runs), default=0)
 
@@ -218,12 +266,15 @@ def peak_logit(run):
     return None if series is None else float(series[1].max())
 
 
+ENDED = dict(finished="no", running="no, still running", stopped="no, but stopped before its end (killed)")
+
+
 def run_table(runs):
     lines = [f"| run | arm | seed | steps | collapsed | final train loss | final val loss | peak {LOGIT} "
              "| tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        collapsed = ("n/a (no summary.json)" if not run.summary else "no" if run.collapse_step is None
-                     else f"step {run.collapse_step:,}, {fmt(run.summary.get('collapse_minute'), '.1f')} min")
+        collapsed = ENDED.get(run.ended) or (f"step {run.collapse_step:,}, "
+                                             f"{fmt(run.summary.get('collapse_minute'), '.1f')} min")
         cells = [f"`{run.path}`", f"`{arm(run)}`", run.setting("seed", "n/a"),
                  fmt(run.outcome["steps"], ","), collapsed, fmt(run.outcome.get("final_train_loss"), ".4f"),
                  fmt(run.outcome["final_val_loss"], ".4f"),
@@ -233,15 +284,18 @@ def run_table(runs):
 
 
 def arm_rates(runs):
-    """One row per arm, in the order the arms first appear: how many of its runs collapsed, the median minutes to
-    collapse over those, medians over all of its runs, and its val loss against fp32 attention's (val_loss_vs)."""
+    """One row per arm, in the order the arms first appear: how many of its runs collapsed among those that ended
+    by themselves (a collapse, or their --steps or --minutes), how many did not end so (killed, or still running:
+    they have not said), the median minutes to collapse over the collapsed, medians over all of its runs, and its
+    val loss against fp32 attention's (val_loss_vs)."""
     groups = by_arm(runs)
     reference = next((g for g in groups.values() if all(family(run) == "fp32" for run in g)), None)
     rows = []
     for name, group in groups.items():
-        collapsed = [run for run in group if run.collapse_step is not None]
+        collapsed = [run for run in group if run.ended == "collapsed"]
         step, ratio = val_loss_vs(group, reference) if reference else (None, None)
         rows.append(dict(arm=name, collapsed=len(collapsed), runs=len(group),
+                         ended=sum(run.ended in ("collapsed", "finished") for run in group),
                          median_collapse_minute=median([run.summary.get("collapse_minute") for run in collapsed]),
                          **{f"median_{key}": median([run.outcome[key] for run in group])
                             for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")},
@@ -265,12 +319,12 @@ def val_loss_vs(group, reference):
 
 
 def rate_table(rates):
-    lines = ["| arm | collapsed | median minutes to collapse | median steps | median final val loss "
-             "| median max logit | median tokens/s | val loss / fp32's (at step) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | collapsed / ended | killed or running | median minutes to collapse | median steps "
+             "| median final val loss | median max logit | median tokens/s | val loss / fp32's (at step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rates:
         versus = "-" if r["val_loss_vs_fp32"] is None else f"{r['val_loss_vs_fp32']:.4f} ({r['val_step']:,})"
-        cells = [f"`{r['arm']}`", f"{r['collapsed']}/{r['runs']}",
+        cells = [f"`{r['arm']}`", f"{r['collapsed']}/{r['ended']}", str(r["runs"] - r["ended"]),
                  fmt(r["median_collapse_minute"], ".1f") if r["collapsed"] else "-",
                  fmt(r["median_steps"], ",.0f"), fmt(r["median_final_val_loss"], ".4f"),
                  fmt(r["median_max_logit"], ".4g"), fmt(r["median_tokens_per_s"], ",.0f"), versus]
@@ -279,9 +333,18 @@ def rate_table(rates):
 
 
 def analyze_runs(runs, out):
-    """The headline and the per-layer figures into `out`; returns the report section as markdown lines."""
-    styles = run_styles(runs, {run.path: arm(run) for run in runs})
-    figures = [plot_headline(runs, styles, out / "headline.png")]
+    """The headline and the per-layer figures into `out`; returns the report section as markdown lines. A study's
+    runs (their folder's parent has a runs.csv) come with the study's other runs, those whose logs were not kept,
+    for the counts that the table makes (the headline's survival panel and legend)."""
+    tables = sorted({t for t in (run.path.parent.parent / "runs.csv" for run in runs) if t.exists()})
+    logged = {run.path: run for run in runs}
+    study = [logged.get(run.path, run) for table in tables for run in study_runs(table)]
+    in_study = {run.path for run in study}
+    study += [run for run in runs if run.path not in in_study]
+    # and one run of each arm without a log, so that every arm gets its own shade, the same in every figure
+    styled = runs + [group[0] for group in by_arm(study).values() if not any(run.path in logged for run in group)]
+    styles = run_styles(styled, {run.path: arm(run) for run in styled})
+    figures = [plot_headline(runs, study, styles, out / "headline.png")]
     layers = range(layer_count(runs))
     layer, growth = growth_layer(runs)
     if layers:
@@ -309,22 +372,24 @@ def analyze_runs(runs, out):
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))
     lines = ["## Runs", ""]
-    tables = {path.parent.parent / "runs.csv" for path in (run.path for run in runs)}
-    for table in sorted(t for t in tables if t.exists()):   # a study's runs: README.md's table, with the rows of
-        with open(table, newline="") as f:                # runs whose logs were not kept
-            lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in README.md):",
-                      ""] + study_table(list(csv.DictReader(f)), table.parent) + ["", "The runs with logs:", ""]
+    for table in tables:   # a study's runs: README.md's table, with the rows of runs whose logs were not kept
+        lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in README.md):",
+                  ""] + study_table(read_table(table), table.parent) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
-              "only. Also in rates.csv.", ""] + rate_table(rates)
+              "only; a run ended by itself in a collapse or at its --steps or --minutes. Also in rates.csv.",
+              ""] + rate_table(rates)
     lines += ["", "### Where W_Q grows", ""]
     if layer is None:
         lines.append("No sn_q columns with data: growth layer not determined.")
     else:
+        verdict = (f"Largest, at least {GROWTH_MARGIN}x every other layer's: **layer {layer}** (per head: "
+                   f"spectral_norm_heads.png)." if stands_out(layer, growth) else
+                   f"No layer stands out: none grew {GROWTH_MARGIN}x as much as every other, as in a run that only "
+                   f"learned (per head, layer {layer}, the largest: spectral_norm_heads.png).")
         lines.append("Growth of sn_q = max over logged steps / value at the first logged step, mean over the "
                      "`--fix off` runs of our attention (all runs if there are none): " + ", ".join(
-                         f"L{i} {g:.3g}" for i, g in sorted(growth.items())) +
-                     f". Largest: **layer {layer}** (per head: spectral_norm_heads.png).")
+                         f"L{i} {g:.3g}" for i, g in sorted(growth.items())) + ". " + verdict)
     return lines + ["", "### Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
 
 
@@ -332,16 +397,8 @@ def analyze_runs(runs, out):
 # The study's table: runs.csv by arm, written into README.md between markers, so it is never typed
 
 ALONE_TOKENS_PER_S = 2.5e6  # a default-preset run above this had the H200 alone (side by side: ~1.5M each)
-
-
-def span(values, spec=",.0f"):
-    """'median (low-high)' of numbers; one number alone; '-' for none."""
-    values = sorted(values)
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return format(values[0], spec)
-    return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
+RUNAWAY_LOGIT = 1e4   # a max logit past this ran away: the seed study's arms whose logits stay flat (fp32
+                      # attention, delta from P or the fp32 O, the fix) peak at 84-242 over all layers
 
 
 def seed_list(seeds):
@@ -352,37 +409,48 @@ def seed_list(seeds):
 
 
 def study_table(rows, folder):
-    """The markdown table of a study's runs.csv rows, one line per arm in the order the arms first appear, and a
-    line on how long the fix-off arm takes to collapse alone on the GPU. Layer 0's peak comes from the runs whose
-    logs are kept in folder/runs/."""
+    """The markdown table of a study's runs.csv rows (nanolp.runs.read_table), one line per arm in the order the
+    arms first appear, a line on the arms that ran away without a collapse, and one on how long the fix-off arm
+    takes to collapse alone on the GPU. The peak max logit over all layers is every row's (runs.csv's max_logit),
+    layer 0's comes from the runs whose logs are kept in folder/runs/."""
     arms, variants = {}, [row for row in rows if row.get("variant")]
     for row in rows:
         if not row.get("variant"):   # a patched kernel is no train.py command: results/README.md has those
             arms.setdefault(row["arm"], []).append(row)
-    number = lambda row, key: float(row[key]) if row[key] not in ("", None) else None
     lines = ["| arm | command | runs (seeds) | logs kept | collapsed | steps to collapse: median (range) "
-             f"| steps without a collapse: median (range) | training minutes to collapse | peak of {LOGIT} "
-             "(kept logs) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| steps without a collapse: median (range) | training minutes to collapse | peak max logit, any layer "
+             f"| peak of {LOGIT} (kept logs) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, group in arms.items():
-        fell = [row for row in group if row["collapsed"] == "True"]
-        stood = [row for row in group if row["collapsed"] != "True"]
+        fell = [row for row in group if row["collapsed"]]
+        stood = [row for row in group if not row["collapsed"]]
         cells = [f"`{name}`", f"`python train.py {group[0]['flags']}`",
-                 f"{len(group)} ({seed_list(int(row['seed']) for row in group)})",
-                 str(sum(row.get("log_kept") == "True" for row in group)), f"**{len(fell)} / {len(group)}**",
-                 span([number(row, "collapse_step") for row in fell]), span([number(row, "steps") for row in stood]),
-                 span([number(row, "collapse_minute") for row in fell], ".1f"),
+                 f"{len(group)} ({seed_list(row['seed'] for row in group)})",
+                 str(sum(bool(row.get("log_kept")) for row in group)), f"**{len(fell)} / {len(group)}**",
+                 span([row["collapse_step"] for row in fell]), span([row["steps"] for row in stood]),
+                 span([row["collapse_minute"] for row in fell], ".1f"),
+                 span([row["max_logit"] for row in group if row["max_logit"] is not None], ".3g"),
                  span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
-                                                            if row.get("log_kept") == "True")], ".3g")]
+                                                            if row.get("log_kept"))], ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     if variants:
         lines += ["", f"Not in the table: {len(variants)} runs of patched kernels (runs.csv's `variant` column)."]
-    off = [row for row in arms.get("off", []) if row["collapsed"] == "True"]
-    alone = [row for row in off if number(row, "tokens_per_s") > ALONE_TOKENS_PER_S]
+    quiet = {name: group for name, group in arms.items() if not any(row["collapsed"] for row in group)}
+    high = {name: [row for row in group if (row["max_logit"] or 0) > RUNAWAY_LOGIT] for name, group in quiet.items()}
+    ran_away = {name: rows for name, rows in high.items() if rows}
+    if ran_away:   # "0 / 4" beside "10 / 10" reads as "stays flat"; these ran away and had not collapsed yet
+        flat = [row["max_logit"] for name, group in quiet.items() if name not in ran_away for row in group
+                if row["max_logit"] is not None]
+        lines += ["", f"No collapse is not no runaway: the max logit passed {RUNAWAY_LOGIT:,.0f} in " + ", ".join(
+            f"{len(rows)} of the {len(arms[name])} runs of `{name}`" for name, rows in ran_away.items()) +
+            ", which ended at the steps above before a collapse" + (
+            f"; the other arms without a collapse peak at {max(flat):.3g}." if flat else ".")]
+    off = [row for row in arms.get("off", []) if row["collapsed"]]
+    alone = [row for row in off if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
     if alone:   # steps a minute of the runs that had the GPU alone, evaluations and diagnostics included
-        pace = median([number(row, "collapse_step") / number(row, "collapse_minute") for row in alone])
+        pace = median([row["collapse_step"] / row["collapse_minute"] for row in alone])
         lines += ["", f"Alone on one H200 a fix-off run trains {pace:,.0f} steps a minute (median of its "
                       f"{len(alone)} runs that had the GPU alone: {', '.join(row['name'] for row in alone)}), so "
-                      f"its collapses come after {span([number(row, 'collapse_step') / pace for row in off], '.1f')} "
+                      f"its collapses come after {span([row['collapse_step'] / pace for row in off], '.1f')} "
                       f"minutes."]
     return lines
 
@@ -393,8 +461,7 @@ def update_readme(readme, table):
     text = readme.read_text()
     if begin not in text:
         raise SystemExit(f"{readme} has no line {begin!r}: add it, and {end!r}, where the table goes")
-    with open(table, newline="") as f:
-        lines = study_table(list(csv.DictReader(f)), table.parent)
+    lines = study_table(read_table(table), table.parent)
     head, rest = text.split(begin, 1)
     readme.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
 
@@ -440,15 +507,19 @@ def main(argv=None):
     mode.add_argument("--table", type=Path, metavar="CSV",
                       help="rewrite README.md's table of a study's runs.csv (between its markers); no runs")
     args = parser.parse_args(argv)
-    if args.table:
-        return update_readme(Path(__file__).resolve().parent / "README.md", args.table)
     if args.mechanism and args.runs:
         parser.error("--mechanism reads no runs")
+    given = [args.table] if args.table else [] if args.mechanism else args.runs or ["runs"]
+    missing = [str(path) for path in given if not Path(path).exists()]
+    if missing:   # one line, not a traceback
+        raise SystemExit(f"analyze.py: error: no such file or folder: {', '.join(missing)}")
+    if args.table:
+        return update_readme(Path(__file__).resolve().parent / "README.md", args.table)
 
-    runs = [] if args.mechanism else load_runs(find_runs(args.runs or ["runs"]))   # (a damaged one: left out)
-    if not args.mechanism and not runs:
-        raise SystemExit(f"no run folders (with a log.csv or log.csv.gz) found in {args.runs or ['runs']}")
-    root = Path(os.path.commonpath([run.path.parent for run in runs])) if runs else Path("runs")
+    paths = [] if args.mechanism else find_runs(given)
+    if not args.mechanism and not paths:
+        raise SystemExit(f"analyze.py: error: no run folders (with a log.csv or log.csv.gz) in {', '.join(given)}")
+    root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
     out = args.out or root / "figures"
     out.mkdir(parents=True, exist_ok=True)
 

@@ -68,7 +68,7 @@ from tqdm import tqdm
 from kernels import Numerics
 from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
-from nanolp.diagnostics import PROBE_BATCHES, diag_columns, diagnose
+from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, FIX, NUMERICS, PRESETS
 from nanolp.runconfig import claim_folder, describe, nothing_to_resume, resolve_config
 from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
@@ -79,6 +79,7 @@ EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an avera
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
 KEEP_CKPTS = 3
 DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T, T) scores per layer
+LOGIT = f"max_logit_L{PROBE_LAYER}"   # the progress bar's and the end's logit: layer 0's, the one that runs away
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 
 
@@ -90,47 +91,81 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    return parser().parse_args(argv)
+    return parser(preset_given(argv)).parse_args(argv)
 
 
-def parser():
+def preset_given(argv):
+    """The --preset of a command line (default: "default"), so that --help shows that preset's defaults; a bad
+    value is left to the whole parser to refuse."""
+    pre = Parser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset")
+    preset = pre.parse_known_args(argv)[0].preset
+    return preset if preset in PRESETS else "default"
+
+
+def parser(preset="default"):
     """The flags. Every default is None, so that a flag the user gave can be told from one they did not (the
-    preset's value); --help shows the default preset's values."""
-    default = {**COMMON, **PRESETS["default"]}
-    show = lambda key: f" (default {default[key]})"
+    preset's value); --help shows the values of `preset`, the one on the command line."""
+    default = {**COMMON, **PRESETS[preset]}
+    def show(key):   # a default as it reads: on/off, 200,000
+        value = default[key]
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        return f" (default {value:,})" if isinstance(value, int) else f" (default {value})"
     p = Parser(
         description="Train a char-level GPT in bf16 and watch flash attention's rounding collapse it (--fix off), "
-                    "or not (--fix on). Details: the top of train.py and README.md.")
+                    f"or not (--fix on). The defaults shown are the {preset} preset's (--preset tiny --help: the "
+                    "tiny preset's). Details: the top of train.py and README.md.")
     demo = p.add_argument_group("the demo")
-    demo.add_argument("--fix", choices=list(FIX), help="off: plain bf16; on: the complete fix; paper: the paper's "
-                                                       "rule alone" + show("fix"))
-    demo.add_argument("--attn", choices=ATTN_BACKENDS, help="which attention (model.py)" + show("attn"))
-    demo.add_argument("--seed", type=int, help="initial weights and data order" + show("seed"))
-    demo.add_argument("--steps", type=int, help="steps to train" + show("steps"))
-    demo.add_argument("--minutes", type=float, help="stop after this many training minutes, counted over resumes "
-                                                    "(default: no limit)")
-    demo.add_argument("--data", help="a UTF-8 text file (default: $NANOLP_DATA, else TinyShakespeare; data/README.md)")
-    demo.add_argument("--preset", choices=PRESETS, help="default: the demo; tiny: a CPU smoke run; gpt2: GPT-2 "
-                                                        "small's shape (default default)")
-    demo.add_argument("--out", help="where run folders go" + show("out"))
-    demo.add_argument("--name", help="the run's folder name (default: made from the settings)")
-    demo.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    demo.add_argument("--fix", choices=list(FIX), help="off: plain bf16 flash attention, which collapses; on: the "
+                      "complete fix (the paper's shifted row max, and delta from the forward's fp32 O), which trains "
+                      "through; paper: the paper's shift alone, which collapses too" + show("fix"))
+    demo.add_argument("--attn", choices=ATTN_BACKENDS, help="what computes attention: kernel, our Triton flash "
+                      "attention (kernels.py; without a GPU, its PyTorch emulation); emulate, that emulation "
+                      "anywhere; sdpa, torch's scaled_dot_product_attention (torch picks its backend), sdpa-flash or "
+                      "sdpa-cudnn, one backend of it; fp32, plain attention in fp32, the control that does not "
+                      "round. --fix and the experiments apply to kernel and emulate only" + show("attn"))
+    demo.add_argument("--seed", type=int, help="seed of the initial weights and of the order of the training "
+                                               "batches" + show("seed"))
+    demo.add_argument("--steps", type=int, metavar="N", help="training steps, one batch each" + show("steps"))
+    demo.add_argument("--minutes", type=float, metavar="M", help="stop after this many minutes of training, "
+                                                                 "counted over resumes (default: no limit)")
+    demo.add_argument("--data", metavar="FILE", help="the text to train on, UTF-8 (default: $NANOLP_DATA, else "
+                      "TinyShakespeare, downloaded on first use; data/README.md)")
+    sizes = "; ".join(f"{name}, {what} ({PRESETS[name]['n_layer']} layers of {PRESETS[name]['n_embd']} channels, "
+                      f"{PRESETS[name]['steps']:,} steps)" for name, what in (
+                          ("default", "the demo, for one GPU"), ("tiny", "a smoke run for a CPU"),
+                          ("gpt2", "GPT-2 small's shape")))
+    demo.add_argument("--preset", choices=PRESETS, help=f"the model's size and the run's length, which set the "
+                                                        f"other defaults: {sizes} (default default)")
+    demo.add_argument("--out", metavar="DIR", help="the folder that run folders go in" + show("out"))
+    demo.add_argument("--name", help="the run's folder in --out (default: made from the settings that set the run "
+                                     "apart from its preset, e.g. default-kernel-fixoff-s0)")
+    demo.add_argument("--resume", action="store_true", help="continue the run in --out/--name from its latest "
+                      "checkpoint (without --name, the run's own flags make its name)")
     training = p.add_argument_group("training")
-    training.add_argument("--lr", type=float, help="learning rate, constant after the warmup" + show("lr"))
-    training.add_argument("--warmup", type=int, help="steps of linear lr warmup" + show("warmup"))
-    training.add_argument("--batch-size", type=int, help="sequences per step" + show("batch_size"))
-    training.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16 autocast, or fp32 (with --attn sdpa or "
-                                                                    "fp32)" + show("dtype"))
+    training.add_argument("--lr", type=float, help="learning rate (AdamW), constant after the warmup" + show("lr"))
+    training.add_argument("--warmup", type=int, metavar="N", help="steps over which the learning rate rises "
+                                                                  "linearly to --lr" + show("warmup"))
+    training.add_argument("--batch-size", type=int, metavar="N", help="sequences per step" + show("batch_size"))
+    training.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16: the model runs under bfloat16 autocast, "
+                          "the setting that fails; fp32: no autocast (with --attn sdpa or fp32 only)" + show("dtype"))
     training.add_argument("--compile", choices=["off", "default", "reduce-overhead"],
-                          help="torch.compile mode (default: reduce-overhead, CUDA graphs, on a GPU; off on a CPU)")
-    training.add_argument("--device", help="default: cuda if there is one, else cpu")
-    for interval, what in (("log", "log rows"), ("eval", "val losses"), ("diag", "diagnostics"),
-                           ("ckpt", "checkpoints")):
-        training.add_argument(f"--{interval}-interval", type=int,
+                          help="torch.compile's mode; reduce-overhead records CUDA graphs, much faster for a model "
+                               "this small (default: reduce-overhead on a GPU, off on a CPU)")
+    training.add_argument("--device", help="where to train: cpu, cuda, cuda:1, ... (default: cuda if there is "
+                                           "one, else cpu)")
+    for interval, what in (("log", "rows of log.csv (the training loss)"), ("eval", "validation losses"),
+                           ("diag", "diagnostics (each layer's max attention logit, W_Q and W_K norms, ...: "
+                                    "nanolp/diagnostics.py)"),
+                           ("ckpt", "checkpoints (the latest 3 kept in ckpt/; --resume starts from the last)")):
+        training.add_argument(f"--{interval}-interval", type=int, metavar="N",
                               help=f"steps between {what}" + show(f"{interval}_interval"))
     shape = p.add_argument_group("model shape")
-    for dim in ("n_layer", "n_head", "n_embd", "block_size"):
-        shape.add_argument("--" + dim.replace("_", "-"), type=int, help=show(dim).strip(" ()"))
+    for dim, what in (("n_layer", "transformer blocks"), ("n_head", "attention heads per block"),
+                      ("n_embd", "channels; each head gets n_embd / n_head"),
+                      ("block_size", "context length, in characters")):
+        shape.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=what + show(dim))
     experiments = p.add_argument_group("experiments", "the attention's numerics (kernels.Numerics; --attn kernel "
                                                       "or emulate only) and the model, to test the mechanism")
     for f in fields(Numerics):   # a flag per field, with the help and values it declares
@@ -141,8 +176,9 @@ def parser():
         else:
             experiments.add_argument(name, type=f.type, choices=f.metadata["choices"],
                                      help=f.metadata["help"] + show(f.name))
-    experiments.add_argument("--pos", choices=["learned", "none"],
-                             help="position embeddings; none: repeated tokens tie in layer 0" + show("pos"))
+    experiments.add_argument("--pos", choices=["learned", "none"], help="position embeddings: learned (GPT-2's), "
+                             "or none, so that layer 0 sees only characters and every repeat of a row's best match "
+                             "ties exactly" + show("pos"))
     return p
 
 
@@ -326,7 +362,7 @@ def run(c, data, resume):
     t_start = t_row = time.time()
     elapsed0 = state["elapsed"]
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
-    max_logit = None
+    logit = None   # LOGIT at the last diagnostics, for the progress bar
     while step < stop_at:
         # one step: forward, backward, clip, update
         lr = get_lr(step, c)
@@ -378,9 +414,9 @@ def run(c, data, resume):
                 row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
             if step % c["diag_interval"] == 0 or step >= stop_at or collapse:  # every row once collapsed
                 row.update(diagnose(model, diag_x, diag_y, ctx, probe))
-                max_logit = max(row[f"max_logit_L{i}"] for i in range(c["n_layer"]))
+                logit = row[LOGIT]
         write_rows(run_dir / "log.csv", [row], columns)
-        pbar.set_postfix(loss=f"{train_loss:.4f}", max_logit="-" if max_logit is None else f"{max_logit:.1f}")
+        pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
         # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
         if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
             state.update(step=step, elapsed=elapsed)
@@ -390,8 +426,23 @@ def run(c, data, resume):
     pbar.close()
 
     summary = write_summary(run_dir, c, collapse)
-    print(json.dumps(summary))
+    print_outcome(run_dir, c, summary)
     return summary
+
+
+def print_outcome(run_dir, c, summary):
+    """The run's end in a few plain lines; summary.json holds the whole outcome and arm."""
+    if summary["collapsed"]:
+        print(f"collapsed at step {summary['collapse_step']:,}, after {summary['collapse_minute']:.1f} training "
+              f"minutes: {summary['reason']}")
+    else:
+        print(f"no collapse in {summary['steps']:,} steps ({summary['minutes']:.1f} training minutes)")
+    logits = [v for v in read_log(run_dir / "log.csv").get(LOGIT, []) if math.isfinite(v)]
+    if logits:
+        print(f"layer {PROBE_LAYER}'s max attention logit peaked at {max(logits):.4g}")
+    print(f"run folder: {run_dir} (summary.json: the outcome and every setting)")
+    print(f"next: python analyze.py {c['out']}   (figures and report.md of the runs in {c['out']}, written to "
+          f"{Path(c['out']) / 'figures'})")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,14 @@ PALETTE = {
 # one per seed: the seed study has eight (dash patterns as (offset, (on, off, ...)) in points)
 LINESTYLES = ["-", "--", ":", "-.", (0, (5, 5)), (0, (1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (3, 5, 1, 5, 1, 5))]
 MAX_COLS = 3  # panels per figure row; wider grids wrap (6 layers -> 2 rows of 3)
-THOUSANDS = FuncFormatter(lambda step, _: f"{step / 1000:g}k" if step else "0")  # step axes: 150k, not 150000
+
+
+def step_axis(axis):
+    """Step labels of an x axis: 150k, not 150000, where the axis reaches 10,000 steps; 1,000 below (not 0.05k)."""
+    def label(step, _):
+        long = max(abs(limit) for limit in axis.get_view_interval()) >= 10_000
+        return f"{step / 1000:g}k" if long and step else f"{step:,g}"
+    axis.set_major_formatter(FuncFormatter(label))   # one formatter per axis: it reads that axis's range
 
 
 def flag(run, key):
@@ -118,7 +125,7 @@ def plot_grid(runs, styles, panels, title, ylabel, path, transform=None):
                 ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             auto_log_scale(ax, plotted)
             ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # six-digit step labels overlap in a narrow panel
-            ax.xaxis.set_major_formatter(THOUSANDS)
+            step_axis(ax.xaxis)
             ax.set_title(column, fontsize=9)
             ax.grid(alpha=0.3)
         for ax in row_axes[len(row):]:

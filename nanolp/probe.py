@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from nanolp.diagnostics import PROBE_LAYER, PROBE_TERMS
-from nanolp.plots import THOUSANDS, run_styles, save
+from nanolp.plots import run_styles, save, step_axis
 from nanolp.runs import write_csv
 
 LOGIT = f"max_logit_L{PROBE_LAYER}"
@@ -193,7 +193,7 @@ def plot_runs(runs, labels, path):
             for start in starts:
                 ax.axvline(start, color="gray", linestyle="--", linewidth=0.8)
             ax.set_xlabel("step")
-            ax.xaxis.set_major_formatter(THOUSANDS)
+            step_axis(ax.xaxis)
             ax.grid(alpha=0.3)
     fig.tight_layout()
     return save(fig, path)

@@ -1,5 +1,6 @@
-"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/), the lock that keeps
-two runs from writing one folder, and write the CSV tables made of them (write_csv).
+"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/) and a study's runs.csv
+(study_runs), the lock that keeps two runs from writing one folder, and write the CSV tables made of them
+(write_csv).
 
 A run folder may still be in progress or may come from an older train.py, so every file and
 every column is optional: missing files read as empty, empty cells read as NaN. A file that is there but cannot be
@@ -85,10 +86,29 @@ class Run:
         return self.summary.get("collapse_step") if self.summary.get("collapsed") else None
 
     @cached_property
+    def summarised(self):
+        """Whether summary.json tells how the run ended. train.py writes it when a run ends by itself (a collapse,
+        its --steps or its --minutes), so a run without one, or whose log goes on past it (resumed, then killed),
+        has not ended so: it was killed, or it is still running."""
+        return bool(self.summary) and log_outcome(self.log)["steps"] <= self.summary.get("steps", 0)
+
+    @property
+    def ended(self):
+        """How the run ended: "collapsed"; "finished", at its --steps or --minutes without a collapse; "running" (a
+        live process holds its lock); or "stopped" before its end (killed)."""
+        if self.collapse_step is not None:
+            return "collapsed"
+        if lock_holder(self.path) is not None:
+            return "running"
+        return "finished" if self.summarised else "stopped"
+
+    @cached_property
     def outcome(self):
         """steps, minutes, final losses, max_logit, tokens_per_s and the rest of summary.json: the summary's where
-        it has them, else what the log says (log_outcome: a run in progress, or killed before its summary)."""
-        return {**log_outcome(self.log), **{k: v for k, v in self.summary.items() if v is not None}}
+        it has them, else what the log says (log_outcome: a run in progress, or killed before or after its
+        summary)."""
+        summary = self.summary if self.summarised else {}
+        return {**log_outcome(self.log), **{k: v for k, v in summary.items() if v is not None}}
 
 
 def log_outcome(log):
@@ -278,6 +298,36 @@ def load_runs(paths):
         except DamagedFile as e:
             print(f"{path}: left out, {e}")
     return runs
+
+
+def study_runs(table):
+    """The runs of a study's runs.csv (experiments/sweep.py writes it beside the study's runs/ folder): each row's
+    run folder where its log is kept, else a Run of the row alone, without a log (an earlier run whose log was not
+    kept: its settings and outcome). Rows of patched kernels (the `variant` column) are left out: they are no
+    train.py command, and their flags would put them in the plain kernel's arm."""
+    folder = Path(table).parent / "runs"
+    return [load_run(folder / row["name"]) if row["log_kept"] else Run(folder / row["name"], {}, row, {})
+            for row in read_table(table) if not row.get("variant")]
+
+
+def read_table(path):
+    """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell)."""
+    with open(path, newline="") as f:
+        return [{k: from_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def from_cell(text):
+    """A CSV cell as the value it spells: None, a bool, an int, a float or the text."""
+    if text in ("", None):
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def thin_log(src, dst, every=100):

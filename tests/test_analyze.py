@@ -2,8 +2,10 @@
 
 import csv
 import json
+import os
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from experiments import mechanism
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
-from nanolp.runs import Run, load_run
+from nanolp.runs import Run, load_run, read_table, study_runs, write_csv
 
 N_LAYER, N_HEAD = 2, 2  # the tiny preset's
 STEPS = np.arange(0, 400, 10)
@@ -106,18 +108,16 @@ def loss_run(name, steps, loss):
     return Run(Path(name), dict(fix="off", seed=name[-1]), {}, log)
 
 
-def test_band_is_the_median_and_range_of_the_runs_still_running():
+def test_median_only_where_three_runs_are_alive():
     a = loss_run("a-s0", [0, 100, 200, 300], [4.0, 3.0, 2.0, 1.0])
-    b = loss_run("a-s1", [0, 200], [5.0, 1.0])           # logged less often: interpolated at 100 (3.0)
+    b = loss_run("a-s1", [0, 200, 300], [5.0, 1.0, 1.0])    # logged less often: interpolated at 100 (3.0)
     c = loss_run("a-s2", [0, 100, 200], [1.0, 9.0, np.nan])  # an empty cell at 200, then stopped
-    steps, middle, low, high = analyze.band([a, b, c], "train_loss")
+    steps, middle = analyze.median_line([a, b, c], "train_loss")
     assert steps.tolist() == [0, 100, 200, 300]
-    assert middle.tolist() == [4.0, 3.0, 1.5, 1.0]      # at 200: c has no value, at 300 only a runs
-    assert low.tolist() == [1.0, 3.0, 1.0, 1.0]
-    assert high.tolist() == [5.0, 9.0, 2.0, 1.0]
-    steps, middle, low, high = analyze.band([a], "train_loss")
-    assert middle.tolist() == low.tolist() == high.tolist() == [4.0, 3.0, 2.0, 1.0]  # one seed: a line
-    assert analyze.band([a], "val_loss") is None
+    assert middle[:2].tolist() == [4.0, 3.0] and np.isnan(middle[2:]).all()   # from 200 on, two are alive
+    # two runs: no median at all (the median of two, where one ends, would jump to the other and read as a recovery)
+    assert analyze.median_line([a, b], "train_loss") is None
+    assert analyze.median_line([a, b, c], "val_loss") is None
 
 
 def ended_run(name, steps, collapse_step=None):
@@ -136,27 +136,99 @@ def test_survival_falls_at_each_collapse_among_the_runs_still_training():
     assert steps.tolist() == [0, 600] and share.tolist() == [1.0, 1.0]   # none collapsed: flat at all
 
 
-def test_headline_draws_each_arm_once_named_by_its_flags(tmp_path, monkeypatch):
+def headline(runs, study, monkeypatch):
+    """The headline figure of `runs` (and `study`, the runs of their runs.csv), not saved."""
+    figures = []
+    monkeypatch.setattr(analyze, "save", lambda fig, path: figures.append(fig) or path)
+    analyze.plot_headline(runs, study, run_styles(study, {r.path: analyze.arm(r) for r in study}), Path("h.png"))
+    return figures[0]
+
+
+def test_headline_draws_each_run_to_its_end(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     for seed, collapse in ((0, True), (1, False), (2, False)):
         write_run(tmp_path, f"off-s{seed}", seed, collapse, rng)
     write_run(tmp_path, "o32-s0", 0, False, rng, delta_fp32=True)  # an internal name: the legend must not use it
     runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
-    figures = []
-    monkeypatch.setattr(analyze, "save", lambda fig, path: figures.append(fig) or path)
-    analyze.plot_headline(runs, run_styles(runs, {r.path: analyze.arm(r) for r in runs}), tmp_path / "h.png")
-    fig = figures[0]
+    fig = headline(runs, runs, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["--preset tiny --fix off --delta-fp32 (1 seed; no collapse; stopped at 390 steps)",
-                     "--preset tiny --fix off (3 seeds; 1 collapsed, median step 300; 2 stopped at 390 steps)",
-                     "collapse"]
+    assert texts == ["--preset tiny --fix off --delta-fp32: 1 run: no collapse in 390 steps",
+                     "--preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps",
+                     "median of an arm's lines, where at least 3 are alive", "collapse",
+                     "a run's end without a collapse (right)"]
     loss, logit, alive = fig.axes
-    assert [len(ax.lines) for ax in (loss, logit)] == [1 + 1 + 1] * 2  # two medians and one collapse mark each
-    assert [np.round(line.get_ydata(), 6).tolist() for line in alive.lines] == [[1.0, 1.0], [1.0, 0.666667, 0.666667]]
-    assert len(loss.collections) == 1  # a range only for the arm with several seeds
-    median = analyze.band([r for r in runs if r.name.startswith("off")], "train_loss")[1]
-    assert np.allclose(loss.lines[1].get_ydata(), median)
+    off = [r for r in runs if r.name.startswith("off")]
+    for ax, column in ((loss, "train_loss"), (logit, analyze.LOGIT)):
+        # a thin line per run, each to its own end, one X, and one median (off's three runs)
+        assert [line.get_linewidth() for line in ax.lines].count(0.8) == 4
+        assert [line.get_marker() for line in ax.lines].count("X") == 1
+        medians = [line for line in ax.lines if line.get_linewidth() > 2]
+        assert len(medians) == 1 and np.allclose(medians[0].get_ydata(), analyze.median_line(off, column)[1])
     assert loss.get_yscale() == logit.get_yscale() == "log"
+    steps = [line for line in alive.lines if line.get_marker() != "|"]
+    assert [np.round(line.get_ydata(), 6).tolist() for line in steps] == [[1.0, 1.0], [1.0, 0.666667, 0.666667]]
+    ticks = [line for line in alive.lines if line.get_marker() == "|"]
+    assert [line.get_xdata().tolist() for line in ticks] == [[390], [390, 390]]   # where each run ended
+
+
+def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
+    """Lines for the runs with logs; the survival panel and the legend over every row of runs.csv, the rows without
+    a log included, so that they say what README's table says."""
+    study = tmp_path / "study"
+    rng = np.random.default_rng(0)
+    write_run(study / "runs", "off-s0", 0, True, rng, preset="default", n_layer=6, n_head=6)   # the default's shape
+    rows = [dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", collapsed=True,
+                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=5e8, tokens_per_s=5000.0,
+                 log_kept=True, variant="")]
+    rows += [dict(name=f"off-s{seed}-nolog", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off",
+                  collapsed=True, collapse_step=step, collapse_minute=step / 40, steps=step + 5, max_logit=1e9,
+                  tokens_per_s=5000.0, log_kept=False, variant="") for seed, step in ((1, 600), (2, 900))]
+    rows += [dict(name="sdpa-s0-nolog", arm="sdpa", flags="--attn sdpa", seed=0, attn="sdpa", fix="off",
+                  collapsed=False, collapse_step="", collapse_minute="", steps=1000, max_logit=3e5,
+                  tokens_per_s=5000.0, log_kept=False, variant=""),
+             dict(name="patched-s0-nolog", arm="patched", flags="--fix off", seed=0, attn="kernel", fix="off",
+                  collapsed=True, collapse_step=50, collapse_minute=1.0, steps=55, max_logit=1e9, tokens_per_s=5000.0,
+                  log_kept=False, variant="a patched kernel")]
+    write_csv(study / "runs.csv", rows, list(rows[0]))
+    runs = [load_run(study / "runs" / "off-s0")]
+    everyone = study_runs(study / "runs.csv")
+    assert [run.name for run in everyone] == ["off-s0", "off-s1-nolog", "off-s2-nolog", "sdpa-s0-nolog"]
+    assert everyone[0].log and not everyone[1].log   # the kept log is read; the others are their row alone
+    assert [analyze.arm(run) for run in everyone] == ["--fix off"] * 3 + ["--attn sdpa"]   # runs.csv's flags
+
+    fig = headline(runs, everyone, monkeypatch)
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts[:2] == ["--fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
+                         "--attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
+    table = analyze.study_table(read_table(study / "runs.csv"), study)
+    assert "| **3 / 3** | 600 (300-900) |" in table[2] and "| **0 / 1** | - | 1,000 |" in table[3]
+    alive = [line for line in fig.axes[2].lines if line.get_marker() != "|"]
+    assert alive[0].get_xdata().tolist() == [0, 300, 600, 900, 900]   # falls at each of the table's collapses
+    assert np.round(alive[0].get_ydata(), 6).tolist() == [1.0, 0.666667, 0.333333, 0.0, 0.0]
+    assert alive[1].get_xdata().tolist() == [0, 1000] and alive[1].get_ydata().tolist() == [1.0, 1.0]
+    assert len(fig.axes[0].lines) == 2   # off-s0's line and its X: no median of one run
+
+
+def test_a_row_without_a_log_does_not_rename_a_run_with_one(tmp_path, monkeypatch):
+    """An earlier run of the same arm and seed, known by its runs.csv row alone, is no twin in the figures' legends."""
+    study = tmp_path / "study"
+    write_run(study / "runs", "off-s0", 0, True, np.random.default_rng(0), preset="default", n_layer=6, n_head=6)
+    rows = [dict(name=name, arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", collapsed=True,
+                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=1e9, tokens_per_s=5000.0,
+                 log_kept=kept, variant="")
+            for name, kept in (("off-s0-nolog", False), ("off-s0", True))]
+    write_csv(study / "runs.csv", rows, list(rows[0]))
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
+    analyze.analyze_runs([load_run(study / "runs" / "off-s0")], tmp_path)
+    assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["--fix off, seed 0"]   # max_logit.png
+
+
+def test_the_seed_studys_rows_are_named_by_their_flags():
+    """A runs.csv row without a log reads as the run it summarises: its arm is its `flags` column."""
+    table = Path(analyze.__file__).parent / "results/seed_study/runs.csv"
+    rows = [row for row in read_table(table) if not row["variant"]]
+    assert [analyze.arm(run) for run in study_runs(table)] == [row["flags"] for row in rows]
 
 
 # -----------------------------------------------------------------------------
@@ -259,10 +331,12 @@ def test_runs_report_and_figures(tmp_path):
     assert f"| `--preset tiny --fix off` | 0 | 390 | step {COLLAPSE_STEP}, {COLLAPSE_STEP * 1.5 / 60:.1f} min" in row
     assert f"{[r['val_loss'] for r in collapsed if r['val_loss'] != ''][-1]:.4f}" in row
     # what its log says: the last train loss, no val loss, no logits, no speed
-    assert (f"| `{partial}` | `--preset tiny --fix paper` | 5 | 10 | n/a (no summary.json) | 4.0000 | n/a | n/a "
-            "| n/a |" in report)
-    assert "| `--preset tiny --attn sdpa` | 0/1 | - | 390 |" in report
-    assert "**layer 1**" in report  # the synthetic collapsing run grows W_Q in layer 1
+    assert (f"| `{partial}` | `--preset tiny --fix paper` | 5 | 10 | no, but stopped before its end (killed) "
+            "| 4.0000 | n/a | n/a | n/a |" in report)
+    assert "| `--preset tiny --attn sdpa` | 0/1 | 0 | - | 390 |" in report
+    assert "| `--preset tiny --fix paper` | 0/0 | 1 | - | 10 |" in report   # killed: not a run without a collapse
+    # the synthetic collapsing run grows W_Q in layer 1: 4.9x, against 1.4x in layer 0
+    assert "Largest, at least 2x every other layer's: **layer 1**" in report
     assert (out / "rates.csv").stat().st_size > 0
 
 
@@ -282,11 +356,58 @@ def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
     report = (runs / "figures" / "report.md").read_text()
     assert "off-s0" in report and "on-s" not in report
     # the study's table: layer 0's peak from the kept logs that can be read
-    rows = [dict(name=name, arm=name[:-3], flags="", seed=name[-1], collapsed="False", collapse_step="",
-                 collapse_minute="", steps="390", tokens_per_s="", log_kept="True")
+    rows = [dict(name=name, arm=name[:-3], flags="", seed=int(name[-1]), collapsed=False, collapse_step=None,
+                 collapse_minute=None, steps=390, tokens_per_s=None, max_logit=None, log_kept=True)
             for name in ("off-s0", "on-s0", "on-s1")]
     table = analyze.study_table(rows, tmp_path)
     assert not table[2].endswith("| - |") and table[3].endswith("| - |")
+
+
+def test_a_killed_run_is_counted_as_stopped(tmp_path):
+    """A run without summary.json (killed), or whose log goes on past it (resumed, then killed), stopped before its
+    end: neither a collapse nor a run that trained through. One whose lock a live process holds is still running."""
+    rng = np.random.default_rng(0)
+    write_run(tmp_path, "done-s0", 0, False, rng)
+    write_run(tmp_path, "killed-s1", 1, False, rng)
+    (tmp_path / "killed-s1" / "summary.json").unlink()
+    write_run(tmp_path, "resumed-s2", 2, False, rng)
+    summary = tmp_path / "resumed-s2" / "summary.json"
+    summary.write_text(json.dumps(json.loads(summary.read_text()) | dict(steps=200)))   # its first leg's
+    write_run(tmp_path, "live-s3", 3, False, rng)
+    (tmp_path / "live-s3" / "summary.json").unlink()
+    (tmp_path / "live-s3" / "lock").write_text(str(os.getpid()))
+    write_run(tmp_path, "fell-s4", 4, True, rng)
+    runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
+    assert [run.ended for run in runs] == ["finished", "collapsed", "stopped", "running", "stopped"]
+    words = analyze.outcome(runs)
+    assert words == ("5 runs: 1 collapsed at step 300; 1 without a collapse in 390 steps; 2 stopped at step 390, "
+                     "before their end (killed); 1 still running (step 390)")
+    rates = analyze.arm_rates(runs)[0]
+    assert (rates["collapsed"], rates["ended"], rates["runs"]) == (1, 2, 5)
+
+
+def test_a_layer_is_named_only_where_it_stands_out(tmp_path):
+    """A short run's W_Q grows alike in every layer, as it learns: the report names no layer."""
+    rng = np.random.default_rng(0)
+    write_run(tmp_path / "runs", "off-s0", 0, False, rng)   # every layer's W_Q grows 1.39x
+    analyze.main([str(tmp_path / "runs")])
+    report = (tmp_path / "runs" / "figures" / "report.md").read_text()
+    assert "**layer" not in report and "No layer stands out" in report
+    assert analyze.stands_out(0, {0: 349, 1: 8.2}) and not analyze.stands_out(1, {0: 1.8, 1: 2.1})
+    assert not analyze.stands_out(0, {0: 5.0})   # one layer: nothing to stand out from
+
+
+def test_a_missing_folder_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, missing in ((["nosuchdir"], "nosuchdir"), ([], "runs"), (["--table", "no.csv"], "no.csv")):
+        with pytest.raises(SystemExit) as exited:
+            analyze.main(argv)
+        assert exited.value.code == f"analyze.py: error: no such file or folder: {missing}"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exited:
+        analyze.main(["empty"])
+    assert exited.value.code == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
 
 
 def test_probe_report_without_phases(tmp_path):
@@ -304,14 +425,15 @@ def test_probe_report_without_phases(tmp_path):
 
 def test_arm_rates(tmp_path):
     """The per-arm table, in report.md and rates.csv: two arms, one collapsed run. The summaries' values are chosen
-    so that each median differs from the mean; --fix off's max logits come from its logs."""
+    so that each median differs from the mean (steps from the log's last, 390, on: a summary short of its log is
+    one of a run resumed and killed since); --fix off's max logits come from its logs."""
     rng = np.random.default_rng(0)
     runs = tmp_path / "runs"
-    seeds = [("off", 0, True, dict(steps=300, tokens_per_s=4000.0, final_val_loss=9.0)),
-             ("off", 1, False, dict(steps=390, tokens_per_s=5000.0, final_val_loss=2.0)),
-             ("off", 2, False, dict(steps=100, tokens_per_s=9000.0, final_val_loss=2.5)),
-             ("on", 0, False, dict(steps=390, tokens_per_s=6000.0, final_val_loss=2.2, max_logit=20.0)),
-             ("on", 1, False, dict(steps=200, tokens_per_s=7000.0, final_val_loss=2.4, max_logit=30.0))]
+    seeds = [("off", 0, True, dict(steps=400, tokens_per_s=4000.0, final_val_loss=9.0)),
+             ("off", 1, False, dict(steps=600, tokens_per_s=5000.0, final_val_loss=2.0)),
+             ("off", 2, False, dict(steps=450, tokens_per_s=9000.0, final_val_loss=2.5)),
+             ("on", 0, False, dict(steps=400, tokens_per_s=6000.0, final_val_loss=2.2, max_logit=20.0)),
+             ("on", 1, False, dict(steps=500, tokens_per_s=7000.0, final_val_loss=2.4, max_logit=30.0))]
     max_logits = []
     for fix, seed, collapse, values in seeds:
         rows = write_run(runs, f"{fix}-s{seed}", seed, collapse, rng, fix=fix)
@@ -326,16 +448,16 @@ def test_arm_rates(tmp_path):
 
     report = (runs / "figures" / "report.md").read_text()
     minutes = COLLAPSE_STEP * 1.5 / 60
-    assert (f"| `--preset tiny --fix off` | 1/3 | {minutes:.1f} | 300 | 2.5000 | {max_logits[1]:.4g} | 5,000 | - |"
-            in report)
-    assert "| `--preset tiny --fix on` | 0/2 | - | 295 | 2.3000 | 25 | 6,500 | - |" in report  # no fp32 arm
+    assert (f"| `--preset tiny --fix off` | 1/3 | 0 | {minutes:.1f} | 450 | 2.5000 | {max_logits[1]:.4g} | 5,000 "
+            "| - |" in report)
+    assert "| `--preset tiny --fix on` | 0/2 | 0 | - | 450 | 2.3000 | 25 | 6,500 | - |" in report  # no fp32 arm
     with open(runs / "figures" / "rates.csv", newline="") as f:
         rates = list(csv.DictReader(f))
-    assert [(r["arm"], r["collapsed"], r["runs"], r["median_collapse_minute"]) for r in rates] == [
-        ("--preset tiny --fix off", "1", "3", str(minutes)), ("--preset tiny --fix on", "0", "2", "")]
+    assert [(r["arm"], r["collapsed"], r["ended"], r["runs"], r["median_collapse_minute"]) for r in rates] == [
+        ("--preset tiny --fix off", "1", "3", "3", str(minutes)), ("--preset tiny --fix on", "0", "2", "2", "")]
     numbers = [float(r[f"median_{key}"]) for r in rates
                for key in ("steps", "final_val_loss", "max_logit", "tokens_per_s")]
-    assert numbers == pytest.approx([300, 2.5, max_logits[1], 5000, 295, 2.3, 25, 6500], rel=1e-5)
+    assert numbers == pytest.approx([450, 2.5, max_logits[1], 5000, 450, 2.3, 25, 6500], rel=1e-5)
 
 
 def test_val_loss_against_fp32_at_the_same_step(tmp_path):
@@ -403,6 +525,21 @@ def test_grid_panels_keep_step_labels_apart(tmp_path, monkeypatch):
         assert 2 <= sum(lo <= t <= hi for t in ax.get_xticks()) <= 5
 
 
+@pytest.mark.parametrize("last, labels", [(400, ["0", "100", "200", "300", "400"]),
+                                          (5000, ["0", "1,000", "2,000", "3,000", "4,000", "5,000"]),
+                                          (150_000, ["0", "50k", "100k", "150k"])])
+def test_step_labels_read_as_steps(last, labels):
+    """50k on a long axis, 1,000 on a short one; never 0.05k."""
+    fig, ax = plt.subplots()
+    ax.plot([0, last], [0, 1])
+    ax.set_xlim(0, last)
+    ax.set_xticks(np.linspace(0, last, len(labels)))
+    plots.step_axis(ax.xaxis)
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels
+    plt.close(fig)
+
+
 # -----------------------------------------------------------------------------
 # --mechanism
 
@@ -459,21 +596,28 @@ def test_readme_table_is_the_study_table_of_its_runs_csv():
     """README.md's table is regenerated from runs.csv (python analyze.py --table), never typed."""
     root = Path(analyze.__file__).parent
     readme, table = root / "README.md", Path("results/seed_study/runs.csv")
-    with open(root / table, newline="") as f:
-        lines = analyze.study_table(list(csv.DictReader(f)), root / table.parent)
+    lines = analyze.study_table(read_table(root / table), root / table.parent)
     block = readme.read_text().split(f"<!-- table: python analyze.py --table {table} -->\n")[1]
     assert block.split("<!-- end of table -->")[0] == "\n".join(lines) + "\n"
 
 
 def test_study_table_counts_collapses_per_arm(tmp_path):
-    rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=str(s), collapsed="True",
-                 collapse_step=str(step), collapse_minute=str(minute), steps=str(step), tokens_per_s=str(speed),
-                 log_kept="False") for s, step, minute, speed in ((0, 100, 1.0, 3e6), (1, 300, 6.0, 1.5e6))]
-    rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed="0", collapsed="False", collapse_step="",
-                     collapse_minute="", steps="500", tokens_per_s="3e6", log_kept="False"))
+    rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=s, collapsed=True, collapse_step=step,
+                 collapse_minute=minute, steps=step, tokens_per_s=speed, max_logit=logit, log_kept=False)
+            for s, step, minute, speed, logit in ((0, 100, 1.0, 3e6, 1e9), (1, 300, 6.0, 1.5e6, 2e6))]
+    rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed=0, collapsed=False, collapse_step=None,
+                     collapse_minute=None, steps=500, tokens_per_s=3e6, max_logit=120.0, log_kept=False))
+    rows += [dict(name=f"sdpa-s{s}-nolog", arm="sdpa", flags="--attn sdpa", seed=s, collapsed=False,
+                  collapse_step=None, collapse_minute=None, steps=400, tokens_per_s=3e6, max_logit=logit,
+                  log_kept=False) for s, logit in ((0, 3e5), (1, None))]
     lines = analyze.study_table(rows, tmp_path)
     assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 200 (100-300) | - " \
-                       "| 3.5 (1.0-6.0) | - |"
-    assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | - |"
+                       "| 3.5 (1.0-6.0) | 5.01e+08 (2e+06-1e+09) | - |"
+    assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | 120 | - |"
+    assert lines[4] == "| `sdpa` | `python train.py --attn sdpa` | 2 (0, 1) | 0 | **0 / 2** | - | 400 | - | 3e+05 | - |"
+    # an arm without a collapse whose logits ran away is said so
+    assert lines[6] == ("No collapse is not no runaway: the max logit passed 10,000 in 1 of the 2 runs of `sdpa`, "
+                        "which ended at the steps above before a collapse; the other arms without a collapse peak "
+                        "at 120.")
     # one run had the GPU alone: 100 steps a minute, so the collapses come after 1 and 3 minutes
     assert lines[-1].endswith("so its collapses come after 2.0 (1.0-3.0) minutes.")

@@ -70,8 +70,19 @@ def refusal(capsys, command):
     return err
 
 
-def test_smoke_run_learns_and_writes_its_folder(run):
+def test_smoke_run_learns_and_writes_its_folder(run, tmp_path, capsys):
     run_dir = run("smoke", "--steps", "60")
+    out, err = capsys.readouterr()
+    # the progress bar shows layer 0's max logit, the one that runs away; the end, a few plain lines, no JSON
+    assert "max_logit_L0=" in err and "max_logit=" not in err
+    peak = max(float(r["max_logit_L0"]) for r in read_log(run_dir) if r["max_logit_L0"])
+    end = out.splitlines()[-4:]
+    assert re.fullmatch(r"no collapse in 60 steps \(\d+\.\d training minutes\)", end[0])
+    assert end[1:] == [
+        f"layer 0's max attention logit peaked at {peak:.4g}",
+        f"run folder: {run_dir} (summary.json: the outcome and every setting)",
+        f"next: python analyze.py {tmp_path / 'runs'}   (figures and report.md of the runs in {tmp_path / 'runs'}, "
+        f"written to {tmp_path / 'runs' / 'figures'})"]
     rows = read_log(run_dir)
     assert list(rows[0]) == train.BASE_COLUMNS + diag_columns(2, 2)
     assert [int(r["step"]) for r in rows] == [10, 20, 30, 40, 50, 60]
@@ -234,16 +245,32 @@ def test_help_groups_the_flags(capsys):
     assert groups["training"] == {"--lr", "--warmup", "--batch-size", "--dtype", "--compile", "--device",
                                   "--log-interval", "--eval-interval", "--diag-interval", "--ckpt-interval"}
 
-    # every flag that takes a value says its default
+    # every flag says what it does in words, and every flag that takes a value says its default
     for action in train.parser()._actions:
+        words = re.sub(r"\(default[^)]*\)", "", action.help)
+        assert len(words.split()) >= 2, action.dest
         if action.option_strings and action.nargs != 0 and action.dest != "help":
             assert "default" in action.help, action.dest
+
+
+@pytest.mark.parametrize("argv", [["--preset", "tiny", "--help"], ["--help", "--preset", "tiny"], ["--help"]])
+def test_help_shows_the_chosen_presets_defaults(argv, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    tiny = "tiny" in argv
+    assert f"The defaults shown are the {'tiny' if tiny else 'default'} preset's" in text
+    assert f"--steps N training steps, one batch each (default {'300' if tiny else '200,000'})" in text
+    assert f"--n-layer N transformer blocks (default {2 if tiny else 6})" in text
+    assert f"learning rate (AdamW), constant after the warmup (default {0.003 if tiny else 0.001})" in text
 
 
 def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, capsys):
     monkeypatch.setenv("NANOLP_NAN_AT_STEP", "25")  # train.py's test hook: poison the loss of step 25
     run_dir = run("nan", "--steps", "60", "--ckpt-interval", "10")
-    assert "non-finite loss at step 25" in "".join(capsys.readouterr())
+    out = capsys.readouterr().out
+    assert "collapse at step 25: non-finite loss at step 25" in out   # when it happens, above the progress bar
+    assert re.search(r"^collapsed at step 25, after \d+\.\d training minutes: non-finite loss at step 25$", out, re.M)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["collapsed"] is True and summary["collapse_step"] == 25 and "step 25" in summary["reason"]
     assert summary["steps"] == 30 and summary["final_train_loss"] is None
