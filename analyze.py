@@ -39,7 +39,7 @@ from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
-from nanolp.presets import COMMON, NUMERICS, PRESETS, changed_settings
+from nanolp.presets import BEFORE_OPTION, COMMON, NUMERICS, PRESETS, changed_settings
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
@@ -51,7 +51,8 @@ def arm(run):
     """The flags, e.g. "--fix off", "--fix on --lr 0.003", "--attn sdpa": --preset and --attn where they are not
     the default, --fix for our attention, then nanolp.presets.changed_settings (the settings of ARM that differ from
     the preset), less the kernel's options for the torch attentions, which ignore them. A setting an older run
-    did not record reads as its default."""
+    did not record reads as its default, but for the exponent (nanolp.presets.BEFORE_OPTION): such a run of our
+    kernel ran neither form, and reads "(before --exponent)"."""
     preset = run.setting("preset", "default")
     settings = {**COMMON, **PRESETS.get(preset, {}), **run.config,
                 **{k: v for k, v in run.summary.items() if v is not None}, "preset": preset}
@@ -60,7 +61,9 @@ def arm(run):
         [] if settings["attn"] == COMMON["attn"] else [f"--attn {settings['attn']}"]) + (
         [f"--fix {fix_word(run)}"] if ours else [])
     changed = changed_settings(settings)
-    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS])
+    recorded = {**run.config, **run.summary}
+    before = [f"(before --{k.replace('_', '-')})" for k in BEFORE_OPTION if ours and recorded.get(k) is None]
+    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS] + before)
 
 
 def flag_text(key, value):
@@ -120,14 +123,14 @@ def outcome(group):
 # The headline: per arm, each run's loss and layer 0's max logit to its end, and the share not yet collapsed
 
 LOGIT = f"max_logit_L{PROBE_LAYER}"  # the layer that runs away
-MEDIAN_RUNS = 3   # an arm's median is drawn only where this many of its runs are alive: the median of two is their
-                  # midpoint, and a median jumps where one of few runs ends, which reads as a recovery
+MEDIAN_RUNS = 3   # an arm's median is drawn only where all its lines, at least this many, are alive: the median of
+                  # two is their midpoint, and a median of the survivors jumps where a run ends, which reads as a recovery
 
 
 def median_line(group, column):
     """(steps, median) of a log column over the runs of `group`, on the union of their logged steps; each run
     counts within its own logged range (interpolated between its rows), and the median is NaN (not drawn) where
-    fewer than MEDIAN_RUNS runs count. None where it is NaN everywhere."""
+    any run has ended (or not begun). None with fewer than MEDIAN_RUNS runs, or where it is NaN everywhere."""
     series = [s for s in (run.series(column) for run in group) if s is not None]
     if len(series) < MEDIAN_RUNS:
         return None
@@ -136,7 +139,7 @@ def median_line(group, column):
     for row, (x, y) in zip(values, series):
         inside = (steps >= x[0]) & (steps <= x[-1])
         row[inside] = np.interp(steps[inside], x, y)
-    enough = np.isfinite(values).sum(axis=0) >= MEDIAN_RUNS
+    enough = np.isfinite(values).all(axis=0)
     if not enough.any():
         return None
     middle = np.full(len(steps), np.nan)
@@ -161,7 +164,7 @@ def survival(group):
 
 def plot_headline(runs, study, styles, path):
     """Per arm, train loss and layer 0's max logit of each run with a log: a thin line to its end, an X where it
-    collapsed, and the median where at least MEDIAN_RUNS of them are alive; then the share of the arm's runs not yet
+    collapsed, and the median where all of them, at least MEDIAN_RUNS, are alive; then the share of the arm's runs not yet
     collapsed, over `study`: the runs and every other run of their studies (runs.csv rows without a log), so that
     the panel and the legend count what the table counts. `styles` colours at least one run of each arm."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=[1, 1, 0.8])
@@ -189,7 +192,7 @@ def plot_headline(runs, study, styles, path):
         logs = "" if len(lines) == len(group) else f"; lines: {len(lines)} of them" if lines else "; no lines"
         handles.append(Line2D([], [], color=colour, linewidth=1.6, label=f"{name}: {outcome(group)}{logs}"))
     handles.append(Line2D([], [], color="gray", linewidth=2.6,
-                          label=f"median of an arm's lines, where at least {MEDIAN_RUNS} are alive"))
+                          label=f"median of an arm's lines, while all of them (at least {MEDIAN_RUNS}) are alive"))
     if any(run.collapse_step is not None for run in runs):
         handles.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9, label="collapse"))
     handles.append(Line2D([], [], color="k", marker="|", linestyle="", markersize=12,
@@ -444,14 +447,15 @@ def study_table(rows, folder):
             f"{len(rows)} of the {len(arms[name])} runs of `{name}`" for name, rows in ran_away.items()) +
             ", which ended at the steps above before a collapse" + (
             f"; the other arms without a collapse peak at {max(flat):.3g}." if flat else ".")]
-    off = [row for row in arms.get("off", []) if row["collapsed"]]
-    alone = [row for row in off if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
-    if alone:   # steps a minute of the runs that had the GPU alone, evaluations and diagnostics included
-        pace = median([row["collapse_step"] / row["collapse_minute"] for row in alone])
-        lines += ["", f"Alone on one H200 a fix-off run trains {pace:,.0f} steps a minute (median of its "
-                      f"{len(alone)} runs that had the GPU alone: {', '.join(row['name'] for row in alone)}), so "
-                      f"its collapses come after {span([row['collapse_step'] / pace for row in off], '.1f')} "
-                      f"minutes."]
+    for arm, what in (("off-fma", "the kernel as it ships"), ("off", "the earlier kernels")):
+        off = [row for row in arms.get(arm, []) if row["collapsed"]]
+        alone = [row for row in off if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
+        if alone:   # steps a minute of the runs that had the GPU alone, evaluations and diagnostics included
+            pace = median([row["collapse_step"] / row["collapse_minute"] for row in alone])
+            lines += ["", f"Alone on one H200 a fix-off run of {what} (`{arm}`) trains {pace:,.0f} steps a minute "
+                          f"(median of its {len(alone)} runs that had the GPU alone: "
+                          f"{', '.join(row['name'] for row in alone)}), so its collapses come after "
+                          f"{span([row['collapse_step'] / pace for row in off], '.1f')} minutes."]
     return lines
 
 
@@ -522,6 +526,7 @@ def main(argv=None):
     root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
     out = args.out or root / "figures"
     out.mkdir(parents=True, exist_ok=True)
+    runs = load_runs(paths)   # (one with a damaged file: left out, in one line)
 
     if args.mechanism:
         section = demonstrate(out)

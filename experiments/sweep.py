@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanolp.presets import COMMON, NUMERICS
+from nanolp.presets import BEFORE_OPTION, COMMON, NUMERICS
 from nanolp.runs import (DamagedFile, find_runs, latest_checkpoint, load_run, load_runs, log_path, read_json,
                          thin_log, write_csv)
 
@@ -72,7 +72,6 @@ COLUMNS = ["name", "arm", "flags", "seed", "attn", "fix", *NUMERICS, "lr", "batc
            "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit",
            "tie_rate_final", "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s",
            "peak_mem_gb", "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
-BEFORE_OPTION = ("exponent",)   # settings a run made before they existed did not have (collect_row)
 # a row whose run folder was never kept (an earlier sample of the same arm and seed, known by its summary alone)
 # is named ARM-sSEED-nolog, so that a new run of that arm and seed, with its log, takes the plain name
 NO_LOG = "-nolog"
@@ -410,8 +409,7 @@ def collect_row(run, arm=None, flags=""):
     return dict(
         name=run.name, arm=arm or run.arm, flags=flags, seed=run.setting("seed"),
         **{key: run.setting(key) for key in ("attn", "fix")},
-        # a run older than an option ran without it, as its default, but for the exponent: before the option the
-        # kernel's exponent was neither form throughout (ptxas fused it in some tiles), so it is left blank
+        # a run older than an option ran without it, as its default, but for those of BEFORE_OPTION: left blank
         **{key: run.setting(key, None if key in BEFORE_OPTION else COMMON[key]) for key in NUMERICS},
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
         steps=o["steps"], minutes=o["minutes"],

@@ -37,6 +37,10 @@ FIX = {"off": False, "on": True, "paper": "paper"}
 ARM = ("preset", "attn", "fix", *NUMERICS, "pos", "lr", "warmup", "beta1", "beta2", "weight_decay", "grad_clip",
        "n_layer", "n_head", "n_embd", "block_size", "batch_size", "dtype", "data", "seed")
 NAMED = ("preset", "attn", "fix", "seed")  # always in the name
+# Settings that a run made before they existed did not have: it ran neither value (before Numerics.exponent the
+# kernel's exponent was fused by ptxas in some tiles only). Their tables and figures say so instead of showing the
+# default.
+BEFORE_OPTION = ("exponent",)
 
 
 def changed_settings(c):
