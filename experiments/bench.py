@@ -2,6 +2,7 @@
 the one-pass backward, deterministic=False) against torch SDPA's flash and cuDNN backends, side by side in one run.
 
     python -m experiments.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
+    python -m experiments.bench --table results/speed/bench.csv    # README's speed table, from the CSV (CPU)
 
 bf16, causal; batch x heads sized so every shape holds 16k tokens x 2048 channels (fills an H200); median of
 repeated timings (triton.testing.do_bench); TFLOP/s count the causal half only (4 B H N^2 D / 2 forward,
@@ -56,12 +57,36 @@ def time_impl(fn, q, k, v, do):
     return fwd, bwd, both
 
 
+# README's speed table: forward+backward against cuDNN per head_dim, over the sequences where timings are steady
+TABLE_IMPLS = {"ours": "`fix=False`", "ours_fix": "`fix=True`", "sdpa_flash": "torch SDPA flash"}
+TABLE_SEQS = (4096, 16384)
+
+
+def speed_table(path):
+    """The markdown lines of README's speed table, from a bench CSV: per head_dim, each implementation's range of
+    fwd_bwd_vs_cudnn over TABLE_SEQS."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if int(r["seq"]) in TABLE_SEQS]
+    span = lambda v: f"{min(v):.2f}x" if f"{min(v):.2f}" == f"{max(v):.2f}" else f"{min(v):.2f}-{max(v):.2f}x"
+    seqs = "-".join(f"{n // 1024}k" for n in TABLE_SEQS)
+    lines = ["| head_dim, seq | " + " | ".join(TABLE_IMPLS.values()) + " |", "|---" * (len(TABLE_IMPLS) + 1) + "|"]
+    for D in sorted({int(r["head_dim"]) for r in rows}):
+        cells = [span([float(r["fwd_bwd_vs_cudnn"]) for r in rows if r["impl"] == impl and int(r["head_dim"]) == D])
+                 for impl in TABLE_IMPLS]
+        lines.append(f"| {D}, {seqs} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--out", default="results/speed/bench.csv")
+    p.add_argument("--table", metavar="CSV", help="print README's speed table from a bench CSV instead of timing")
     args = p.parse_args(argv)
+    if args.table:
+        print("\n".join(speed_table(args.table)))
+        return
     rows = []
     for D in args.head_dims:
         for N in args.seqs:

@@ -2,7 +2,9 @@
 
 import csv
 import json
+import math
 import os
+import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -599,6 +601,21 @@ def test_readme_table_is_the_study_table_of_its_runs_csv():
     lines = analyze.study_table(read_table(root / table), root / table.parent)
     block = readme.read_text().split(f"<!-- table: python analyze.py --table {table} -->\n")[1]
     assert block.split("<!-- end of table -->")[0] == "\n".join(lines) + "\n"
+
+
+def test_readme_promise_is_the_shipped_kernels_runs():
+    """The quick start's promise for `--fix off` (steps to the collapse, minutes alone) is what runs.csv says of the
+    fix-off runs of the kernel as it ships (arm off-fma) and README's table line on their pace."""
+    root = Path(analyze.__file__).parent
+    readme = (root / "README.md").read_text()
+    rows = [row for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] == "off-fma"]
+    steps = sorted(row["collapse_step"] for row in rows if row["collapsed"])
+    assert len(steps) == len(rows) >= 2
+    promise = next(line for line in readme.splitlines() if "python train.py --fix off    #" in line)
+    assert f"collapses: steps {steps[0]:,}-{steps[-1]:,}" in promise
+    minutes = re.search(r"the kernel as it ships \(`off-fma`\).* after ([\d.]+) \(([\d.]+)-([\d.]+)\) minutes", readme)
+    low, high = float(minutes[2]), float(minutes[3])
+    assert f"{math.floor(low)}-{math.ceil(high)} min alone" in promise
 
 
 def test_study_table_counts_collapses_per_arm(tmp_path):
