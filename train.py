@@ -3,10 +3,10 @@ Train a small character-level GPT and watch for the low-precision attention fail
 flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that grows the attention logits
 until the loss blows up.
 
-    python train.py --fix off      # plain bf16: collapses after ~91,000 steps, ~10 min (6-15) alone on an H200
+    python train.py --fix off      # plain bf16: collapses (seeds 2, 3: steps 55,000-68,860, 6-8 min alone on an H200)
     python train.py --fix on       # the complete fix: trains through (seeds 0-3: 150,000-152,000 steps)
     python train.py --fix paper    # the paper's rule alone (the row-max shift): collapsed on seeds 0 and 1
-    python train.py --preset tiny --attn sdpa   # a CPU smoke run
+    python train.py --preset tiny --fix on      # a CPU smoke run, through the kernel's emulation
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
 
 Experiments, each a flag of --help's "experiments" group, change the attention's numerics or the model to test
@@ -20,13 +20,16 @@ the mechanism (all but --pos only in our kernel, --attn kernel or emulate):
     python train.py --fix off --mantissa-bits 3    # the amplifier: P rounded to 3 mantissa bits before P V
                                                    # (--amplify vo: V and O instead)
     python train.py --pos none                     # no position embeddings: layer 0's repeated tokens tie exactly
+    python train.py --fix off --exponent torch     # softmax's exponent unfused, as PyTorch builds FlashAttention-2:
+                                                   # layer 0 runs away but the loss does not collapse (findings, 5)
 
 Measured on the default preset: delta from P trained 242,864 steps (seed 0) and delta from the fp32 O over
 123,000 steps (seeds 0 and 1) without a collapse; --precision paper collapsed on each of seeds 0-3.
 
 A run writes runs/<name>/: config.json (every resolved setting), log.csv (one row per log interval, with the
 diagnostics of nanolp/diagnostics.py every --diag-interval steps), summary.json (the outcome and the whole arm:
-every setting of ARM) and ckpt/ (the last 3 checkpoints).
+every setting of ARM) and ckpt/ (the last 3 checkpoints, each with its sha256; --resume sets a damaged one aside
+and continues from the newest good one).
 
 Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for each setting of ARM that differs
 from the preset's (-delta_fp32, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_fp32-s0. A name
@@ -53,7 +56,6 @@ Either way summary.json says when and why.
 import argparse
 import csv
 import hashlib
-import json
 import math
 import os
 import sys
@@ -72,7 +74,7 @@ from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnos
 from nanolp.presets import ARM, COMMON, FIX, NUMERICS, PRESETS
 from nanolp.runconfig import claim_folder, describe, nothing_to_resume, resolve_config
 from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
-                         read_log, set_aside, write_checksum)
+                         read_log, set_aside, write_checksum, write_json)
 
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum (see the docstring)
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
@@ -285,7 +287,7 @@ def write_summary(run_dir, c, collapse):
         name=c["name"], **{k: c[k] for k in ARM}, data_sha1=c["data_sha1"],   # the arm, whole
         provenance=provenance(),   # of this invocation (a resumed run's config.json keeps its first one's)
     )
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -340,7 +342,7 @@ def run(c, data, resume):
         write_rows(run_dir / "log.csv", [], columns, "w")
     c.setdefault("provenance", provenance())   # (kept from the run's start on --resume)
     c["attn_impl"] = implementation(c["attn"], device.type)   # what computes attn here: on a CPU, kernel's emulation
-    (run_dir / "config.json").write_text(json.dumps(c, indent=2) + "\n")
+    write_json(run_dir / "config.json", c)
     print(f"{run_dir}: {describe(c)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
           f"{c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")
     if device.type == "cpu" and c["preset"] != "tiny":

@@ -262,6 +262,15 @@ def read_json(path):
     return value
 
 
+def write_json(path, value):
+    """path written whole or not at all (a temporary file, then a rename): a run killed as it writes its config.json
+    or summary.json leaves the last complete one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def log_path(run_dir):
     """A run's log: log.csv as train.py writes it, or log.csv.gz as a thinned, committed copy (thin_log)."""
     plain = Path(run_dir) / "log.csv"

@@ -109,8 +109,8 @@ def test_summary_holds_the_arm(run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert config["delta_fp32"] is True and config["delta_from_p"] is False
     arm = dict(preset="tiny", attn="emulate", fix="off", precision="fa2", delta_from_p=False, delta_fp32=True,
-               stochastic_o="forward", mantissa_bits=0, amplify="p", pos="learned", lr=0.002, warmup=20, beta1=0.9,
-               beta2=0.95, weight_decay=0.0, grad_clip=1.0, n_layer=2, n_head=4, n_embd=64, block_size=32,
+               stochastic_o="forward", mantissa_bits=0, amplify="p", exponent="fma", pos="learned", lr=0.002,
+               warmup=20, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0, n_layer=2, n_head=4, n_embd=64, block_size=32,
                batch_size=8, dtype="bf16", data=config["data"], seed=3)
     assert {k: summary[k] for k in train.ARM} == arm and summary["name"] == "arm"
     assert summary["data_sha1"] == config["data_sha1"] and len(summary["data_sha1"]) == 40
@@ -177,9 +177,9 @@ def test_resume_reproduces_an_uninterrupted_run(run, capsys):
 # a flag of each kind that decides a run's numbers, with a value other than the tiny run's
 ARM_CHANGES = [("--preset", "default"), ("--attn", "emulate"), ("--fix", "on"), ("--fix", "paper"), ("--seed", "1"),
                ("--precision", "paper"), ("--delta-from-p",), ("--delta-fp32",), ("--stochastic-o", "forward"),
-               ("--mantissa-bits", "3"), ("--amplify", "vo"), ("--pos", "none"), ("--lr", "0.01"), ("--warmup", "5"),
-               ("--n-layer", "1"), ("--n-head", "4"), ("--n-embd", "32"), ("--block-size", "16"),
-               ("--batch-size", "4"), ("--dtype", "fp32")]
+               ("--mantissa-bits", "3"), ("--amplify", "vo"), ("--exponent", "torch"), ("--pos", "none"),
+               ("--lr", "0.01"), ("--warmup", "5"), ("--n-layer", "1"), ("--n-head", "4"), ("--n-embd", "32"),
+               ("--block-size", "16"), ("--batch-size", "4"), ("--dtype", "fp32")]
 
 
 def test_resume_refuses_to_change_the_arm(run, text, tmp_path, capsys):
