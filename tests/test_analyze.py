@@ -56,7 +56,8 @@ def write_run(root, name, seed, collapse, rng, **settings):
     """A run folder as train.py writes it, with the tiny preset's config and the given settings."""
     run = root / name
     run.mkdir(parents=True)
-    config = dict(preset="tiny", fix="off", attn="kernel", seed=seed, n_layer=N_LAYER, n_head=N_HEAD) | settings
+    config = dict(preset="tiny", fix="off", attn="kernel", exponent="fma", seed=seed, n_layer=N_LAYER,
+                  n_head=N_HEAD) | settings
     (run / "config.json").write_text(json.dumps(config))
     rows = synthetic_log(collapse, rng)
     with open(run / "log.csv", "w", newline="") as f:
@@ -73,11 +74,20 @@ def write_run(root, name, seed, collapse, rng, **settings):
 
 
 def fake_run(**config):
-    return Run(Path("r"), config, {}, {})
+    """A run's config as train.py records it today (with the exponent, which runs before the option lack)."""
+    return Run(Path("r"), {"exponent": "fma", **config}, {}, {})
 
 
 # -----------------------------------------------------------------------------
 # Arms: the train.py flags that differ from the preset
+
+
+def test_runs_before_the_exponent_option_are_named_so():
+    """A run of our kernel that did not record the exponent ran neither form (ptxas fused it in some tiles): its arm
+    says so rather than read as the default; torch's attentions have no exponent to speak of."""
+    assert analyze.arm(Run(Path("r"), dict(fix="off"), {}, {})) == "--fix off (before --exponent)"
+    assert analyze.arm(Run(Path("r"), dict(attn="sdpa"), {}, {})) == "--attn sdpa"
+    assert analyze.arm(fake_run(fix="off", exponent="torch")) == "--fix off --exponent torch"
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -107,7 +117,7 @@ def test_an_older_preset_is_compared_with_train_pys_common_settings():
 def loss_run(name, steps, loss):
     steps = np.asarray(steps, dtype=float)
     log = dict(step=steps, train_loss=np.asarray(loss, dtype=float))
-    return Run(Path(name), dict(fix="off", seed=name[-1]), {}, log)
+    return Run(Path(name), dict(fix="off", exponent="fma", seed=name[-1]), {}, log)
 
 
 def test_median_only_where_three_runs_are_alive():
@@ -124,7 +134,7 @@ def test_median_only_where_three_runs_are_alive():
 
 def ended_run(name, steps, collapse_step=None):
     summary = dict(steps=steps, collapsed=collapse_step is not None, collapse_step=collapse_step)
-    return Run(Path(name), dict(fix="off", seed=name[-1]), summary, {})
+    return Run(Path(name), dict(fix="off", exponent="fma", seed=name[-1]), summary, {})
 
 
 def test_survival_falls_at_each_collapse_among_the_runs_still_training():
@@ -156,7 +166,7 @@ def test_headline_draws_each_run_to_its_end(tmp_path, monkeypatch):
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
     assert texts == ["--preset tiny --fix off --delta-fp32: 1 run: no collapse in 390 steps",
                      "--preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps",
-                     "median of an arm's lines, where at least 3 are alive", "collapse",
+                     "median of an arm's lines, while all of them (at least 3) are alive", "collapse",
                      "a run's end without a collapse (right)"]
     loss, logit, alive = fig.axes
     off = [r for r in runs if r.name.startswith("off")]
@@ -179,16 +189,16 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
     study = tmp_path / "study"
     rng = np.random.default_rng(0)
     write_run(study / "runs", "off-s0", 0, True, rng, preset="default", n_layer=6, n_head=6)   # the default's shape
-    rows = [dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", collapsed=True,
+    rows = [dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma", collapsed=True,
                  collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=5e8, tokens_per_s=5000.0,
                  log_kept=True, variant="")]
-    rows += [dict(name=f"off-s{seed}-nolog", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off",
+    rows += [dict(name=f"off-s{seed}-nolog", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off", exponent="fma",
                   collapsed=True, collapse_step=step, collapse_minute=step / 40, steps=step + 5, max_logit=1e9,
                   tokens_per_s=5000.0, log_kept=False, variant="") for seed, step in ((1, 600), (2, 900))]
     rows += [dict(name="sdpa-s0-nolog", arm="sdpa", flags="--attn sdpa", seed=0, attn="sdpa", fix="off",
                   collapsed=False, collapse_step="", collapse_minute="", steps=1000, max_logit=3e5,
                   tokens_per_s=5000.0, log_kept=False, variant=""),
-             dict(name="patched-s0-nolog", arm="patched", flags="--fix off", seed=0, attn="kernel", fix="off",
+             dict(name="patched-s0-nolog", arm="patched", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma",
                   collapsed=True, collapse_step=50, collapse_minute=1.0, steps=55, max_logit=1e9, tokens_per_s=5000.0,
                   log_kept=False, variant="a patched kernel")]
     write_csv(study / "runs.csv", rows, list(rows[0]))
@@ -215,7 +225,7 @@ def test_a_row_without_a_log_does_not_rename_a_run_with_one(tmp_path, monkeypatc
     """An earlier run of the same arm and seed, known by its runs.csv row alone, is no twin in the figures' legends."""
     study = tmp_path / "study"
     write_run(study / "runs", "off-s0", 0, True, np.random.default_rng(0), preset="default", n_layer=6, n_head=6)
-    rows = [dict(name=name, arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", collapsed=True,
+    rows = [dict(name=name, arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma", collapsed=True,
                  collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=1e9, tokens_per_s=5000.0,
                  log_kept=kept, variant="")
             for name, kept in (("off-s0-nolog", False), ("off-s0", True))]
@@ -227,10 +237,12 @@ def test_a_row_without_a_log_does_not_rename_a_run_with_one(tmp_path, monkeypatc
 
 
 def test_the_seed_studys_rows_are_named_by_their_flags():
-    """A runs.csv row without a log reads as the run it summarises: its arm is its `flags` column."""
+    """A runs.csv row without a log reads as the run it summarises: its arm is its `flags` column, marked where the
+    run of our kernel was made before the exponent option (its `exponent` cell blank)."""
     table = Path(analyze.__file__).parent / "results/seed_study/runs.csv"
     rows = [row for row in read_table(table) if not row["variant"]]
-    assert [analyze.arm(run) for run in study_runs(table)] == [row["flags"] for row in rows]
+    before = lambda row: " (before --exponent)" if row["exponent"] is None and row["attn"] in analyze.OURS else ""
+    assert [analyze.arm(run) for run in study_runs(table)] == [row["flags"] + before(row) for row in rows]
 
 
 # -----------------------------------------------------------------------------
@@ -244,7 +256,7 @@ def write_probe_run(root, name, config, logits, values, ses):
     each term's values and standard errors scaled by TERM_SCALE (NaN: a row without the probe)."""
     run = root / name
     run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps(config))
+    (run / "config.json").write_text(json.dumps({"exponent": "fma", **config}))   # as train.py records it today
     with open(run / "log.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["step", "max_logit_L0"] + [c for c in columns() if "probe_" in c])
         writer.writeheader()
@@ -319,7 +331,7 @@ def test_runs_report_and_figures(tmp_path):
     # a run still in progress: no summary.json, no val loss, no diagnostics at all
     partial = runs / "partial"
     partial.mkdir()
-    (partial / "config.json").write_text(json.dumps(dict(preset="tiny", fix="paper", seed=5)))
+    (partial / "config.json").write_text(json.dumps(dict(preset="tiny", fix="paper", exponent="fma", seed=5)))
     (partial / "log.csv").write_text("step,elapsed_s,tokens,lr,train_loss,val_loss\n"
                                      "0,0,0,0.001,4.2,\n10,5,1024,0.001,4.0,\n")
 
@@ -467,7 +479,8 @@ def test_val_loss_against_fp32_at_the_same_step(tmp_path):
     def run(name, attn, last, loss_at_300):
         step = np.arange(100.0, last + 1, 100.0)
         val = np.where(step == 300, loss_at_300, 3.0)
-        return Run(tmp_path / name, dict(attn=attn, fix="on", seed=0), {}, {"step": step, "val_loss": val})
+        return Run(tmp_path / name, dict(attn=attn, fix="on", exponent="fma", seed=0), {},
+                   {"step": step, "val_loss": val})
     on = [run("on-a", "kernel", 300, 2.0), run("on-b", "kernel", 400, 2.2)]
     fp32 = [run("fp32-a", "fp32", 500, 2.0)]
     assert analyze.val_loss_vs(on, fp32) == (300, pytest.approx(2.1 / 2.0))
