@@ -631,6 +631,23 @@ def test_readme_promise_is_the_shipped_kernels_runs():
     assert f"{math.floor(low)}-{math.ceil(high)} min alone" in promise
 
 
+def test_readme_ranges_are_the_runs():
+    """README's "what you will see": the fix-off runs' layer 0 passing 100 (their kept logs) and the fix-on runs'
+    final val loss (runs.csv) are what the committed runs say."""
+    root = Path(analyze.__file__).parent
+    readme = " ".join((root / "README.md").read_text().split())
+    study = root / "results/seed_study"
+    rows = read_table(study / "runs.csv")
+    passes = []
+    for row in rows:
+        if row["log_kept"] and row["fix"] == "off" and row["attn"] == "kernel":
+            steps, logits = load_run(study / "runs" / row["name"]).series(analyze.LOGIT)
+            passes.append(int(steps[np.argmax(logits > 100)]))
+    assert len(passes) >= 4 and f"passes 100 at {min(passes):,}-{max(passes):,} steps" in readme
+    val = [row["final_val_loss"] for row in rows if row["arm"] == "on"]
+    assert f"val loss rising to {min(val):.1f}-{max(val):.1f} nats at the end of the fix-on runs" in readme
+
+
 def test_study_table_counts_collapses_per_arm(tmp_path):
     rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=s, collapsed=True, collapse_step=step,
                  collapse_minute=minute, steps=step, tokens_per_s=speed, max_logit=logit, log_kept=False)
