@@ -68,7 +68,7 @@ import torch
 from tqdm import tqdm
 
 from kernels import Numerics
-from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implementation
+from model import ATTN_BACKENDS, GPT, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, FIX, NUMERICS, PRESETS
@@ -82,6 +82,9 @@ EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
 KEEP_CKPTS = 3
 DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T, T) scores per layer
 LOGIT = f"max_logit_L{PROBE_LAYER}"   # the progress bar's and the end's logit: layer 0's, the one that runs away
+# Dense (no sparsity) bf16 tensor-core peak of one NVIDIA H200 SXM, from NVIDIA's datasheet: 989 TFLOPS.
+# MFU is always reported against this number, whatever device the run is on.
+H200_BF16_PEAK_FLOPS = 989e12
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 
 
@@ -315,11 +318,12 @@ def main(argv=None):
 
 
 def run(c, data, resume):
-    """Train the run that c describes, in its folder (on resume from its latest checkpoint); returns its summary."""
+    """Set up the run that c describes in its folder (on resume from its latest checkpoint), train it (train) and
+    summarise it; returns its summary."""
     run_dir = Path(c["out"]) / c["name"]
     device = torch.device(c["device"])
     B, T = c["batch_size"], c["block_size"]
-    train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
+    tokens = data.train.long().to(device), data.val.long().to(device)
     # the model and its optimizer
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
@@ -352,12 +356,27 @@ def run(c, data, resume):
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bf16" else nullcontext()
     # diagnostics use the plain model (hooks)
     train_model = model if c["compile"] == "off" else torch.compile(model, mode=c["compile"])
-    diag_x, diag_y = get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
-    # delta_probe's rows: fixed batches of the training text, where the memorised model's gradient is tiny (the
-    # regime the curvature effect is about); 10**6 is a seed no run uses, so they are not a run's own batches
-    probe = [get_batch(train_tokens, B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)]
-    nan_at = int(os.environ.get("NANOLP_NAN_AT_STEP", -1))  # test hook: poison the loss of this step
+    # the diagnostics' batches: one of the validation text, and delta_probe's rows: fixed batches of the training
+    # text, where the memorised model's gradient is tiny (the regime the curvature effect is about); 10**6 is a
+    # seed no run uses, so they are not a run's own batches
+    diag = (*get_batch(tokens[1], min(B, DIAG_ROWS), T, seed=0, step=0),
+            [get_batch(tokens[0], B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)])
 
+    collapse = train(c, run_dir, model, train_model, optimizer, state, ctx, tokens, diag, columns)
+    summary = write_summary(run_dir, c, collapse)
+    print_outcome(run_dir, c, summary)
+    return summary
+
+
+def train(c, run_dir, model, train_model, optimizer, state, ctx, tokens, diag, columns):
+    """The training loop, from state["step"] until c["steps"], c["minutes"] or a collapse: a row of log.csv every
+    log interval, a checkpoint every checkpoint interval and at the end. train_model is model, maybe compiled;
+    tokens the training and validation text; diag the diagnostics' batch (x, y) and probe batches. Returns the
+    collapse (its step, minute and reason) or None."""
+    train_tokens, val_tokens = tokens
+    diag_x, diag_y, probe = diag
+    device = train_tokens.device
+    B, T = c["batch_size"], c["block_size"]
     step, collapse, stop_at = state["step"], None, c["steps"]
     loss_sum, grad_sum, n_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
     bad_step = torch.full((), -1, device=device)  # first step with a non-finite loss, tracked without a sync
@@ -366,7 +385,7 @@ def run(c, data, resume):
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
     logit = None   # LOGIT at the last diagnostics, for the progress bar
     while step < stop_at:
-        # one step: forward, backward, clip, update
+        # the step: forward, backward, clip, update
         lr = get_lr(step, c)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -374,14 +393,12 @@ def run(c, data, resume):
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may now reuse the last step's output buffers
         with ctx:
             _, loss = train_model(x, y)
-        if step == nan_at:
-            loss = loss * math.nan
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        # bookkeeping on the device: no host sync until the next log row
+        # bookkeeping, on the device: no host sync until the next log row
         loss = loss.detach()
         bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step)
         state["ema"] = loss.clone() if state["ema"] is None else state["ema"].lerp(loss, 1 - EMA_BETA)
@@ -419,17 +436,15 @@ def run(c, data, resume):
                 logit = row[LOGIT]
         write_rows(run_dir / "log.csv", [row], columns)
         pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
+
         # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
         if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
             state.update(step=step, elapsed=elapsed)
             save_checkpoint(run_dir, model, optimizer, state)
-        loss_sum.zero_(), grad_sum.zero_()
+        loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and time (which counts this row's work)
         n_acc, t_row = 0, time.time()
     pbar.close()
-
-    summary = write_summary(run_dir, c, collapse)
-    print_outcome(run_dir, c, summary)
-    return summary
+    return collapse
 
 
 def print_outcome(run_dir, c, summary):
