@@ -119,7 +119,7 @@ def test_summary_holds_the_arm(run):
 
 
 def default_name(tmp_path, *flags):
-    return runconfig.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]))["name"]
+    return runconfig.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]), train.PRESETS)["name"]
 
 
 def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
