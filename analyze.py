@@ -39,7 +39,8 @@ from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
-from nanolp.presets import BEFORE_OPTION, COMMON, NUMERICS, PRESETS, changed_settings
+from nanolp.presets import BEFORE_OPTION, NUMERICS, changed_settings
+from train import PRESETS
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
@@ -54,13 +55,13 @@ def arm(run):
     did not record reads as its default, but for the exponent (nanolp.presets.BEFORE_OPTION): such a run of our
     kernel ran neither form, and reads "(before --exponent)"."""
     preset = run.setting("preset", "default")
-    settings = {**COMMON, **PRESETS.get(preset, {}), **run.config,
+    settings = {**PRESETS.get(preset, PRESETS["default"]), **run.config,
                 **{k: v for k, v in run.summary.items() if v is not None}, "preset": preset}
     ours = settings["attn"] in OURS
     flags = ([] if preset == "default" else [f"--preset {preset}"]) + (
-        [] if settings["attn"] == COMMON["attn"] else [f"--attn {settings['attn']}"]) + (
+        [] if settings["attn"] == PRESETS["default"]["attn"] else [f"--attn {settings['attn']}"]) + (
         [f"--fix {fix_word(run)}"] if ours else [])
-    changed = changed_settings(settings)
+    changed = changed_settings(settings, PRESETS)
     recorded = {**run.config, **run.summary}
     before = [f"(before --{k.replace('_', '-')})" for k in BEFORE_OPTION if ours and recorded.get(k) is None]
     return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS] + before)

@@ -1,7 +1,7 @@
 """
-Train a small character-level GPT and watch for the low-precision attention failure of Qiu & Yao (2025): in bf16
-flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that grows the attention logits
-until the loss blows up.
+Train a small character-level GPT in bf16 and watch for the low-precision attention failure of Qiu & Yao (2025): in
+flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that grows the attention logits until
+the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS below; summary.json says when).
 
     python train.py --fix off      # plain bf16: collapses (seeds 2, 3: steps 55,000-68,860, 6-8 min alone on an H200)
     python train.py --fix on       # the complete fix: trains through (seeds 0-3: 150,000-152,000 steps)
@@ -9,48 +9,9 @@ until the loss blows up.
     python train.py --preset tiny --fix on      # a CPU smoke run, through the kernel's emulation
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
 
-Experiments, each a flag of --help's "experiments" group, change the attention's numerics or the model to test
-the mechanism (all but --pos only in our kernel, --attn kernel or emulate):
-
-    python train.py --fix off --delta-from-p       # delta = rowsum(dP * P), the paper's control: no collapse
-    python train.py --fix off --delta-fp32         # delta from the forward's fp32 O (no shift): no collapse
-    python train.py --fix off --stochastic-o forward   # O rounded stochastically (unbiased) in the forward;
-                                                   # --stochastic-o delta: only the O that delta reads
-    python train.py --precision paper              # the accumulator rounded to bf16 per tile, as in the paper
-    python train.py --fix off --mantissa-bits 3    # the amplifier: P rounded to 3 mantissa bits before P V
-                                                   # (--amplify vo: V and O instead)
-    python train.py --pos none                     # no position embeddings: layer 0's repeated tokens tie exactly
-    python train.py --fix off --exponent torch     # softmax's exponent unfused, as PyTorch builds FlashAttention-2:
-                                                   # layer 0 runs away but the loss does not collapse (findings, 5)
-
-Measured on the default preset: delta from P trained 242,864 steps (seed 0) and delta from the fp32 O over
-123,000 steps (seeds 0 and 1) without a collapse; --precision paper collapsed on each of seeds 0-3.
-
-A run writes runs/<name>/: config.json (every resolved setting), log.csv (one row per log interval, with the
-diagnostics of nanolp/diagnostics.py every --diag-interval steps), summary.json (the outcome and the whole arm:
-every setting of ARM) and ckpt/ (the last 3 checkpoints, each with its sha256; --resume sets a damaged one aside
-and continues from the newest good one).
-
-Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for each setting of ARM that differs
-from the preset's (-delta_fp32, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_fp32-s0. A name
-longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. A new run refuses a
-folder that holds a run's result (a checkpoint or summary.json) and replaces an attempt that stopped before its
-first checkpoint. --resume continues a run with its own config.json and refuses a flag of ARM that differs from it
-(and a text whose content changed); --steps, --minutes, the intervals, --device and --compile may change. A
-collapsed run is not resumed: the collapse is its result. No command touches a folder that a live run is writing
-(its lock file holds the run's process id).
-
-A command that cannot run (a bad setting or text, a folder it may not write) is refused before it writes
-anything: one line per problem on stderr, exit status 2, as argparse does for a malformed flag.
-
-Collapse, the event this project is about, is either of:
-  - a non-finite training loss. The run stops at the next log row, naming the first bad step; no checkpoint
-    is ever written from non-finite state, so the last good one survives.
-  - a loss spike: after warmup, the smoothed training loss (an exponential average over about 20 steps)
-    rising more than SPIKE_NATS = 1.0 nat above its running minimum, far beyond training noise: a model that
-    loses a whole nat has thrown away most of what it learned. The run records 3 more log rows with
-    diagnostics, then stops.
-Either way summary.json says when and why.
+Every setting is a flag; DEFAULT below holds their defaults. The experiments (--help) change the attention's numerics.
+A run writes runs/<name>/ (its files: nanolp/runs.py; its name, and which folders a command may write or resume:
+nanolp/runconfig.py). A command that cannot run is refused before it writes anything (exit status 2).
 """
 
 import argparse
@@ -68,20 +29,59 @@ import torch
 from tqdm import tqdm
 
 from kernels import Numerics
-from model import ATTN_BACKENDS, GPT, H200_BF16_PEAK_FLOPS, GPTConfig, implementation
+from model import ATTN_BACKENDS, GPT, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
-from nanolp.presets import ARM, COMMON, FIX, NUMERICS, PRESETS
+from nanolp.presets import ARM, COMMON, FIX, NUMERICS
 from nanolp.runconfig import claim_folder, describe, nothing_to_resume, resolve_config
 from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
                          read_log, set_aside, write_checksum, write_json)
 
-SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum (see the docstring)
+# -----------------------------------------------------------------------------
+# The settings: the default preset, the demo. Plain bf16 on TinyShakespeare, the paper's setting at a size where
+# the failure comes within minutes on one GPU (how it was chosen: results/default_search/). The model memorises
+# the text (train loss ~0.05) and then trains on near-zero gradients; there the one-signed error that O's final
+# bf16 cast puts into delta grows layer 0's W_Q and logits until the loss blows up. How often and how soon, per
+# arm and seed: README.md's table. Each setting is a flag (n_layer: --n-layer); --help shows a preset's values.
+DEFAULT = dict(
+    # the model
+    n_layer=6, n_head=6, n_embd=384, block_size=256, pos="learned",
+    # the attention: our kernel, plain (--fix off, no experiment: nanolp.presets.COMMON)
+    attn="kernel", **COMMON,
+    # training: AdamW, the lr constant after a linear warmup, as the paper trains
+    dtype="bf16", seed=0, batch_size=64, steps=200_000, minutes=None,
+    lr=1e-3, warmup=100, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,
+    # every N steps: a log row, an evaluation (over eval_iters batches), the diagnostics, a checkpoint
+    log_interval=10, eval_interval=1000, eval_iters=20, diag_interval=1000, ckpt_interval=5000,
+    # where: run folders, and the text (None: $NANOLP_DATA, else TinyShakespeare)
+    out="runs", data=None,
+)
+PRESETS = {  # the other presets hold only what differs
+    "default": DEFAULT,
+    # GPT-2 small's shape, the paper's (124M with GPT-2's vocabulary; ours is the text's characters)
+    "gpt2": DEFAULT | dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, steps=10_000,
+                           eval_interval=250, diag_interval=250, ckpt_interval=250),
+    # a CPU smoke run
+    "tiny": DEFAULT | dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=16, lr=3e-3, warmup=20,
+                           steps=300, eval_interval=100, eval_iters=4, diag_interval=50, ckpt_interval=100),
+}
+# -----------------------------------------------------------------------------
+
+# Collapse, the event this project is about, is either of:
+#   - a non-finite training loss: the run stops at the next log row, naming the first bad step; no checkpoint is
+#     ever written from non-finite state, so the last good one survives.
+#   - a loss spike: after warmup, the smoothed training loss rising more than SPIKE_NATS above its running
+#     minimum, far beyond training noise (a model that loses a whole nat has thrown away most of what it learned).
+#     The run records EXTRA_ROWS more log rows with diagnostics, then stops.
+SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
 KEEP_CKPTS = 3
 DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T, T) scores per layer
 LOGIT = f"max_logit_L{PROBE_LAYER}"   # the progress bar's and the end's logit: layer 0's, the one that runs away
+# Dense (no sparsity) bf16 tensor-core peak of one NVIDIA H200 SXM, from NVIDIA's datasheet: 989 TFLOPS.
+# MFU is always reported against this number, whatever device the run is on.
+H200_BF16_PEAK_FLOPS = 989e12
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 
 
@@ -108,7 +108,7 @@ def preset_given(argv):
 def parser(preset="default"):
     """The flags. Every default is None, so that a flag the user gave can be told from one they did not (the
     preset's value); --help shows the values of `preset`, the one on the command line."""
-    default = {**COMMON, **PRESETS[preset]}
+    default = PRESETS[preset]
     def show(key):   # a default as it reads: on/off, 200,000
         value = default[key]
         if isinstance(value, bool):
@@ -190,7 +190,7 @@ def get_lr(step, c):
 
 
 def loss_spike(state, step, c):
-    """The loss-spike half of the collapse criterion (see the top of this file): None, or why it fired."""
+    """The loss-spike half of the collapse criterion (above SPIKE_NATS): None, or why it fired."""
     smoothed = state["ema"].item()
     if step > c["warmup"]:
         state["loss_min"] = min(state["loss_min"], smoothed)
@@ -296,7 +296,7 @@ def main(argv=None):
     it writes anything, as argparse refuses a malformed flag: one line per problem on stderr, exit status 2."""
     args = parse_args(argv)
     try:
-        c = resolve_config(args)
+        c = resolve_config(args, PRESETS)
         run_dir = Path(c["out"]) / c["name"]
         text = find_text(c["data"])
         sha1 = hashlib.sha1(text.read_bytes()).hexdigest()
@@ -306,7 +306,7 @@ def main(argv=None):
         c["data_sha1"] = sha1
         data = prepare(text, block_size=c["block_size"])
         with locked(run_dir):   # no other run writes the folder while this one does
-            claim_folder(run_dir, c, args.resume)
+            claim_folder(run_dir, c, args.resume, PRESETS)
             return run(c, data, args.resume)
     except (RunError, TextError) as e:
         for line in str(e).splitlines():
@@ -315,11 +315,12 @@ def main(argv=None):
 
 
 def run(c, data, resume):
-    """Train the run that c describes, in its folder (on resume from its latest checkpoint); returns its summary."""
+    """Set up the run that c describes in its folder (on resume from its latest checkpoint), train it (train) and
+    summarise it; returns its summary."""
     run_dir = Path(c["out"]) / c["name"]
     device = torch.device(c["device"])
     B, T = c["batch_size"], c["block_size"]
-    train_tokens, val_tokens = data.train.long().to(device), data.val.long().to(device)
+    tokens = data.train.long().to(device), data.val.long().to(device)
     # the model and its optimizer
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
@@ -343,7 +344,7 @@ def run(c, data, resume):
     c.setdefault("provenance", provenance())   # (kept from the run's start on --resume)
     c["attn_impl"] = implementation(c["attn"], device.type)   # what computes attn here: on a CPU, kernel's emulation
     write_json(run_dir / "config.json", c)
-    print(f"{run_dir}: {describe(c)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
+    print(f"{run_dir}: {describe(c, PRESETS)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
           f"{c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")
     if device.type == "cpu" and c["preset"] != "tiny":
         print("note: this preset is sized for a GPU; on a CPU one step can take many seconds "
@@ -352,12 +353,27 @@ def run(c, data, resume):
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bf16" else nullcontext()
     # diagnostics use the plain model (hooks)
     train_model = model if c["compile"] == "off" else torch.compile(model, mode=c["compile"])
-    diag_x, diag_y = get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
-    # delta_probe's rows: fixed batches of the training text, where the memorised model's gradient is tiny (the
-    # regime the curvature effect is about); 10**6 is a seed no run uses, so they are not a run's own batches
-    probe = [get_batch(train_tokens, B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)]
-    nan_at = int(os.environ.get("NANOLP_NAN_AT_STEP", -1))  # test hook: poison the loss of this step
+    # the diagnostics' batches: one of the validation text, and delta_probe's rows: fixed batches of the training
+    # text, where the memorised model's gradient is tiny (the regime the curvature effect is about); 10**6 is a
+    # seed no run uses, so they are not a run's own batches
+    diag = (*get_batch(tokens[1], min(B, DIAG_ROWS), T, seed=0, step=0),
+            [get_batch(tokens[0], B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)])
 
+    collapse = train(c, run_dir, model, train_model, optimizer, state, ctx, tokens, diag, columns)
+    summary = write_summary(run_dir, c, collapse)
+    print_outcome(run_dir, c, summary)
+    return summary
+
+
+def train(c, run_dir, model, train_model, optimizer, state, ctx, tokens, diag, columns):
+    """The training loop, from state["step"] until c["steps"], c["minutes"] or a collapse: a row of log.csv every
+    log interval, a checkpoint every checkpoint interval and at the end. train_model is model, maybe compiled;
+    tokens the training and validation text; diag the diagnostics' batch (x, y) and probe batches. Returns the
+    collapse (its step, minute and reason) or None."""
+    train_tokens, val_tokens = tokens
+    diag_x, diag_y, probe = diag
+    device = train_tokens.device
+    B, T = c["batch_size"], c["block_size"]
     step, collapse, stop_at = state["step"], None, c["steps"]
     loss_sum, grad_sum, n_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
     bad_step = torch.full((), -1, device=device)  # first step with a non-finite loss, tracked without a sync
@@ -366,7 +382,7 @@ def run(c, data, resume):
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
     logit = None   # LOGIT at the last diagnostics, for the progress bar
     while step < stop_at:
-        # one step: forward, backward, clip, update
+        # the step: forward, backward, clip, update
         lr = get_lr(step, c)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -374,14 +390,12 @@ def run(c, data, resume):
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may now reuse the last step's output buffers
         with ctx:
             _, loss = train_model(x, y)
-        if step == nan_at:
-            loss = loss * math.nan
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        # bookkeeping on the device: no host sync until the next log row
+        # bookkeeping, on the device: no host sync until the next log row
         loss = loss.detach()
         bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step)
         state["ema"] = loss.clone() if state["ema"] is None else state["ema"].lerp(loss, 1 - EMA_BETA)
@@ -419,17 +433,15 @@ def run(c, data, resume):
                 logit = row[LOGIT]
         write_rows(run_dir / "log.csv", [row], columns)
         pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
+
         # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
         if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
             state.update(step=step, elapsed=elapsed)
             save_checkpoint(run_dir, model, optimizer, state)
-        loss_sum.zero_(), grad_sum.zero_()
+        loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and time (which counts this row's work)
         n_acc, t_row = 0, time.time()
     pbar.close()
-
-    summary = write_summary(run_dir, c, collapse)
-    print_outcome(run_dir, c, summary)
-    return summary
+    return collapse
 
 
 def print_outcome(run_dir, c, summary):

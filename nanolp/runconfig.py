@@ -1,5 +1,16 @@
 """A run's settings, before any training: resolved from the presets, the flags and (on --resume) the run's own
-config.json, checked, named; and its folder claimed. train.py calls resolve_config, then claim_folder."""
+config.json, checked, named; and its folder claimed. train.py calls resolve_config, then claim_folder.
+
+Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for each setting of ARM that differs
+from the preset's (-delta_fp32, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_fp32-s0. A name
+longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. A new run refuses a
+folder that holds a run's result (a checkpoint or summary.json) and replaces an attempt that stopped before its
+first checkpoint. --resume continues a run with its own config.json and refuses a flag of ARM that differs from it
+(and a text whose content changed: train.py); --steps, --minutes, the intervals, --device and --compile may
+change. A collapsed run is not resumed: the collapse is its result. No command touches a folder that a live run is
+writing (nanolp.runs.locked: its lock file holds the run's process id). Every refusal is a RunError, which train.py
+prints before it writes anything, one line per problem, exit status 2.
+"""
 
 import hashlib
 import json
@@ -10,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from nanolp.presets import ARM, COMMON, NAMED, PRESETS, changed_settings, check_config, flag
+from nanolp.presets import ARM, NAMED, changed_settings, check_config, flag
 from nanolp.runs import DAMAGED, RunError, latest_checkpoint, read_json
 
 # a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
@@ -31,10 +42,10 @@ def suffix(key, value):
     return label + "_" + re.sub(r"[^\w.+-]", "_", str(value))
 
 
-def run_name(c):
+def run_name(c, presets):
     """The default name: <preset>-<attn>-fix<fix>, a suffix per changed setting, -s<seed> (as experiments/sweep.py
     ends its names, so the arm is the name less -s<seed>); past MAX_NAME characters a hash replaces the suffixes."""
-    changed = changed_settings(c)
+    changed = changed_settings(c, presets)
     head, tail = f"{c['preset']}-{c['attn']}-fix{c['fix']}", f"-s{c['seed']}"
     name = head + "".join(f"-{suffix(k, v)}" for k, v in changed.items()) + tail
     if len(name) > MAX_NAME:
@@ -43,18 +54,18 @@ def run_name(c):
     return name
 
 
-def describe(c):
+def describe(c, presets):
     """A run's arm in words: its NAMED settings and the ones that differ from its preset (and, where attn kernel
     runs as its emulation, that)."""
-    settings = {k: c.get(k) for k in NAMED} | changed_settings(c)
+    settings = {k: c.get(k) for k in NAMED} | changed_settings(c, presets)
     if c.get("attn_impl", c["attn"]) != c["attn"]:
         settings["attn"] = f"{c['attn']} (on {c['device']}: its PyTorch emulation, nanolp/emulate.py)"
     return ", ".join(f"{k} {v}" for k, v in settings.items())
 
 
-def resolve_config(args):
-    """The run's settings: COMMON, then the preset, then the flags given, checked (check_config). On --resume the
-    run's own config.json replaces COMMON and the preset (COMMON only fills in settings added after the run
+def resolve_config(args, presets):
+    """The run's settings: its preset's (of presets, train.PRESETS), then the flags given, checked (check_config).
+    On --resume the run's own config.json replaces the preset (which only fills in settings added after the run
     started), and a flag of ARM that differs from it is refused. RunError names every problem."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
     if "data" not in given and os.environ.get("NANOLP_DATA"):
@@ -62,15 +73,15 @@ def resolve_config(args):
     if "data" in given:
         given["data"] = str(Path(given["data"]).resolve())   # one spelling per file, from wherever train.py runs
     preset = given.get("preset", "default")
-    config = {**COMMON, **PRESETS[preset], "preset": preset, **given}
-    config.setdefault("name", run_name(config))
+    config = {**presets[preset], "preset": preset, **given}
+    config.setdefault("name", run_name(config, presets))
     problems = []
     if args.resume:
         run_dir = Path(config["out"]) / config["name"]
         saved = read_json(run_dir / "config.json")
         if not saved:
             raise RunError(f"--resume: no run at {run_dir} (no config.json)")
-        ran = {**COMMON, **saved}
+        ran = as_ran(saved, presets)
         problems += [f"--resume {run_dir}: {flag(k)}: the run has {ran.get(k)!r}, this command {given[k]!r}, which "
                      f"would change its numerics or data order (leave it out to continue the run as it was, or "
                      f"start a new run without --resume)" for k in ARM if k in given and given[k] != ran.get(k)]
@@ -84,7 +95,12 @@ def resolve_config(args):
     return config
 
 
-def claim_folder(run_dir, c, resume):
+def as_ran(saved, presets):
+    """A run's config.json with what it lacks (a setting added after it started) filled in from its preset."""
+    return {**presets.get(saved.get("preset"), presets["default"]), **saved}
+
+
+def claim_folder(run_dir, c, resume, presets):
     """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
     is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
     collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
@@ -102,12 +118,12 @@ def claim_folder(run_dir, c, resume):
         saved = read_json(run_dir / "config.json")
         if not saved:
             raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
-        ran = {**COMMON, **saved}
+        ran = as_ran(saved, presets)
         differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
         advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)"
                   if differ else f"{collapse}: give a new run another --name" if collapse else
                   "pass --resume to continue it, or --name for a new run")
-        raise RunError(f"{run_dir} exists, a run of {describe(ran)}: {advice}")
+        raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
     else:
         attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
         if attempt:

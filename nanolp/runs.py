@@ -2,6 +2,11 @@
 (study_runs), the lock that keeps two runs from writing one folder, and write the CSV tables made of them
 (write_csv).
 
+A run folder runs/<name>/ holds config.json (every resolved setting), log.csv (one row per log interval, with the
+diagnostics of nanolp/diagnostics.py every --diag-interval steps), summary.json (the outcome and the whole arm:
+every setting of ARM) and ckpt/ (the last 3 checkpoints, each with its sha256; --resume sets a damaged one aside,
+in ckpt/damaged/, and continues from the newest good one).
+
 A run folder may still be in progress or may come from an older train.py, so every file and
 every column is optional: missing files read as empty, empty cells read as NaN. A file that is there but cannot be
 read (cut short by a full disk or a copy) is DamagedFile, one line naming it; a checkpoint is checked against the

@@ -5,6 +5,7 @@ result or a live run, a collapsed run to resume) is refused in one line per prob
 anything; an attempt that stopped before its first checkpoint is replaced."""
 import csv
 import json
+import math
 import os
 import platform
 import random
@@ -118,7 +119,7 @@ def test_summary_holds_the_arm(run):
 
 
 def default_name(tmp_path, *flags):
-    return runconfig.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]))["name"]
+    return runconfig.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]), train.PRESETS)["name"]
 
 
 def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
@@ -265,8 +266,27 @@ def test_help_shows_the_chosen_presets_defaults(argv, capsys):
     assert f"learning rate (AdamW), constant after the warmup (default {0.003 if tiny else 0.001})" in text
 
 
+def poison_step(monkeypatch, at):
+    """Make the training loss of step `at` NaN, and so the gradients and weights after it, as a bf16 blow-up does:
+    the batch train.py's loop draws for that step (get_batch with the run's seed, 0, and that step; the tiny preset's
+    evaluation draws seed 0's steps 0-3, the diagnostics step 0 and seed 10**6) goes through a GPT.forward whose
+    loss is multiplied by NaN."""
+    poisoned = []
+    def get_batch(tokens, batch_size, block_size, seed, step):
+        x, y = data.get_batch(tokens, batch_size, block_size, seed, step)
+        if (seed, step) == (0, at):
+            poisoned.append(x)
+        return x, y
+    forward = model.GPT.forward
+    def poisoned_forward(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        return logits, loss * math.nan if any(idx is x for x in poisoned) else loss
+    monkeypatch.setattr(train, "get_batch", get_batch)
+    monkeypatch.setattr(model.GPT, "forward", poisoned_forward)
+
+
 def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, capsys):
-    monkeypatch.setenv("NANOLP_NAN_AT_STEP", "25")  # train.py's test hook: poison the loss of step 25
+    poison_step(monkeypatch, 25)
     run_dir = run("nan", "--steps", "60", "--ckpt-interval", "10")
     out = capsys.readouterr().out
     assert "collapse at step 25: non-finite loss at step 25" in out   # when it happens, above the progress bar
@@ -413,14 +433,14 @@ def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tm
     assert not (run_dir / runs.LOCK).exists()
 
 
-def test_a_collapsed_run_stays_collapsed(run, monkeypatch, capsys):
+def test_a_collapsed_run_stays_collapsed(run, monkeypatch, capsys, tmp_path):
     """--resume would continue from the last good checkpoint and write over the collapse, the result: it refuses. A
     run that collapsed before its first checkpoint has a summary.json, a result too: never replaced."""
-    monkeypatch.setenv("NANOLP_NAN_AT_STEP", "25")
-    run_dir = run("collapsed", "--steps", "60")
-    monkeypatch.setenv("NANOLP_NAN_AT_STEP", "5")
-    early = run("collapsed-early", "--steps", "60")
-    monkeypatch.delenv("NANOLP_NAN_AT_STEP")
+    for name, at in (("collapsed", 25), ("collapsed-early", 5)):
+        with monkeypatch.context() as poisoned:
+            poison_step(poisoned, at)
+            run(name, "--steps", "60")
+    run_dir, early = (tmp_path / "runs" / name for name in ("collapsed", "collapsed-early"))
     kept = {d: ((d / "summary.json").read_text(), read_log(d)) for d in (run_dir, early)}
     assert (run_dir / "ckpt" / "step_0000020.pt").exists() and not (early / "ckpt").exists()
     assert refusal(capsys, lambda: run("collapsed", "--steps", "60", "--resume")) == (
