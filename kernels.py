@@ -473,12 +473,6 @@ UNFUSED = dict(enable_fp_fusion=False)
 if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
 
-# The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
-# from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
-# and stochastic: O stochastically rounded in the forward), then deterministic, which only the backward reads
-# (the forward op takes it so that its autograd context can hand it on), and fma: the exponent's form
-# (Numerics.exponent "fma"; both passes use it).
-
 
 def flash_attention(q, k, v, causal=True, fix=False, numerics=None, deterministic=True):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
@@ -550,6 +544,11 @@ def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=None):
                           numerics.o_bits, False, True, numerics.fma)[2]
 
 
+# The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
+# from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
+# and stochastic: O stochastically rounded in the forward), then deterministic, which only the backward reads
+# (the forward op takes it so that its autograd context can hand it on), and fma: the exponent's form
+# (Numerics.exponent "fma"; both passes use it).
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
                precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True,
