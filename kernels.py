@@ -34,11 +34,17 @@ below is marked "ROUND", and the compiler adds none (UNFUSED). The exponent S * 
 multiply-add, as FlashAttention-2 ships it, or (Numerics.exponent="torch") rounded twice, as PyTorch builds it;
 at runaway logits the two differ (_exp2). nanolp/emulate.py computes exactly the same thing
 in PyTorch. The precision mode and the other experiments on these numerics are the fields of Numerics.
+
+Reading order: the forward kernel; the backward kernels (two passes, then the one-pass variant); the host code
+(flash_attention, the entry point forward, the custom ops and their launches, the checks); THE FIX; an appendix
+of what only the experiments use (Numerics). How fast each part is, and why each setting is what it is, in
+docs/kernel.md ("Speed").
 """
 import math
 import os
 import struct
 from collections import namedtuple
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 
@@ -50,15 +56,805 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 LOG2E = math.log2(math.e)
 TILE_N = 64                    # keys per tile (fixed: the fix looks for ties within one tile)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# The shift (THE FIX, part 1), in nats. exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9, so
-# TIE_TOL catches every score whose P rounds to 1 (the official code's 1e-3 catches exact ties).
-TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
-BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
-SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The experiments: variants of the numerics that test the mechanism, one object (flash_attention's numerics)
+# Forward
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
+                FMA: tl.constexpr):
+    # One program per (query tile, batch * head); its pointers, offset once to its batch and head.
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    # Query tiles in descending order, heaviest first: with the causal mask a tile reads the keys up to its
+    # own last row, so the last tile does the most work; started first, it leaves the light tiles to fill
+    # the GPU's tail instead of running alone there (docs/kernel.md, "Speed"). A program writes only its own
+    # rows, so the order cannot change a bit.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    t_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Key tiles that need no mask: all full tiles (non-causal) or those left of the diagonal (causal).
+    if CAUSAL:
+        stop_unmasked = start_m
+        stop = tl.minimum(start_m + BLOCK_M, N)
+    else:
+        stop_unmasked = (N // BLOCK_N) * BLOCK_N
+        stop = N
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    False, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    True, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
+    # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
+    # (log2 units in "fa2").
+    o = _round_bits(acc / l_i[:, None], O_BITS)
+    tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
+             mask=offs_m[:, None] < N)
+    lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))
+    tl.store(LSE + offs_m, lse, mask=offs_m < N)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
+               SHIFT: tl.constexpr, P_BITS: tl.constexpr, FMA: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
+    causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
+    for start_n in range(start, stop, BLOCK_N):
+        cols = start_n + offs_n
+        kT_ptrs = K + offs_d[:, None] + cols[None, :] * stride_kn
+        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :]
+        if MASKED:
+            kT = tl.load(kT_ptrs, mask=cols[None, :] < N, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < N, other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            v = tl.load(v_ptrs)
+        # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max here and per
+        # score inside the exponent (_exp2); rounding is monotone, so rowmax(s) * scale is rowmax(S) exactly
+        s = _scores(q, kT, qk_scale, PAPER)
+        if PAPER:
+            scale = 1.0
+        else:
+            scale = qk_scale
+        if MASKED:
+            valid = cols[None, :] < N
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= cols[None, :])
+            s = tl.where(valid, s, float("-inf"))
+        # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
+        if SHIFT is None:
+            r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
+        else:
+            r, t_i = _shifted_max(s, scale, t_i, SHIFT)
+        if PAPER:
+            m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
+            alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
+            alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
+            p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))               # ROUND: S - m'
+            p = _round_bits(p, P_BITS).to(q.dtype)                                    # ROUND: P
+            # l = exp(m - m') l + rowsum(P)
+            l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
+            l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
+            l_i = l_i.to(q.dtype).to(tl.float32)                                      # ROUND: l in bf16
+            # acc = exp(m - m') acc + P V_j
+            pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                              # ROUND: P V in bf16
+            acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                   # ROUND
+            acc = (acc + pv).to(q.dtype).to(tl.float32)                               # ROUND: acc in bf16
+        else:
+            m_new = tl.maximum(m_i, r)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = _exp2(s, qk_scale, m_new[:, None], FMA)
+            # l = exp(m - m') l + rowsum(P), from the unrounded P
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # acc = exp(m - m') acc + P V_j
+            acc = acc * alpha[:, None]
+            acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
+        m_i = m_new
+    return acc, l_i, m_i, t_i
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward
+# did, or P = exp(S - lse) no longer sums to one and training blows up for reasons unrelated to the paper.
+
+@triton.jit
+def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
+    """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
+    "paper" scaled and rounded as the paper's PyTorch code does."""
+    s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
+    if PAPER:
+        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
+        s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
+    return s
+
+
+@triton.jit
+def _exp2(s, qk_scale, m, FMA: tl.constexpr):
+    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
+
+    FMA: S * scale - m as one fused multiply-add, rounded once, as FlashAttention-2 computes it (its softmax.h:
+    exp2f(x * scale - max_scaled), "so that the compiler can use a single FFMA"; FA3 and FlashMLA keep it). At a
+    row's max, m is S * scale rounded, so the fma returns the product's rounding residue and P_max = 2^residue,
+    not 1: |residue| <= half an ulp of m, 2^-17 at logits ~10 (nothing), ~4% at 1e6, up to 2^64 at 1e9.
+    Otherwise (exponent="torch", as PyTorch builds FA2 with UNFUSE_FMA): S * scale rounded, then m subtracted,
+    each rounded on its own (the kernels compile without contraction, UNFUSED): P_max is exactly 1."""
+    if FMA:
+        x = tl.fma(s, qk_scale, -m)                              # ROUND: once
+    else:
+        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
+    return tl.math.exp2(x)
+
+
+@triton.jit
+def _round_bits(x, BITS: tl.constexpr):
+    """The amplifier (Numerics.mantissa_bits): round fp32 x to BITS explicit mantissa bits, ties to even, on
+    its bit pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa), or on O
+    before it is stored (amplify="vo"). BITS = 0: no-op."""
+    if BITS > 0:
+        tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
+        DROP: tl.constexpr = 23 - BITS
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
+        x = b.to(tl.float32, bitcast=True)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backward, FA2 style, in two passes: delta first, then dK/dV (one program per key tile, looping over queries)
+# and dQ (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
+#     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
+#     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
+# That is 7 matrix products per (query tile, key tile) pair: S and dP are computed in both passes (the
+# one-pass backward, in its own section below, does 5).
+# The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real
+# arithmetic (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's
+# rounded O, and every rounding that went into it, never reaches the gradient. In "paper" it is divided by
+# rowsum(P): there lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to
+# zero, an error that grew W_Q by itself in the paper mode's runs (docs/findings.md). In "fa2" P sums to 1 to
+# fp32 rounding; dividing there would only add a rounding of rowsum(P) near 1. With delta from the fp32 O the
+# O read here is the forward's O before its final cast: P's rounding reaches the gradient, the cast's does
+# not.
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
+    bh = tl.program_id(1).to(tl.int64)
+    O += (bh // H) * stride_ob + (bh % H) * stride_oh
+    DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
+    DELTA += bh * N
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(O + offs, mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + offs, mask=rows[:, None] < N, other=0.0)
+    tl.store(DELTA + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
+                     qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, ONE_PASS: tl.constexpr,
+                     DQ_TMA: tl.constexpr = False):
+    # One program per (key tile, batch * head), looping over the query tiles; its pointers, offset once. With
+    # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
+    # of zeros in O's layout, with atomics (DQ is unused without); with DQ_TMA as well, DQ is a tensor
+    # descriptor of that buffer, (batch, heads, seq, head_dim) in blocks of [1, 1, BLOCK_M, HEAD_DIM]
+    # (dq_sum_target), and each tile's share goes in as one TMA reduction (see the loop).
+    # Key-major: the program's BLOCK_N keys are the rows of every product, S^T = K_j Q_i^T, P^T, dP^T =
+    # V_j dO_i^T and dS^T are (keys x queries), so dV += P^T dO and dK += dS^T Q take P^T and dS^T as their
+    # first operand as computed, from registers, where the query-major form (P, dS with the queries as rows)
+    # transposed both through shared memory on every tile (docs/kernel.md, "Speed"). Only the one-pass
+    # dQ_i = dS_ij K_j takes dS^T transposed.
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
+    if ONE_PASS:
+        # the shares of dQ are summed in fp32
+        tl.static_assert((DQ.dtype if DQ_TMA else DQ.dtype.element_ty) == tl.float32)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_ob + h * stride_oh           # dO, dK, dV and the dQ buffer are in O's layout
+    DK += b * stride_ob + h * stride_oh
+    DV += b * stride_ob + h * stride_oh
+    if not DQ_TMA:
+        DQ += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    DELTA += bh * N
+    start_n = tl.program_id(0) * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    start = start_n if CAUSAL else 0              # queries above the diagonal see no key here
+    for start_m in range(start, N, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
+        doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
+        lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
+        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
+        # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
+        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, PAPER, FMA)
+        # dV += P^T dO
+        dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
+        # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
+        dpT = tl.dot(v, doT)
+        dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
+        # dK += dS^T Q (times the scale once, at the store)
+        dk += tl.dot(dsT, tl.trans(qT))
+        if ONE_PASS and DQ_TMA:
+            # The same share through TMA (FlashAttention-3's way): the tile goes to shared memory once and the
+            # copy engine adds it into the buffer in fp32 (cp.reduce.async.bulk.tensor, UTMAREDG), rows past
+            # N dropped by the descriptor's bounds; the wait for it to have read shared memory comes before
+            # the next tile's share is written there (instead of the atomics' vectorised REDs: DQ_TMA).
+            DQ.atomic_add([b.to(tl.int32), h.to(tl.int32), start_m, 0],
+                          tl.reshape(tl.dot(tl.trans(dsT), k), [1, 1, BLOCK_M, HEAD_DIM]))
+        elif ONE_PASS:
+            # dQ_i += dS_ij K_j, the dQ kernel's product, added to the buffer in fp32 (its sum: see above).
+            # Relaxed: nothing reads the buffer before this kernel has finished.
+            tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(tl.trans(dsT), k),
+                          mask=rows[:, None] < N, sem="relaxed")
+    out = cols[:, None] * stride_om + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
+
+
+@triton.jit
+def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
+               FMA: tl.constexpr):
+    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
+    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
+    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
+    s = _scores(a, bT, qk_scale, PAPER)
+    valid = (queries < N) & (keys < N)
+    if CAUSAL:
+        valid = valid & (queries >= keys)
+    s = tl.where(valid, s, float("-inf"))
+    if PAPER:
+        return tl.exp(s - lse)
+    return _exp2(s, qk_scale, lse, FMA)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
+    # One program per (query tile, batch * head), looping over the keys; its pointers, offset once. With
+    # DELTA_FROM_P the same pass is the paper's control instead: it accumulates delta = rowsum(dP * P) (over
+    # rowsum(P) in "paper") and stores it (O is never read); run before dK/dV and dQ.
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_ob + h * stride_oh           # dO and dQ are in O's layout
+    DQ += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    DELTA += bh * N
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M     # heaviest first, as in the forward
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
+    if DELTA_FROM_P:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        p_sum = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
+    for start_n in range(0, stop, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
+        vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
+        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, PAPER, FMA)
+        dp = tl.dot(do, vT)
+        if DELTA_FROM_P:
+            delta += tl.sum(p * dp, 1)
+            p_sum += tl.sum(p, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
+    if DELTA_FROM_P:
+        if PAPER:                   # (rows past N, never stored, have no keys: p_sum = 0)
+            delta = delta / tl.where(rows < N, p_sum, 1.0)
+        tl.store(DELTA + rows, delta, mask=rows < N)
+    else:
+        tl.store(DQ + rows[:, None] * stride_om + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=rows[:, None] < N)                                                    # ROUND: dQ
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The one-pass backward (deterministic=False; not what train.py runs): dQ summed inside the dK/dV pass,
+# _bwd_dkdv_kernel with ONE_PASS above, then scaled and cast here. 5 matrix products per (query tile, key
+# tile) pair instead of 7: the dK/dV program also forms dQ_i's share dS_ij K_j and adds it with fp32 atomics
+# (or TMA reductions: DQ_TMA) into a buffer that sums over the key tiles; one small kernel (_bwd_dq_cast_kernel)
+# then scales and casts it. The order in which the key tiles' shares reach the buffer
+# is the order the GPU happens to run the programs in, so the last bits of dQ change from run to run.
+# Triton's CPU interpreter runs programs one after another, key tile 0 first, so there each dQ_i is summed
+# over the key tiles in ascending order from zero, the dQ kernel's own order: with the same key tiles the two
+# backwards give the same bits (tests/test_kernels.py). dK and dV are summed over the query tiles in
+# ascending order in both; nanolp/emulate.py sums each backward over its own tiles (BWD_TUNING,
+# ONE_PASS_TUNING).
+
+@triton.jit
+def _bwd_dq_cast_kernel(DQ_SUM, DQ, stride_ob, stride_oh, stride_om, H, N, sm_scale, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    # The one-pass backward's last step: dQ = (sum over key tiles of dS K) * scale, cast once, as the dQ
+    # kernel stores it. DQ_SUM (fp32) and DQ are both in O's layout.
+    bh = tl.program_id(1).to(tl.int64)
+    DQ_SUM += (bh // H) * stride_ob + (bh % H) * stride_oh
+    DQ += (bh // H) * stride_ob + (bh % H) * stride_oh
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
+    dq = tl.load(DQ_SUM + offs, mask=rows[:, None] < N, other=0.0)
+    tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)   # ROUND: dQ
+
+
+# Tuning, as BWD_TUNING's (the host section); at d128 128-key tiles halve the atomics' traffic into dQ, at d64
+# the two backwards share one dK/dV kernel and its tiles (docs/kernel.md, "Speed").
+ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
+# dQ's shares: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory (FlashAttention-3's
+# way, faster on the H200: docs/kernel.md, "Speed"); None, TMA where the GPU has it (sm_90 and later). The same
+# shares summed in fp32 either way, so the same bits wherever they land in the same order (the interpreter's:
+# nanolp/interp_patch.py runs the TMA reduction as atomics).
+DQ_TMA = None
+
+
+def dq_by_tma(device):
+    """Whether the one-pass backward adds dQ by TMA reductions on this device: DQ_TMA (or tuned's dq_tma), or
+    where that is None whether the GPU has TMA (compute capability 9.0 and later)."""
+    setting = _TUNED.get("dq_tma", DQ_TMA)
+    if setting is not None:
+        return setting
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def dq_sum_target(dq_sum, block_m, tma):
+    """What the one-pass dK/dV kernel adds dQ's shares into: the fp32 buffer itself (atomics), or with
+    tma a host-side TMA descriptor of it in query tiles of block_m rows (the GPU's launcher encodes it;
+    it needs a 16-byte aligned buffer whose strides but the last are multiples of 16 bytes: O's, in fp32)."""
+    if not tma:
+        return dq_sum
+    return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: the entry points, their custom ops and launches, the checks (a custom op: torch.compile traces
+# around it).
+
+# Tuning per head_dim, fixed: no autotune, so that a run's numerics (the backward's summation order) never depend
+# on a timing; chosen from settings timed on the H200 (docs/kernel.md, "Speed"). Forward, as (rows per program,
+# warps, pipeline stages): a program owns BLOCK_M query rows and walks the key tiles (TILE_N keys each); 128 rows
+# reuse each loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while this
+# one is multiplied. Backward, as (BLOCK_M queries, BLOCK_N keys, warps, stages): a dK/dV program owns a tile of
+# BLOCK_N keys and walks the query tiles, a dQ program owns BLOCK_M queries and walks the key tiles, so the tiles
+# set the order dK, dV and dQ are summed in (nanolp/emulate.py reads them); 64 x 64 tiles keep dK, dV (or dQ) and
+# the recomputed P in registers. Up to SHORT_SEQ keys a backward loop is at most 8 tiles long, too short to fill a
+# pipeline, so it runs unpipelined there. Under the CPU interpreter (which pipelines nothing) forward programs own
+# 64 rows; the backward keeps the GPU's tiles, so that the bitwise tests against nanolp/emulate.py check the GPU's
+# summation order.
+FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
+BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
+SHORT_SEQ = 512
+# Every launch compiles without floating-point contraction (Triton's enable_fp_fusion=False, ptxas --fmad=false):
+# each multiply and each add rounds on its own, where the ROUND comments and nanolp/emulate.py say, and the only
+# fused multiply-add is the one the code asks for (tl.fma in _exp2). Left to itself ptxas fused the exponent in
+# some tiles and not in others (the forward's tiles left of the diagonal only: there nothing stood between the
+# scale and the subtraction), one form here and another there, which the CPU interpreter, never fusing, could
+# not see (what it costs: docs/kernel.md, "Speed").
+UNFUSED = dict(enable_fp_fusion=False)
+if INTERPRET:
+    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
+
+
+def flash_attention(q, k, v, causal=True, fix=False, numerics=None, deterministic=True):
+    """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
+
+    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any
+        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of
+        the same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
+    fix: False, True or "paper" (wire_fix).
+        True, the complete fix: the paper's row-max shift (_shifted_max: no P is exactly 1 in a row with tied
+            maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final cast to
+            q's dtype. The returned O is unchanged (the same bits as with the fix off, up to the shift's
+            rounding); the backward keeps one fp32 O. Exact in real arithmetic.
+        "paper": the paper's rule alone (the shift), an ablation: it removes the tie bias but not the error of
+            O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
+    numerics: the experiments (Numerics), for studying the failure, not for training models; the default (None,
+        Numerics()) is plain FlashAttention-2.
+    deterministic: True (the default, for now), the backward in two passes, dK/dV then dQ, with no atomics:
+        the same bits on every run (7 matrix products per query tile and key tile). False, the one-pass
+        backward: dQ is summed over the key tiles with fp32 atomics inside the dK/dV pass (5 products, as
+        FlashAttention-3 and cuDNN do), so its last bits depend on the order the GPU runs the programs in;
+        the same numbers otherwise (under the CPU interpreter the same bits, but for dQ at head_dim 128,
+        where the one-pass backward sums it over tiles of 128 keys, not 64). The default stays True until
+        the two are timed side by side on the GPU.
+    """
+    numerics = Numerics() if numerics is None else numerics
+    check_inputs(q, k, v, numerics)
+    return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics,
+                   deterministic=deterministic).o
+
+
+Forward = namedtuple("Forward", "o lse o_delta")
+
+
+def forward(q, k, v, *, causal=True, fix=False, numerics=None, delta=None, deterministic=True):
+    """The forward as flash_attention runs it, for tests and experiments: Forward(o, lse, o_delta), o the O
+    returned (q's dtype), lse each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O the backward's
+    delta reads where that is not o itself (the fp32 O with fix=True; else an empty tensor). Differentiable
+    through o, as flash_attention.
+
+    causal, fix, numerics, deterministic: flash_attention's. delta: what the backward's delta reads ("O",
+    "fp32 O", "P" or "stochastic O"), in place of what fix and numerics make of it (wire_fix); the shift stays
+    fix's. Unlike flash_attention, v is read as given: the "vo" amplifier's rounding of V (amplified_v) is the
+    caller's, as in nanolp.emulate.forward."""
+    numerics = Numerics() if numerics is None else numerics
+    check_inputs(q, k, v, numerics)
+    check_device(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
+                             "call .contiguous()")
+    shift, wired = wire_fix(fix, numerics)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+    return Forward(*_flash_fwd(q, k, v, causal, shift, wired if delta is None else delta, numerics.precision,
+                               numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
+                               deterministic, numerics.fma))
+
+
+def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=None):
+    """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix=True. For
+    diagnostics and tests."""
+    numerics = Numerics() if numerics is None else numerics
+    check_inputs(q, k, v, numerics)
+    check_device(q)
+    shift, _ = wire_fix(fix, numerics)
+    with torch.no_grad():
+        v = amplified_v(v, numerics.o_bits)
+        return _flash_fwd(q, k, v, causal, shift, "fp32 O", numerics.precision, numerics.p_bits,
+                          numerics.o_bits, False, True, numerics.fma)[2]
+
+
+# The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
+# from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
+# and stochastic: O stochastically rounded in the forward), then deterministic, which only the backward reads
+# (the forward op takes it so that its autograd context can hand it on), and fma: the exponent's form
+# (Numerics.exponent "fma"; both passes use it).
+@torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
+               precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True,
+               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
+    delta "P" is for the backward only (_setup_context)."""
+    B, H, N, D = q.shape
+    fp32_o = stochastic or delta in ("fp32 O", "stochastic O")   # the kernel skips its final cast, done below
+    o = empty_in_layout_of(q, torch.float32 if fp32_o else None)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    block_m, warps, stages = launch_setting("fwd", D)
+    _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=_TUNED.get("block_n", TILE_N),
+        CAUSAL=causal, PAPER=precision == "paper", SHIFT=fix_constants(precision, p_bits) if shift else None,
+        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED,
+        **{name: _TUNED[name] for name in ("maxnreg",) if name in _TUNED})
+    if not fp32_o:
+        return o, lse, o.new_empty(0)
+    o, o_delta = output_and_delta_o(o, q.dtype, stochastic, delta)
+    return o, lse, o.new_empty(0) if o_delta is None else o_delta
+
+
+@_flash_fwd.register_fake
+def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, deterministic=True, fma=True):
+    o = empty_in_layout_of(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    if delta in ("fp32 O", "stochastic O"):
+        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32 O" else None)
+    return o, lse, o.new_empty(0)
+
+
+def _bwd_launch(q, k, v, o, causal, precision, deterministic=True, fma=True):
+    """What every backward kernel is launched with: the grids of programs per query tile (delta, dQ, dQ's
+    cast) and per key tile (dK/dV), the strides (O's for dO, dQ, dK, dV too) and qk_scale, the
+    meta-parameters (the one-pass backward's with deterministic=False)."""
+    B, H, N, D = q.shape
+    block_m, block_n, warps, stages = launch_setting("bwd" if deterministic else "one_pass", D)
+    if N <= SHORT_SEQ:
+        stages = 1
+    grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
+               qk_scale(D, precision))
+    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PAPER=precision == "paper", FMA=fma,
+                num_warps=warps, num_stages=stages, **UNFUSED)
+    return grids, strides, meta
+
+
+def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma=True):
+    """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
+    not read O. Launched with the two-pass backward's tiles either way, so that both backwards read the same
+    delta. do must be in O's layout."""
+    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma=fma)
+    delta = torch.empty_like(lse)
+    if from_p:
+        # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
+        _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
+    else:
+        _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
+                                     BLOCK_M=meta["BLOCK_M"], **UNFUSED)
+    return delta
+
+
+@torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
+def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True,
+               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """deterministic: dK/dV and dQ in two passes (7 matrix products per tile pair); else in one, dQ summed
+    with atomics or TMA reductions (DQ_TMA; 5 products; dQ's last bits depend on the order the GPU runs the
+    programs in)."""
+    if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
+        do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
+    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic, fma)
+    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma))
+    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
+    sm_scale = q.shape[-1] ** -0.5
+    if deterministic:
+        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq, *strides, sm_scale, ONE_PASS=False, **meta)  # dq unused
+        _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
+    else:
+        dq_sum = torch.zeros_like(o, dtype=torch.float32)                  # the atomics' buffer, O's strides
+        tma = dq_by_tma(o.device)
+        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum_target(dq_sum, meta["BLOCK_M"], tma), *strides, sm_scale,
+                                  ONE_PASS=True, DQ_TMA=tma, **meta)
+        _bwd_dq_cast_kernel[per_query](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
+                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"], **UNFUSED)
+    return dq, dk, dv
+
+
+@_flash_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, precision, from_p, deterministic=True, fma=True):
+    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, _, delta, precision, _, _, _, *rest = inputs
+    o, lse, o_delta = output
+    ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
+    ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "P"
+    ctx.deterministic, ctx.fma = (*rest, True, True)[:2]   # (their defaults where the call left them out)
+
+
+def _backward(ctx, do, _dlse, _do_delta):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.deterministic,
+                            ctx.fma)
+    return dq, dk, dv, *[None] * 9
+
+
+_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_device(q):
+    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once
+    nanolp/interp_patch.py has patched it (and marked the interpreter module so): the stock interpreter
+    truncates bf16 casts and multiplies the bit patterns of bf16 operands in tl.dot, so it would return wrong
+    numbers, finite and silent."""
+    if INTERPRET:
+        from triton.runtime import interpreter
+        if getattr(interpreter, "nanolp_bf16_patch", False):
+            return
+        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
+    elif q.device.type == "cuda":
+        return
+    else:
+        problem = f"the kernel needs CUDA tensors, got {q.device}"
+    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
+                     "PyTorch (the same numbers)")
+
+
+def check_inputs(q, k, v, numerics):
+    """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
+    if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
+    if numerics.stochastic_o != "off" and q.dtype != torch.bfloat16:
+        raise TypeError(f"stochastic_o rounds to bfloat16; q, k, v are {q.dtype}")
+
+
+def qk_scale(head_dim, precision):
+    return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
+
+
+def empty_in_layout_of(t, dtype=None):
+    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is: (batch, seq, heads, head_dim)
+    in memory when t's heads sit inside its sequence (q, k, v viewed from a (batch, seq, 3 * channels)
+    projection, as in model.py), else (batch, heads, seq, head_dim). O, and dQ, dK, dV in the backward, get
+    this layout, so the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA. dtype:
+    t's by default."""
+    B, H, N, D = t.shape
+    dtype = dtype or t.dtype
+    if t.stride(1) < t.stride(2):
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# THE FIX, two parts. The cure: the backward's delta reads the forward's fp32 O, before its final cast
+# (output_and_delta_o). The paper's: a tied row's max shifted up in the forward (_shifted_max, one small function
+# called once per key tile). First how fix wires them.
+
+def wire_fix(fix, numerics):
+    """fix's three values as the forward's shift (_shifted_max) and what the backward's delta reads:
+
+        fix        the shift    delta reads
+        False      off          numerics.delta ("O" unless an experiment says otherwise)
+        "paper"    on           numerics.delta
+        True       on           "fp32 O": O before its final cast (output_and_delta_o)
+    """
+    if not (isinstance(fix, bool) or fix == "paper"):
+        raise ValueError(f'fix must be False, True or "paper", got {fix!r}')
+    if fix is True and numerics.delta not in ("O", "fp32 O"):
+        raise ValueError(f"fix=True (delta from the fp32 O) and delta from {numerics.delta} are different "
+                         "ways of computing delta: choose one")
+    return fix is not False, "fp32 O" if fix is True else numerics.delta
+
+
+def output_and_delta_o(o32, dtype, stochastic, delta):
+    """The fix's backward part: from the forward's fp32 O, the O the caller gets and the O the backward's
+    delta reads (None: the same). The cast is what delta's one-signed error comes from in our runs; with the
+    fix the caller still gets the bf16 O, bit for bit as without it.
+
+    delta "O"             O = round(o32);       delta reads O            (the paper's channel)
+    delta "fp32 O"        O = round(o32);       delta reads o32          (the complete fix, fix=True)
+    stochastic            O = stochastic(o32);  delta reads O            (or o32 with delta "fp32 O")
+    delta "stochastic O"  O = round(o32);       delta reads an independent stochastic(o32)"""
+    o = stochastic_round(o32) if stochastic else o32.to(dtype)                        # ROUND: O's final cast
+    if delta == "fp32 O":
+        return o, o32
+    return o, stochastic_round(o32) if delta == "stochastic O" else None
+
+
+# The paper's shift, in nats. exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9, so TIE_TOL catches
+# every score whose P rounds to 1 (the official code's 1e-3 catches exact ties).
+TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
+BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
+SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
+# Its constants in the kernel's units: a compile-time constant of the forward kernel, None there with the shift
+# off, so that no kernel that does not shift sees them. inv is the fold's 1 / span (_fold).
+Shift = namedtuple("Shift", "beta tol lo hi span inv")
+
+
+@triton.jit
+def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
+    """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
+    earlier tiles), in the units of s * scale; returns it and the new raw row max max(t, r). The top-2 is taken
+    on s and scaled after: scale > 0 rounds monotonically, so that is the top-2 of s * scale exactly.
+
+    Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
+    for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
+    Made robust here:
+    - ties across tiles count too: r within tol of t (a tie the per-tile rule cannot see; with 64-key tiles
+      and 256 keys a row's tied pair shares one tile only a quarter of the time). Shifting this tile is
+      enough: the earlier tile's P = 1 stays in fp32 (acc and l are only rescaled by exp(m - m')), and this
+      tile's P are exp(-d) < 1, rounded both ways.
+    - when d falls outside [lo, hi) it is folded back into it by lo + fmod(d, hi - lo):
+      d < lo (a max of 0 or a tiny one): exp(-d) would round back to exactly 1; now d >= lo.
+      d >= hi (|max| above ~64 with beta 2): exp(-d) would underflow (l = 0, O = 0/0 past ~87 nats).
+    - d stays a function of the scores, so the rounding of exp(-d) changes sign from row to row; a constant
+      offset would round the same way every time and keep the bias (the paper's appendix).
+    - masked scores are -inf and never count; a fully masked tile (r = -inf) is left alone.
+    "More than one score within tol of r" is "the second-largest score r2 (r again when the max itself is
+    tied) is >= r - tol": one top-2 reduction finds r and r2 in the pass that finds the max, where counting
+    the scores within tol took a compare per score and a sum after the max (fewer instructions and registers:
+    docs/kernel.md, "Speed").
+    """
+    tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
+    tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
+    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
+    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
+    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
+    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
+    # (beta - 1) r = r for r > 0 and -r below, i.e. |r|, which costs no instruction (an operand's modifier);
+    # at r = +0 it is +0 where -r is -0, and both fold to lo + 0 = lo
+    d = tl.abs(r)
+    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
+    return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
+
+
+@triton.jit
+def _top2(a1, a2, b1, b2):
+    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice.
+
+    The second's two maxima propagate NaN (there is none: masked scores are -inf), which makes -inf their
+    identity, so the compiler drops max(x, -inf) where a score enters with second -inf: 3 instructions per score
+    instead of 4. (The NaN-ignoring max cannot drop it: max(NaN, -inf) is -inf there, not NaN.) The second is
+    only compared, so the sign of a zero, where the two maxima may differ, does not matter either."""
+    ALL: tl.constexpr = tl.PropagateNan.ALL
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
+
+
+@triton.jit
+def _fold(d, SHIFT: tl.constexpr):
+    """lo + fmod(d, span) for 0 <= d <= |r|, the fold of _shifted_max, without a division: n = floor(d * inv)
+    and d - n * span, in float64, inv = 1 / span rounded up (reciprocal_up). The same bits as fmod's wherever
+    they can matter: exactly fmod for d < 2^27 span; beyond it r + d rounds to r with either; NaN at d = inf, as
+    fmod. The proof, and the exhaustive check for every float32 d: docs/kernel.md, "The fold without a
+    division". d % span would be an IEEE division with a slow path; this is 2 conversions, a multiply, a floor
+    and an fma.
+    """
+    tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
+    tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
+    d64 = d.to(tl.float64)
+    n = tl.floor(d64 * tl.full([], SHIFT.inv, tl.float64))
+    rem = d64 - n * tl.full([], SHIFT.span, tl.float32).to(tl.float64)   # span as the float32 fmod reads
+    return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
+
+
+def fix_constants(precision, p_bits=0):
+    """The shift's constants in the kernel's units (log2 units in "fa2"), computed once, in float64.
+
+    TIE_TOL and SHIFT_LO are set for P in bf16 (7 mantissa bits). The amplifier rounds P to fewer bits, which
+    widens the band of scores whose P rounds to exactly 1.0 by 2^(7 - bits); both widen with it, or the fix
+    would miss most of the near-ties the amplifier creates and shift some maxima by too little."""
+    unit = LOG2E if precision == "fa2" else 1.0
+    lo = SHIFT_LO * widening(p_bits)
+    span = (SHIFT_HI - lo) * unit
+    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, span, reciprocal_up(span))
+
+
+def reciprocal_up(span):
+    """The float64 nearest to 1 / span from above, for span as the kernel holds it (rounded to float32): _fold's
+    quotient d * inv is then never below d / span."""
+    span = struct.unpack("f", struct.pack("f", span))[0]
+    inv = 1.0 / span
+    return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Appendix: the experiments. Variants of the numerics that test the mechanism, one object (flash_attention's
+# numerics), and what only they use.
 
 def option(help, default, choices=None):
     """A field of Numerics: what it does (also its train.py flag's help), its default, the values it takes."""
@@ -133,565 +929,14 @@ class Numerics:
         return self.mantissa_bits if self.amplify == "vo" else 0
 
 
-# ---------------------------------------------------------------------------------------------------------
-# THE FIX. Its wiring, its forward part (the shifted row max, one small function called once per key tile)
-# and its backward part (the O that delta reads).
-
-def wire_fix(fix, numerics):
-    """fix's three values as the forward's shift (_shifted_max) and what the backward's delta reads:
-
-        fix        the shift    delta reads
-        False      off          numerics.delta ("O" unless an experiment says otherwise)
-        "paper"    on           numerics.delta
-        True       on           "fp32 O": O before its final cast (output_and_delta_o)
-    """
-    if not (isinstance(fix, bool) or fix == "paper"):
-        raise ValueError(f'fix must be False, True or "paper", got {fix!r}')
-    if fix is True and numerics.delta not in ("O", "fp32 O"):
-        raise ValueError(f"fix=True (delta from the fp32 O) and delta from {numerics.delta} are different "
-                         "ways of computing delta: choose one")
-    return fix is not False, "fp32 O" if fix is True else numerics.delta
-
-
-# The shift's constants in the kernel's units: a compile-time constant of the forward kernel, None there with
-# the shift off, so that no kernel that does not shift sees them. inv is the fold's 1 / span (_fold).
-Shift = namedtuple("Shift", "beta tol lo hi span inv")
-
-
-def fix_constants(precision, p_bits=0):
-    """The shift's constants in the kernel's units (log2 units in "fa2"), computed once, in float64.
-
-    TIE_TOL and SHIFT_LO are set for P in bf16 (7 mantissa bits). The amplifier rounds P to fewer bits, which
-    widens the band of scores whose P rounds to exactly 1.0 by 2^(7 - bits); both widen with it, or the fix
-    would miss most of the near-ties the amplifier creates and shift some maxima by too little."""
-    unit = LOG2E if precision == "fa2" else 1.0
-    lo = SHIFT_LO * widening(p_bits)
-    span = (SHIFT_HI - lo) * unit
-    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, span, reciprocal_up(span))
-
-
-def reciprocal_up(span):
-    """The float64 nearest to 1 / span from above, for span as the kernel holds it (rounded to float32): _fold's
-    quotient d * inv is then never below d / span."""
-    span = struct.unpack("f", struct.pack("f", span))[0]
-    inv = 1.0 / span
-    return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
-
-
-@triton.jit
-def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
-    """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
-    earlier tiles), in the units of s * scale; returns it and the new raw row max max(t, r). The top-2 is taken
-    on s and scaled after: scale > 0 rounds monotonically, so that is the top-2 of s * scale exactly.
-
-    Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
-    for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
-    Made robust here:
-    - ties across tiles count too: r within tol of t (a tie the per-tile rule cannot see; with 64-key tiles
-      and 256 keys a row's tied pair shares one tile only a quarter of the time). Shifting this tile is
-      enough: the earlier tile's P = 1 stays in fp32 (acc and l are only rescaled by exp(m - m')), and this
-      tile's P are exp(-d) < 1, rounded both ways.
-    - when d falls outside [lo, hi) it is folded back into it by lo + fmod(d, hi - lo):
-      d < lo (a max of 0 or a tiny one): exp(-d) would round back to exactly 1; now d >= lo.
-      d >= hi (|max| above ~64 with beta 2): exp(-d) would underflow (l = 0, O = 0/0 past ~87 nats).
-    - d stays a function of the scores, so the rounding of exp(-d) changes sign from row to row; a constant
-      offset would round the same way every time and keep the bias (the paper's appendix).
-    - masked scores are -inf and never count; a fully masked tile (r = -inf) is left alone.
-    "More than one score within tol of r" is "the second-largest score r2 (r again when the max itself is
-    tied) is >= r - tol": one top-2 reduction finds r and r2 in the pass that finds the max, where counting
-    the scores within tol took a compare per score and a sum after the max (on sm_90 ~12 fewer instructions
-    per tile, and at head_dim 64 7-8 fewer registers: results/speed/backward_onepass.md).
-    """
-    tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
-    tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
-    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
-    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
-    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
-    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
-    # (beta - 1) r = r for r > 0 and -r below, i.e. |r|, which costs no instruction (an operand's modifier);
-    # at r = +0 it is +0 where -r is -0, and both fold to lo + 0 = lo
-    d = tl.abs(r)
-    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
-    return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
-
-
-@triton.jit
-def _top2(a1, a2, b1, b2):
-    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice.
-
-    The second's two maxima propagate NaN (there is none: masked scores are -inf), which makes -inf their
-    identity, so the compiler drops max(x, -inf) where a score enters with second -inf: 3 instructions per score
-    instead of 4. (The NaN-ignoring max cannot drop it: max(NaN, -inf) is -inf there, not NaN.) The second is
-    only compared, so the sign of a zero, where the two maxima may differ, does not matter either."""
-    ALL: tl.constexpr = tl.PropagateNan.ALL
-    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
-
-
-@triton.jit
-def _fold(d, SHIFT: tl.constexpr):
-    """lo + fmod(d, span) for 0 <= d <= |r|, the fold of _shifted_max, without a division: n = floor(d * inv)
-    and d - n * span, in float64. The same bits as fmod's wherever they can matter:
-
-    - d < 2^27 span: exactly fmod. inv >= 1 / span (reciprocal_up), and rounding is monotone, so the computed
-      quotient is >= d / span, and <= (d / span)(1 + 2^-51). The quotient of two float32 values lies at least
-      2^-24 min(1, d / span) below the next integer (write both as 24-bit integers times powers of two), more
-      than 2^-51 d / span there, so its floor n is floor(d / span) exactly. n < 2^27 and span has 24 bits, so
-      n * span is exact in float64, and so is d - n * span: fmod's result, which float32 holds exactly.
-    - d >= 2^27 span (>= 2^32, as span >= 32; so |r| >= 2^32): n may be one too large and the product
-      inexact; the fold is then below hi + 2^-49 |r| in size, and fmod's below hi: both less than half
-      float32's spacing on either side of r, at least max(2^8, 2^-24 |r|) there, so r + d rounds to r with
-      either.
-    - d = inf (r = +inf): NaN, as fmod.
-    Exhaustively, for every float32 d below 2^27 span and the spans of both precisions and every amplifier:
-    n = floor(d / span) and d - n * span = fmod(d, span). On sm_90 this is 2 conversions, a multiply, a floor and
-    an fma; d % span is an IEEE division (reciprocal, its refinement, a check and a call to the slow path).
-    """
-    tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
-    tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
-    d64 = d.to(tl.float64)
-    n = tl.floor(d64 * tl.full([], SHIFT.inv, tl.float64))
-    rem = d64 - n * tl.full([], SHIFT.span, tl.float32).to(tl.float64)   # span as the float32 fmod reads
-    return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
-
-
-def output_and_delta_o(o32, dtype, stochastic, delta):
-    """The fix's backward part: from the forward's fp32 O, the O the caller gets and the O the backward's
-    delta reads (None: the same). The cast is what delta's one-signed error comes from in our runs; with the
-    fix the caller still gets the bf16 O, bit for bit as without it.
-
-    delta "O"             O = round(o32);       delta reads O            (the paper's channel)
-    delta "fp32 O"        O = round(o32);       delta reads o32          (the complete fix, fix=True)
-    stochastic            O = stochastic(o32);  delta reads O            (or o32 with delta "fp32 O")
-    delta "stochastic O"  O = round(o32);       delta reads an independent stochastic(o32)"""
-    o = stochastic_round(o32) if stochastic else o32.to(dtype)                        # ROUND: O's final cast
-    if delta == "fp32 O":
-        return o, o32
-    return o, stochastic_round(o32) if delta == "stochastic O" else None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward
-# did, or P = exp(S - lse) no longer sums to one and training blows up for reasons unrelated to the paper.
-
-@triton.jit
-def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
-    """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
-    "paper" scaled and rounded as the paper's PyTorch code does."""
-    s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
-    if PAPER:
-        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
-        s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
-    return s
-
-
-@triton.jit
-def _exp2(s, qk_scale, m, FMA: tl.constexpr):
-    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
-
-    FMA: S * scale - m as one fused multiply-add, rounded once, as FlashAttention-2 computes it (its softmax.h:
-    exp2f(x * scale - max_scaled), "so that the compiler can use a single FFMA"; FA3 and FlashMLA keep it). At a
-    row's max, m is S * scale rounded, so the fma returns the product's rounding residue and P_max = 2^residue,
-    not 1: |residue| <= half an ulp of m, 2^-17 at logits ~10 (nothing), ~4% at 1e6, up to 2^64 at 1e9.
-    Otherwise (exponent="torch", as PyTorch builds FA2 with UNFUSE_FMA): S * scale rounded, then m subtracted,
-    each rounded on its own (the kernels compile without contraction, UNFUSED): P_max is exactly 1."""
-    if FMA:
-        x = tl.fma(s, qk_scale, -m)                              # ROUND: once
-    else:
-        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
-    return tl.math.exp2(x)
-
-
-@triton.jit
-def _round_bits(x, BITS: tl.constexpr):
-    """The amplifier (Numerics.mantissa_bits): round fp32 x to BITS explicit mantissa bits, ties to even, on
-    its bit pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa), or on O
-    before it is stored (amplify="vo"). BITS = 0: no-op."""
-    if BITS > 0:
-        tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
-        DROP: tl.constexpr = 23 - BITS
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
-        x = b.to(tl.float32, bitcast=True)
-    return x
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Forward
-
-@triton.jit
-def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
-               SHIFT: tl.constexpr, P_BITS: tl.constexpr, FMA: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
-    causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
-    for start_n in range(start, stop, BLOCK_N):
-        cols = start_n + offs_n
-        kT_ptrs = K + offs_d[:, None] + cols[None, :] * stride_kn
-        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :]
-        if MASKED:
-            kT = tl.load(kT_ptrs, mask=cols[None, :] < N, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < N, other=0.0)
-        else:
-            kT = tl.load(kT_ptrs)
-            v = tl.load(v_ptrs)
-        # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max here and per
-        # score inside the exponent (_exp2); rounding is monotone, so rowmax(s) * scale is rowmax(S) exactly
-        s = _scores(q, kT, qk_scale, PAPER)
-        if PAPER:
-            scale = 1.0
-        else:
-            scale = qk_scale
-        if MASKED:
-            valid = cols[None, :] < N
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= cols[None, :])
-            s = tl.where(valid, s, float("-inf"))
-        # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
-        if SHIFT is None:
-            r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
-        else:
-            r, t_i = _shifted_max(s, scale, t_i, SHIFT)
-        if PAPER:
-            m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
-            alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
-            alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
-            p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))               # ROUND: S - m'
-            p = _round_bits(p, P_BITS).to(q.dtype)                                    # ROUND: P
-            # l = exp(m - m') l + rowsum(P)
-            l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
-            l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
-            l_i = l_i.to(q.dtype).to(tl.float32)                                      # ROUND: l in bf16
-            # acc = exp(m - m') acc + P V_j
-            pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                              # ROUND: P V in bf16
-            acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                   # ROUND
-            acc = (acc + pv).to(q.dtype).to(tl.float32)                               # ROUND: acc in bf16
-        else:
-            m_new = tl.maximum(m_i, r)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = _exp2(s, qk_scale, m_new[:, None], FMA)
-            # l = exp(m - m') l + rowsum(P), from the unrounded P
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # acc = exp(m - m') acc + P V_j
-            acc = acc * alpha[:, None]
-            acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
-        m_i = m_new
-    return acc, l_i, m_i, t_i
-
-
-@triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
-                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
-                FMA: tl.constexpr):
-    # One program per (query tile, batch * head); its pointers, offset once to its batch and head.
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    O += b * stride_ob + h * stride_oh
-    LSE += bh * N
-    # Query tiles in descending order, heaviest first: with the causal mask a tile reads the keys up to its
-    # own last row, so the last tile does the most work; started first, it leaves the light tiles to fill
-    # the GPU's tail instead of running alone there (on the H200, results/speed/bench.csv against
-    # bench_before_keymajor.csv: 5-8% off the forward at head_dim 128, seq 16k; within ~2% at most other
-    # shapes). A program writes only its own rows, so the order cannot change a bit.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    t_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Key tiles that need no mask: all full tiles (non-causal) or those left of the diagonal (causal).
-    if CAUSAL:
-        stop_unmasked = start_m
-        stop = tl.minimum(start_m + BLOCK_M, N)
-    else:
-        stop_unmasked = (N // BLOCK_N) * BLOCK_N
-        stop = N
-    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
-                                    offs_m, offs_n, offs_d, N, qk_scale,
-                                    False, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
-    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
-                                    offs_m, offs_n, offs_d, N, qk_scale,
-                                    True, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
-    # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
-    # (log2 units in "fa2").
-    o = _round_bits(acc / l_i[:, None], O_BITS)
-    tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
-             mask=offs_m[:, None] < N)
-    lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))
-    tl.store(LSE + offs_m, lse, mask=offs_m < N)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Backward, FA2 style: delta first, then dK/dV (one program per key tile, looping over queries) and dQ (one
-# program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
-#     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
-#     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
-# That is 7 matrix products per (query tile, key tile) pair: S and dP are computed in both passes. The
-# one-pass backward (deterministic=False, ONE_PASS) does 5: the dK/dV program also forms dQ_i's share
-# dS_ij K_j and adds it with fp32 atomics into a buffer that sums over the key tiles; one small kernel
-# (_bwd_dq_cast_kernel) then scales and casts it. The order in which the key tiles' shares reach the buffer
-# is the order the GPU happens to run the programs in, so the last bits of dQ change from run to run.
-# Triton's CPU interpreter runs programs one after another, key tile 0 first, so there each dQ_i is summed
-# over the key tiles in ascending order from zero, the dQ kernel's own order: with the same key tiles the two
-# backwards give the same bits (tests/test_kernels.py). dK and dV are summed over the query tiles in
-# ascending order in both; nanolp/emulate.py sums each backward over its own tiles (BWD_TUNING,
-# ONE_PASS_TUNING).
-# The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real
-# arithmetic (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's
-# rounded O, and every rounding that went into it, never reaches the gradient. In "paper" it is divided by
-# rowsum(P): there lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to
-# zero, an error that grew W_Q by itself in the paper mode's runs (docs/findings.md). In "fa2" P sums to 1 to
-# fp32 rounding; dividing there would only add a rounding of rowsum(P) near 1. With delta from the fp32 O the
-# O read here is the forward's O before its final cast: P's rounding reaches the gradient, the cast's does
-# not.
-
-@triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-    # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
-    bh = tl.program_id(1).to(tl.int64)
-    O += (bh // H) * stride_ob + (bh % H) * stride_oh
-    DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
-    DELTA += bh * N
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
-    o = tl.load(O + offs, mask=rows[:, None] < N, other=0.0)
-    do = tl.load(DO + offs, mask=rows[:, None] < N, other=0.0)
-    tl.store(DELTA + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
-
-
-@triton.jit
-def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
-               FMA: tl.constexpr):
-    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
-    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
-    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
-    s = _scores(a, bT, qk_scale, PAPER)
-    valid = (queries < N) & (keys < N)
-    if CAUSAL:
-        valid = valid & (queries >= keys)
-    s = tl.where(valid, s, float("-inf"))
-    if PAPER:
-        return tl.exp(s - lse)
-    return _exp2(s, qk_scale, lse, FMA)
-
-
-@triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
-                     qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, ONE_PASS: tl.constexpr,
-                     DQ_TMA: tl.constexpr = False):
-    # One program per (key tile, batch * head), looping over the query tiles; its pointers, offset once. With
-    # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
-    # of zeros in O's layout, with atomics (DQ is unused without); with DQ_TMA as well, DQ is a tensor
-    # descriptor of that buffer, (batch, heads, seq, head_dim) in blocks of [1, 1, BLOCK_M, HEAD_DIM]
-    # (dq_sum_target), and each tile's share goes in as one TMA reduction (see the loop).
-    # Key-major: the program's BLOCK_N keys are the rows of every product, S^T = K_j Q_i^T, P^T, dP^T =
-    # V_j dO_i^T and dS^T are (keys x queries), so dV += P^T dO and dK += dS^T Q take P^T and dS^T as their
-    # first operand as computed, from registers. The query-major form (P, dS with the queries as rows) had to
-    # transpose both through shared memory first, on every tile: on the H200 the two-pass backward runs 5-9%
-    # faster key-major. Only the one-pass dQ_i = dS_ij K_j takes dS^T transposed.
-    tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
-    if ONE_PASS:
-        # the shares of dQ are summed in fp32
-        tl.static_assert((DQ.dtype if DQ_TMA else DQ.dtype.element_ty) == tl.float32)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_ob + h * stride_oh           # dO, dK, dV and the dQ buffer are in O's layout
-    DK += b * stride_ob + h * stride_oh
-    DV += b * stride_ob + h * stride_oh
-    if not DQ_TMA:
-        DQ += b * stride_ob + h * stride_oh
-    LSE += bh * N
-    DELTA += bh * N
-    start_n = tl.program_id(0) * BLOCK_N
-    cols = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    start = start_n if CAUSAL else 0              # queries above the diagonal see no key here
-    for start_m in range(start, N, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
-        doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
-        lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
-        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
-        # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
-        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, PAPER, FMA)
-        # dV += P^T dO
-        dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
-        # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
-        dpT = tl.dot(v, doT)
-        dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
-        # dK += dS^T Q (times the scale once, at the store)
-        dk += tl.dot(dsT, tl.trans(qT))
-        if ONE_PASS and DQ_TMA:
-            # The same share through TMA (FlashAttention-3's way): the tile goes to shared memory once and the
-            # copy engine adds it into the buffer in fp32 (cp.reduce.async.bulk.tensor, UTMAREDG), rows past
-            # N dropped by the descriptor's bounds; the wait for it to have read shared memory comes before
-            # the next tile's share is written there. Instead of the atomics' vectorised REDs, and the
-            # shared-memory shuffle that makes their vectors (results/speed/backward_tma_dq.md).
-            DQ.atomic_add([b.to(tl.int32), h.to(tl.int32), start_m, 0],
-                          tl.reshape(tl.dot(tl.trans(dsT), k), [1, 1, BLOCK_M, HEAD_DIM]))
-        elif ONE_PASS:
-            # dQ_i += dS_ij K_j, the dQ kernel's product, added to the buffer in fp32 (its sum: see above).
-            # Relaxed: nothing reads the buffer before this kernel has finished.
-            tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(tl.trans(dsT), k),
-                          mask=rows[:, None] < N, sem="relaxed")
-    out = cols[:, None] * stride_om + offs_d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
-
-
-@triton.jit
-def _bwd_dq_cast_kernel(DQ_SUM, DQ, stride_ob, stride_oh, stride_om, H, N, sm_scale, HEAD_DIM: tl.constexpr,
-                        BLOCK_M: tl.constexpr):
-    # The one-pass backward's last step: dQ = (sum over key tiles of dS K) * scale, cast once, as the dQ
-    # kernel stores it. DQ_SUM (fp32) and DQ are both in O's layout.
-    bh = tl.program_id(1).to(tl.int64)
-    DQ_SUM += (bh // H) * stride_ob + (bh % H) * stride_oh
-    DQ += (bh // H) * stride_ob + (bh % H) * stride_oh
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
-    dq = tl.load(DQ_SUM + offs, mask=rows[:, None] < N, other=0.0)
-    tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)   # ROUND: dQ
-
-
-@triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
-    # One program per (query tile, batch * head), looping over the keys; its pointers, offset once. With
-    # DELTA_FROM_P the same pass is the paper's control instead: it accumulates delta = rowsum(dP * P) (over
-    # rowsum(P) in "paper") and stores it (O is never read); run before dK/dV and dQ.
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_ob + h * stride_oh           # dO and dQ are in O's layout
-    DQ += b * stride_ob + h * stride_oh
-    LSE += bh * N
-    DELTA += bh * N
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M     # heaviest first, as in the forward
-    rows = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-    do = tl.load(DO + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
-    if DELTA_FROM_P:
-        delta = tl.zeros([BLOCK_M], tl.float32)
-        p_sum = tl.zeros([BLOCK_M], tl.float32)
-    else:
-        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
-    for start_n in range(0, stop, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
-        vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
-        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, PAPER, FMA)
-        dp = tl.dot(do, vT)
-        if DELTA_FROM_P:
-            delta += tl.sum(p * dp, 1)
-            p_sum += tl.sum(p, 1)
-        else:
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
-    if DELTA_FROM_P:
-        if PAPER:                   # (rows past N, never stored, have no keys: p_sum = 0)
-            delta = delta / tl.where(rows < N, p_sum, 1.0)
-        tl.store(DELTA + rows, delta, mask=rows < N)
-    else:
-        tl.store(DQ + rows[:, None] * stride_om + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                 mask=rows[:, None] < N)                                                    # ROUND: dQ
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Host side: checks, launches, and registration as a torch custom op (so torch.compile traces around it).
-
-# Tuning per head_dim. Forward, as (rows per program, warps, pipeline stages): a program owns BLOCK_M query
-# rows and walks the key tiles (TILE_N keys each, fixed: the fix looks for ties within one tile); 128 rows
-# reuse each loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while
-# this one is multiplied (software pipelining). Backward, as (BLOCK_M queries, BLOCK_N keys, warps, stages):
-# a dK/dV program owns a tile of BLOCK_N keys and walks the query tiles, a dQ program owns BLOCK_M queries
-# and walks the key tiles, so the tiles set the order dK, dV and dQ are summed in (nanolp/emulate.py reads
-# them). Two-pass: 64 x 64 tiles, which keep dK, dV (or dQ) and the recomputed P in registers. Up to
-# SHORT_SEQ keys a backward loop is at most 8 tiles long, too short to fill a pipeline, so it runs
-# unpipelined there (1.5x faster at seq 256). Chosen from a grid of 6 forward and 6 backward settings timed
-# on the H200 (the backward's with the earlier, query-major dK/dV kernel; the key-major one was timed at the
-# chosen settings); no autotune, so that a run's numerics (the backward's summation order) never depend on a
-# timing. One-pass (deterministic=False), timed on the H200 (backward alone, seq 4096 and 16384): at d128 64
-# queries x 128 keys, 8 warps, 2 stages, 10-13% faster than the 64 x 64, 4-warp, unpipelined program of the
-# query-major form (both at 255 registers with spills: a program holds dK, dV and a dQ tile; 128-key tiles
-# halve the atomics' traffic into dQ); at d64 64 x 64, 4 warps, 3 stages, where the key-major kernel is 3-5%
-# slower than the query-major one (2.37 against 2.31 ms at seq 4096): one dK/dV kernel for both backwards is
-# worth more than 5% on the backward that is not the default. Under the CPU interpreter (which pipelines
-# nothing) forward programs own 64 rows; the backward keeps the GPU's tiles, so that the bitwise tests
-# against nanolp/emulate.py check the GPU's summation order.
-FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
-BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
-ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
-SHORT_SEQ = 512
-# Every launch compiles without floating-point contraction (Triton's enable_fp_fusion=False, ptxas --fmad=false):
-# each multiply and each add rounds on its own, where the ROUND comments and nanolp/emulate.py say, and the only
-# fused multiply-add is the one the code asks for (tl.fma in _exp2). Left to itself ptxas fused the exponent in
-# some tiles and not in others (the forward's tiles left of the diagonal only: there nothing stood between the
-# scale and the subtraction), one form here and another there, which the CPU interpreter, never fusing, could
-# not see. Costs the forward's loop 1 to 4 instructions per thread per key tile, l's update
-# (results/speed/sass.md).
-UNFUSED = dict(enable_fp_fusion=False)
-# The one-pass backward's dQ: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory
-# (FlashAttention-3's way; results/speed/backward_tma_dq.md); None, TMA where the GPU has it (sm_90 and
-# later). On the H200 TMA took the one-pass backward from 8.88 to 7.64 ms at head_dim 64, seq 16k, and from
-# 7.78 to 7.31 at 128 (results/speed/backward_variants.md). The same shares summed in fp32 either way, so the
-# same bits wherever they land in the same order (the interpreter's: nanolp/interp_patch.py runs the TMA
-# reduction as atomics).
-DQ_TMA = None
-if INTERPRET:
-    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
-
-
-def check_inputs(q, k, v, numerics):
-    """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[-1] not in (16, 32, 64, 128):
-        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
-    if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
-        raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
-    if numerics.stochastic_o != "off" and q.dtype != torch.bfloat16:
-        raise TypeError(f"stochastic_o rounds to bfloat16; q, k, v are {q.dtype}")
+def stochastic_round(x, generator=None):
+    """Round fp32 x to bfloat16 stochastically: up or down with probabilities that make the rounding
+    unbiased (E[result] = x), by adding 16 random bits below bf16's mantissa and truncating. Twice the error
+    variance of round-to-nearest on average; used by the stochastic_o experiment only."""
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: |x| rounded up or down, to bf16
+    rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
+    return torch.empty_like(x, dtype=torch.bfloat16).copy_(rounded)    # in x's layout
 
 
 def round_mantissa(x, bits):
@@ -723,228 +968,34 @@ def widening(bits):
     return 2.0 ** (7 - bits) if bits else 1.0
 
 
-def qk_scale(head_dim, precision):
-    return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
+# ---------------------------------------------------------------------------------------------------------
+# Other launch settings, for the experiments that time and compile them (experiments/forward_split.py,
+# backward_variants.py, sass.py, tuning.py); kernels.py's tables stay as they are.
+
+_TUNED = {}   # the settings of the innermost `with tuned(...)` block
 
 
-def empty_in_layout_of(t, dtype=None):
-    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is: (batch, seq, heads, head_dim)
-    in memory when t's heads sit inside its sequence (q, k, v viewed from a (batch, seq, 3 * channels)
-    projection, as in model.py), else (batch, heads, seq, head_dim). O, and dQ, dK, dV in the backward, get
-    this layout, so the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA. dtype:
-    t's by default."""
-    B, H, N, D = t.shape
-    dtype = dtype or t.dtype
-    if t.stride(1) < t.stride(2):
-        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
-    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+@contextmanager
+def tuned(fwd=None, bwd=None, one_pass=None, block_n=None, maxnreg=None, dq_tma=None):
+    """The launches inside the block take these settings (None: as without). fwd, bwd, one_pass: {head_dim:
+    setting} in place of FWD_TUNING's, BWD_TUNING's, ONE_PASS_TUNING's at those head_dims; block_n: the
+    forward's key tile (anything but TILE_N changes the numerics: the shift looks for ties within one tile, and
+    nanolp/emulate.py follows TILE_N); maxnreg: Triton's cap on the forward's registers per thread (a compile
+    option); dq_tma: in place of DQ_TMA."""
+    saved = dict(_TUNED)
+    given = dict(fwd=fwd, bwd=bwd, one_pass=one_pass, block_n=block_n, maxnreg=maxnreg, dq_tma=dq_tma)
+    for name, value in given.items():
+        if value is not None:
+            _TUNED[name] = {**_TUNED.get(name, {}), **value} if isinstance(value, dict) else value
+    try:
+        yield
+    finally:
+        _TUNED.clear()
+        _TUNED.update(saved)
 
 
-def stochastic_round(x, generator=None):
-    """Round fp32 x to bfloat16 stochastically: up or down with probabilities that make the rounding
-    unbiased (E[result] = x), by adding 16 random bits below bf16's mantissa and truncating. Twice the error
-    variance of round-to-nearest on average; used by the stochastic_o experiment only."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: |x| rounded up or down, to bf16
-    rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
-    return torch.empty_like(x, dtype=torch.bfloat16).copy_(rounded)    # in x's layout
-
-
-# The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
-# from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
-# and stochastic: O stochastically rounded in the forward), then deterministic, which only the backward reads
-# (the forward op takes it so that its autograd context can hand it on), and fma: the exponent's form
-# (Numerics.exponent "fma"; both passes use it).
-
-@torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
-def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
-               precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True,
-               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
-    delta "P" is for the backward only (_setup_context)."""
-    B, H, N, D = q.shape
-    fp32_o = stochastic or delta in ("fp32 O", "stochastic O")   # the kernel skips its final cast, done below
-    o = empty_in_layout_of(q, torch.float32 if fp32_o else None)
-    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    block_m, warps, stages = FWD_TUNING[D]
-    _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
-        PAPER=precision == "paper", SHIFT=fix_constants(precision, p_bits) if shift else None,
-        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
-    if not fp32_o:
-        return o, lse, o.new_empty(0)
-    o, o_delta = output_and_delta_o(o, q.dtype, stochastic, delta)
-    return o, lse, o.new_empty(0) if o_delta is None else o_delta
-
-
-@_flash_fwd.register_fake
-def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, deterministic=True, fma=True):
-    o = empty_in_layout_of(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if delta in ("fp32 O", "stochastic O"):
-        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32 O" else None)
-    return o, lse, o.new_empty(0)
-
-
-def _bwd_launch(q, k, v, o, causal, precision, deterministic=True, fma=True):
-    """What every backward kernel is launched with: the grids of programs per query tile (delta, dQ, dQ's
-    cast) and per key tile (dK/dV), the strides (O's for dO, dQ, dK, dV too) and qk_scale, the
-    meta-parameters (the one-pass backward's with deterministic=False)."""
-    B, H, N, D = q.shape
-    block_m, block_n, warps, stages = (BWD_TUNING if deterministic else ONE_PASS_TUNING)[D]
-    if N <= SHORT_SEQ:
-        stages = 1
-    grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
-               qk_scale(D, precision))
-    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PAPER=precision == "paper", FMA=fma,
-                num_warps=warps, num_stages=stages, **UNFUSED)
-    return grids, strides, meta
-
-
-def dq_by_tma(device):
-    """Whether the one-pass backward adds dQ by TMA reductions on this device: DQ_TMA, or where that is None
-    whether the GPU has TMA (compute capability 9.0 and later)."""
-    if DQ_TMA is not None:
-        return DQ_TMA
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def dq_sum_target(dq_sum, block_m, tma):
-    """What the one-pass dK/dV kernel adds dQ's shares into: the fp32 buffer itself (atomics), or with
-    tma a host-side TMA descriptor of it in query tiles of block_m rows (the GPU's launcher encodes it;
-    it needs a 16-byte aligned buffer whose strides but the last are multiples of 16 bytes: O's, in fp32)."""
-    if not tma:
-        return dq_sum
-    return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
-
-
-def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma=True):
-    """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
-    not read O. Launched with the two-pass backward's tiles either way, so that both backwards read the same
-    delta. do must be in O's layout."""
-    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma=fma)
-    delta = torch.empty_like(lse)
-    if from_p:
-        # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
-        _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
-    else:
-        _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
-                                     BLOCK_M=meta["BLOCK_M"], **UNFUSED)
-    return delta
-
-
-@torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
-def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True,
-               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """deterministic: dK/dV and dQ in two passes (7 matrix products per tile pair); else in one, dQ summed
-    with atomics or TMA reductions (DQ_TMA; 5 products; dQ's last bits depend on the order the GPU runs the programs in)."""
-    if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
-        do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
-    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic, fma)
-    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma))
-    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
-    sm_scale = q.shape[-1] ** -0.5
-    if deterministic:
-        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq, *strides, sm_scale, ONE_PASS=False, **meta)  # dq unused
-        _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
-    else:
-        dq_sum = torch.zeros_like(o, dtype=torch.float32)                  # the atomics' buffer, O's strides
-        tma = dq_by_tma(o.device)
-        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum_target(dq_sum, meta["BLOCK_M"], tma), *strides, sm_scale,
-                                  ONE_PASS=True, DQ_TMA=tma, **meta)
-        _bwd_dq_cast_kernel[per_query](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
-                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"], **UNFUSED)
-    return dq, dk, dv
-
-
-@_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, precision, from_p, deterministic=True, fma=True):
-    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, _, delta, precision, _, _, _, *rest = inputs
-    o, lse, o_delta = output
-    ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
-    ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "P"
-    ctx.deterministic, ctx.fma = (*rest, True, True)[:2]   # (their defaults where the call left them out)
-
-
-def _backward(ctx, do, _dlse, _do_delta):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.deterministic,
-                            ctx.fma)
-    return dq, dk, dv, *[None] * 9
-
-
-_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def check_device(q):
-    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once
-    nanolp/interp_patch.py has patched it (and marked the interpreter module so): the stock interpreter
-    truncates bf16 casts and multiplies the bit patterns of bf16 operands in tl.dot, so it would return wrong
-    numbers, finite and silent."""
-    if INTERPRET:
-        from triton.runtime import interpreter
-        if getattr(interpreter, "nanolp_bf16_patch", False):
-            return
-        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
-    elif q.device.type == "cuda":
-        return
-    else:
-        problem = f"the kernel needs CUDA tensors, got {q.device}"
-    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
-                     "PyTorch (the same numbers)")
-
-
-def flash_attention(q, k, v, causal=True, fix=False, numerics=Numerics(), deterministic=True):
-    """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
-
-    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any
-        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of
-        the same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
-    fix: False, True or "paper" (wire_fix).
-        True, the complete fix: the paper's row-max shift (_shifted_max: no P is exactly 1 in a row with tied
-            maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final cast to
-            q's dtype. The returned O is unchanged (the same bits as with the fix off, up to the shift's
-            rounding); the backward keeps one fp32 O. Exact in real arithmetic.
-        "paper": the paper's rule alone (the shift), an ablation: it removes the tie bias but not the error of
-            O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
-    numerics: the experiments (Numerics), for studying the failure, not for training models; the default is
-        plain FlashAttention-2.
-    deterministic: True (the default, for now), the backward in two passes, dK/dV then dQ, with no atomics:
-        the same bits on every run (7 matrix products per query tile and key tile). False, the one-pass
-        backward: dQ is summed over the key tiles with fp32 atomics inside the dK/dV pass (5 products, as
-        FlashAttention-3 and cuDNN do), so its last bits depend on the order the GPU runs the programs in;
-        the same numbers otherwise (under the CPU interpreter the same bits, but for dQ at head_dim 128,
-        where the one-pass backward sums it over tiles of 128 keys, not 64). The default stays True until
-        the two are timed side by side on the GPU.
-    """
-    check_inputs(q, k, v, numerics)
-    check_device(q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
-                             "call .contiguous()")
-    shift, delta = wire_fix(fix, numerics)
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
-    v = amplified_v(v, numerics.o_bits)
-    return _flash_fwd(q, k, v, causal, shift, delta, numerics.precision, numerics.p_bits, numerics.o_bits,
-                      numerics.stochastic_o == "forward", deterministic, numerics.fma)[0]
-
-
-def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):
-    """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix=True. For
-    diagnostics and tests."""
-    check_inputs(q, k, v, numerics)
-    check_device(q)
-    shift, _ = wire_fix(fix, numerics)
-    with torch.no_grad():
-        v = amplified_v(v, numerics.o_bits)
-        return _flash_fwd(q, k, v, causal, shift, "fp32 O", numerics.precision, numerics.p_bits,
-                          numerics.o_bits, False, True, numerics.fma)[2]
+def launch_setting(name, head_dim):
+    """The setting a launch takes at head_dim: tuned's inside its block, else FWD_TUNING's ("fwd"),
+    BWD_TUNING's ("bwd") or ONE_PASS_TUNING's ("one_pass")."""
+    table = {"fwd": FWD_TUNING, "bwd": BWD_TUNING, "one_pass": ONE_PASS_TUNING}[name]
+    return _TUNED.get(name, {}).get(head_dim, table[head_dim])

@@ -17,7 +17,6 @@ results/speed/backward_onepass.md has this table from before the dK/dV kernel wa
 its earlier, query-major form.
 """
 import sys
-from contextlib import contextmanager
 
 import torch
 import triton
@@ -51,18 +50,11 @@ def variants():
             yield "one-pass, TMA dQ", D, True, tuning, True
 
 
-@contextmanager
 def setting(D, one_pass, tuning, tma):
     """kernels.py's backward at head_dim D launched inside the block with a row's tiles, warps and stages (in
     BWD_TUNING or ONE_PASS_TUNING) and its dQ (DQ_TMA), so that the host builds the launch, the TMA
     descriptor's query tile included, as it would with these settings in place."""
-    table = kernels.ONE_PASS_TUNING if one_pass else kernels.BWD_TUNING
-    saved = table[D], kernels.DQ_TMA
-    table[D], kernels.DQ_TMA = tuning, tma
-    try:
-        yield
-    finally:
-        table[D], kernels.DQ_TMA = saved
+    return kernels.tuned(**{"one_pass" if one_pass else "bwd": {D: tuning}}, dq_tma=tma)
 
 
 def launch(D, one_pass, tuning, tma):
@@ -91,7 +83,7 @@ def time_variants(seqs=(4096, 16384)):
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v, do = (torch.randn(16384 // N, 2048 // D, N, D, device="cuda", dtype=torch.bfloat16,
                                        generator=g) for _ in range(4))
-            o, lse, _ = kernels._flash_fwd(q, k, v, True, False, "O", "fa2", 0, 0, False)
+            o, lse, _ = kernels.forward(q, k, v)
             with setting(D, one_pass, tuning, tma):
                 delta, (kernel, args, meta), last = sass.record(
                     lambda: kernels._flash_bwd(do, q, k, v, o, lse, True, "fa2", False, not one_pass))

@@ -14,7 +14,6 @@ looks for ties within one tile, and nanolp/emulate.py follows TILE_N). --seq set
 default). experiments/sass.py --fwd compiles the same settings for sm_90 on a CPU (results/speed/forward_d128_candidates.md).
 """
 import argparse
-from contextlib import contextmanager
 from typing import NamedTuple, Optional
 
 import torch
@@ -54,30 +53,11 @@ class FwdConfig(NamedTuple):
                         + ([f"block_n={self.block_n}"] if self.block_n != kernels.TILE_N else []))
 
 
-class WithOptions:
-    """Stands in for a kernel: `kernel[grid](*args, **meta)` launches it with more compile options (maxnreg,
-    which kernels.py's launch does not pass)."""
-
-    def __init__(self, kernel, **options):
-        self.kernel, self.options = kernel, options
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-        return lambda *args, **meta: launch(*args, **meta, **self.options)
-
-
-@contextmanager
 def forward_config(head_dim, config):
-    """kernels.py's forward at head_dim launched with config inside the block, as FWD_TUNING is otherwise."""
-    saved = kernels.FWD_TUNING[head_dim], kernels.TILE_N, kernels._fwd_kernel
-    kernels.FWD_TUNING[head_dim] = config.block_m, config.warps, config.stages
-    kernels.TILE_N = config.block_n
-    if config.maxnreg:
-        kernels._fwd_kernel = WithOptions(kernels._fwd_kernel, maxnreg=config.maxnreg)
-    try:
-        yield
-    finally:
-        kernels.FWD_TUNING[head_dim], kernels.TILE_N, kernels._fwd_kernel = saved
+    """kernels.py's forward at head_dim launched with config inside the block, as FWD_TUNING is otherwise
+    (kernels.tuned)."""
+    return kernels.tuned(fwd={head_dim: (config.block_m, config.warps, config.stages)}, block_n=config.block_n,
+                         maxnreg=config.maxnreg)
 
 
 def inputs(D, N=4096, channels=2048):
@@ -110,9 +90,7 @@ def compare(D, candidates, N=4096):
         cells, reference = [name], None
         for config in configs:
             with forward_config(D, config):
-                out = kernels._flash_fwd(q, k, v, True, *kernels.wire_fix(options.get("fix", False),
-                                                                         options.get("numerics", Numerics())),
-                                         "fa2", 0, 0, False)
+                out = kernels.forward(q, k, v, **options)
                 ms = do_bench(lambda: flash_attention(q, k, v, **options), return_mode="median")
             if reference is None:
                 reference = out

@@ -38,18 +38,16 @@ def grid(out):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        fwd_default, bwd_default = kernels.FWD_TUNING[D], kernels.BWD_TUNING[D]
         for cfg in FWD_GRID:
-            kernels.FWD_TUNING[D] = cfg
-            ms = do_bench(lambda: kernels.flash_attention(q, k, v), return_mode="median")
+            with kernels.tuned(fwd={D: cfg}):
+                ms = do_bench(lambda: kernels.flash_attention(q, k, v), return_mode="median")
             rows.append(dict(B=B, H=H, N=N, D=D, part="fwd", cfg="/".join(map(str, cfg)), ms=ms))
-        kernels.FWD_TUNING[D] = fwd_default
         o = kernels.flash_attention(q, k, v)
         for cfg in BWD_GRID:
-            kernels.BWD_TUNING[D] = cfg
-            ms = do_bench(lambda: o.backward(do, retain_graph=True), return_mode="median", grad_to_none=[q, k, v])
+            with kernels.tuned(bwd={D: cfg}):
+                ms = do_bench(lambda: o.backward(do, retain_graph=True), return_mode="median",
+                              grad_to_none=[q, k, v])
             rows.append(dict(B=B, H=H, N=N, D=D, part="bwd", cfg="/".join(map(str, cfg)), ms=ms))
-        kernels.BWD_TUNING[D] = bwd_default
         for part in ("fwd", "bwd"):
             mine = [r for r in rows if (r["N"], r["D"], r["H"], r["part"]) == (N, D, H, part)]
             print(f"{B}x{H}x{N}x{D} {part}: " + "  ".join(f"{r['cfg']} {r['ms']:.3f}" for r in mine), flush=True)
@@ -118,14 +116,13 @@ def main():
     arms = [("kernel", None), ("sdpa-flash", None), ("sdpa-cudnn", None)]
     if best:
         arms.insert(1, ("kernel", best))
-    table = kernels.FWD_TUNING[64], kernels.BWD_TUNING[64]
     for mode in args.modes:
         for attn, tuning in arms:
-            kernels.FWD_TUNING[64], kernels.BWD_TUNING[64] = (tuning["fwd"], tuning["bwd"]) if tuning else table
+            fwd, bwd = (tuning["fwd"], tuning["bwd"]) if tuning else (kernels.FWD_TUNING[64], kernels.BWD_TUNING[64])
             name = attn + ("-tuned" if tuning else "") + ("" if mode == "default" else "-" + mode)
-            ms, tps = train_speed(attn, mode, profile_to=(out / "profiles.txt", name))
-            rows.append(dict(attn=name, mode=mode, fwd=kernels.FWD_TUNING[64], bwd=kernels.BWD_TUNING[64],
-                             step_ms=ms, tokens_per_s=tps))
+            with kernels.tuned(fwd={64: fwd}, bwd={64: bwd}):
+                ms, tps = train_speed(attn, mode, profile_to=(out / "profiles.txt", name))
+            rows.append(dict(attn=name, mode=mode, fwd=fwd, bwd=bwd, step_ms=ms, tokens_per_s=tps))
             print(f"{name:<14} step {ms:.2f} ms  {tps / 1e6:.3f}M tokens/s", flush=True)
     for r in rows:  # against SDPA flash compiled in the same mode
         base = next(b for b in rows if b["mode"] == r["mode"] and b["attn"].startswith("sdpa-flash"))["step_ms"]

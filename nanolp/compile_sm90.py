@@ -64,7 +64,9 @@ def record_launches():
                        in itertools.product((True, False), (False, True), ("fa2", "paper"), amplifiers, (True, False))
                        if (causal or bits == (0, 0)) and (fma or (precision == "fa2" and bits == (0, 0)))]
         for causal, shift, precision, bits, fma in forward:
-            kernels._flash_fwd(q, k, v, causal, shift, "O", precision, *bits, False, True, fma)
+            p_bits, o_bits = bits
+            kernels._flash_fwd(q, k, v, causal=causal, shift=shift, delta="O", precision=precision, p_bits=p_bits,
+                               o_bits=o_bits, stochastic=False, fma=fma)
         # unpipelined, pipelined; two-pass (deterministic), one-pass with dQ by atomics and by TMA (DQ_TMA)
         backward = [(N, "fa2", False, deterministic, tma, True) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
                     for deterministic, tma in ((True, False), (False, False), (False, True))]
@@ -73,12 +75,11 @@ def record_launches():
                          for precision, from_p, deterministic, fma in itertools.product(
                              ("fa2", "paper"), (False, True), (True, False), (True, False))
                          if fma or precision == "fa2"]
-        saved = kernels.DQ_TMA
         for N, precision, from_p, deterministic, tma, fma in backward:
-            kernels.DQ_TMA = tma
             q = k = v = o = torch.zeros(1, 2, N, D, dtype=torch.bfloat16)
-            kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p, deterministic, fma)
-        kernels.DQ_TMA = saved
+            with kernels.tuned(dq_tma=tma):
+                kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), causal=True, precision=precision,
+                                   from_p=from_p, deterministic=deterministic, fma=fma)
     return launches
 
 

@@ -78,8 +78,8 @@ def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys
     q, k, v, do = inputs(n_tied, seed, tie_gap, n_keys, copies)
     numerics = Numerics(precision=precision, mantissa_bits=mantissa_bits, amplify=amplify)
     v = kernels.amplified_v(v, numerics.o_bits)            # "vo": the float64 reference gets the rounded V too
-    o, _ = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, fix, "O", precision,
-                              numerics.p_bits, numerics.o_bits, False)[:2]
+    o = kernels.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=False, fix=fix, numerics=numerics,
+                        delta="O").o
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
         want = emulate.forward(q, k, v, False, fix, numerics)[0]
@@ -171,7 +171,8 @@ def test_amplifier_near_ties_fix_widens_with_the_bits():
     constants it changed nothing (-7.9e-3)."""
     shift = kernels.fix_constants("paper", 3)
     assert (shift.tol, shift.lo) == (2.0 ** -5, 2.0 ** -2)
-    (m_off, se_off), (m_on, _) = (measure("fa2", 2, fix, mantissa_bits=3, tie_gap=2.0 ** -5)[0] for fix in (0, 1))
+    (m_off, se_off), (m_on, _) = (measure("fa2", 2, fix, mantissa_bits=3, tie_gap=2.0 ** -5)[0]
+                                  for fix in (False, True))
     assert m_off < -T_MIN * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed (negative)"
     assert abs(m_on) * FACTOR < abs(m_off), f"fix on: mean {m_on:.2e} not {FACTOR}x below fix off {m_off:.2e}"
 
@@ -227,9 +228,8 @@ def delta_error_with_fix(rows, fix, seed=0):
     """(mean, s.e.) of the error of the delta the backward reads, fa2, against float64: from the bf16 O (fix off,
     the paper's rule) or from the fp32 O (fix=True), the forward run by the kernel."""
     q, k, v, do = sharp_inputs(seed) if rows == "sharp" else inputs(2, seed, 0.0)
-    out = kernels._flash_fwd(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), False, *kernels.wire_fix(fix, Numerics()),
-                             "fa2", 0, 0, False)
-    read = (out[2] if fix is True else out[0]).cpu().double()
+    out = kernels.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=False, fix=fix)
+    read = (out.o_delta if fix is True else out.o).cpu().double()
     return mean_error((do.double() * read).sum(-1) - (do.double() * reference(q, k, v)).sum(-1))
 
 
