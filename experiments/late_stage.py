@@ -90,6 +90,9 @@ def run(args):
 
 def collect(out, results):
     """The arms' folders under results/runs/ (config.json, summary.json, log thinned), and results/runs.csv."""
+    missing = [str(Path(out) / arm) for arm in ARMS if not (Path(out) / arm / "summary.json").exists()]
+    if missing:
+        sys.exit(f"late_stage: no finished arm at {', '.join(missing)} (each arm's summary.json): nothing collected")
     rows = []
     for arm in ARMS:
         src, dst = Path(out) / arm, Path(results) / "runs" / arm

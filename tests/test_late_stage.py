@@ -2,6 +2,8 @@
 base's settings repeats the base's losses bit for bit), and an arm with another setting runs with it."""
 import csv
 
+import pytest
+
 import train
 from experiments import late_stage
 from nanolp.runs import read_json
@@ -30,3 +32,10 @@ def test_fork_continues_the_checkpoint_with_the_arms_setting(tmp_path, text):  #
         assert read_json(tmp_path / arm / "config.json")["forked_from"] == "base@10"
     assert losses(tmp_path / "same") == losses(base)                   # the fork repeats the base bit for bit
     assert losses(tmp_path / "torch")[10] == losses(base)[10] and losses(tmp_path / "torch") != losses(base)
+
+
+def test_collect_names_a_missing_arm(tmp_path):
+    with pytest.raises(SystemExit) as exited:
+        late_stage.main(["--collect", str(tmp_path), "--results", str(tmp_path / "results")])
+    assert str(exited.value).startswith(f"late_stage: no finished arm at {tmp_path / 'fma'}")
+    assert not (tmp_path / "results").exists()
