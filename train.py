@@ -3,7 +3,7 @@ Train a small character-level GPT in bf16 and watch for the low-precision attent
 flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that grows the attention logits until
 the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS below; summary.json says when).
 
-    python train.py --fix off      # plain bf16: collapses (seeds 2, 3: steps 55,000-68,860, 6-8 min alone on an H200)
+    python train.py --fix off      # plain bf16: collapses (seeds 0-3: steps 55,000-120,960, 6-14 min alone on an H200)
     python train.py --fix on       # the complete fix: trains through (seeds 0-3: 150,000-152,000 steps)
     python train.py --fix paper    # the paper's rule alone (the row-max shift): collapsed on seeds 0 and 1
     python train.py --preset tiny --fix on      # a CPU smoke run, through the kernel's emulation
