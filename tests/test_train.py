@@ -215,6 +215,20 @@ def test_resume_may_change_the_length_and_intervals(run):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
 
 
+def test_resume_continues_a_run_in_the_older_spellings(run, capsys):
+    """A run folder written before fix and delta were spelled as today (fix a bool; delta_from_p, delta_fp32 and
+    stochastic_o where delta is now) resumes under today's flags, refuses a flag that differs from what it ran,
+    and goes on in today's spellings."""
+    run_dir = run("old", "--attn", "emulate", "--delta", "fp32-o", "--steps", "20")
+    config = json.loads((run_dir / "config.json").read_text())
+    old = {k: v for k, v in config.items() if k != "delta"} | dict(fix=False, delta_from_p=False, delta_fp32=True)
+    (run_dir / "config.json").write_text(json.dumps(old))
+    assert "--delta: the run has 'fp32-o', this command 'p'" in refusal(
+        capsys, lambda: run("old", "--attn", "emulate", "--delta", "p", "--steps", "40", "--resume"))
+    run("old", "--attn", "emulate", "--delta", "fp32-o", "--steps", "40", "--resume")
+    assert json.loads((run_dir / "config.json").read_text()) == config | dict(steps=40)
+
+
 def test_a_new_run_never_continues_another(run, capsys):
     """A new run whose folder holds a run with other settings: the error names them, and the --resume it
     mentions refuses them (it used to continue the run under the new settings)."""
