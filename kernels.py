@@ -383,7 +383,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
     if DELTA_FROM_P:
-        if AUTOCAST:                   # (rows past N, never stored, have no keys: p_sum = 0)
+        if AUTOCAST:                # (rows past N, never stored, have no keys: p_sum = 0)
             delta = delta / tl.where(rows < N, p_sum, 1.0)
         tl.store(DELTA + rows, delta, mask=rows < N)
     else:
