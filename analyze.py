@@ -69,8 +69,6 @@ def arm(run):
 
 def flag_text(key, value):
     name = "--" + key.replace("_", "-")
-    if isinstance(value, bool):  # train.py's BooleanOptionalAction
-        return name if value else name.replace("--", "--no-", 1)
     return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
 
 

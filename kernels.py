@@ -1,7 +1,7 @@
 """Flash attention in Triton, with the fix for the rounding bias that makes low-precision training fail.
 
     from kernels import flash_attention
-    o = flash_attention(q, k, v, causal=True, fix=True)   # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
+    o = flash_attention(q, k, v, causal=True, fix="on")   # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
 
 Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), and like it, O and
 the gradients are stored in q's layout (seq-major when q is a head view of a (batch, seq, channels) tensor);
@@ -23,11 +23,12 @@ downstream of the same rounded O, is correlated with that rounding: experiments/
 two parts, both under THE FIX below:
     1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
     2. the backward: delta read from the forward's fp32 O, before its final cast (output_and_delta_o).
-fix=True is both; fix="paper" the first alone, kept as an ablation. Both are exact in real arithmetic.
+fix="on" is both (the default); fix="paper" the first alone, kept as an ablation; fix="off" neither, plain
+FlashAttention-2. Each part is exact in real arithmetic.
 
 Two precision modes. "fa2" is what production kernels do: S, m, l and acc in fp32, P rounded to the input
 dtype right before P V, O rounded once at the end; it works in log2 units (exp2, scale folded into
-qk_scale = scale * log2(e)), the cheapest form on a GPU. "paper" reproduces the rounding points of the
+qk_scale = scale * log2(e)), the cheapest form on a GPU. "autocast" reproduces the rounding points of the
 paper's PyTorch implementation run under bf16 autocast: S rounded (after Q K^T and again after the scale),
 S - m, P, rowsum(P), P V, m, l and acc each rounded to the input dtype, natural units. Every rounding point
 below is marked "ROUND", and the compiler adds none (UNFUSED). The exponent S * scale - m is one fused
@@ -66,7 +67,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                PAPER: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
+                AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
                 FMA: tl.constexpr):
     # One program per (query tile, batch * head); its pointers, offset once to its batch and head.
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
@@ -99,22 +100,22 @@ def _fwd_kernel(Q, K, V, O, LSE,
         stop = N
     acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
                                     offs_m, offs_n, offs_d, N, qk_scale,
-                                    False, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
+                                    False, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
     acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
                                     offs_m, offs_n, offs_d, N, qk_scale,
-                                    True, CAUSAL, PAPER, SHIFT, P_BITS, FMA, BLOCK_N)
+                                    True, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
     # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
     # (log2 units in "fa2").
     o = _round_bits(acc / l_i[:, None], O_BITS)
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
              mask=offs_m[:, None] < N)
-    lse = m_i + (tl.log(l_i) if PAPER else tl.math.log2(l_i))
+    lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
     tl.store(LSE + offs_m, lse, mask=offs_m < N)
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, offs_m, offs_n, offs_d, N,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr,
                SHIFT: tl.constexpr, P_BITS: tl.constexpr, FMA: tl.constexpr, BLOCK_N: tl.constexpr):
     """Run the FA2 recurrence over key tiles [start, stop). MASKED tiles are the ragged last tile and, when
     causal, the tiles on the diagonal; all others need no mask, which keeps the main loop lean."""
@@ -130,8 +131,8 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
             v = tl.load(v_ptrs)
         # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max here and per
         # score inside the exponent (_exp2); rounding is monotone, so rowmax(s) * scale is rowmax(S) exactly
-        s = _scores(q, kT, qk_scale, PAPER)
-        if PAPER:
+        s = _scores(q, kT, qk_scale, AUTOCAST)
+        if AUTOCAST:
             scale = 1.0
         else:
             scale = qk_scale
@@ -145,7 +146,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
             r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
         else:
             r, t_i = _shifted_max(s, scale, t_i, SHIFT)
-        if PAPER:
+        if AUTOCAST:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
             alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
@@ -177,11 +178,11 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
 # did, or P = exp(S - lse) no longer sums to one and training blows up for reasons unrelated to the paper.
 
 @triton.jit
-def _scores(q, kT, qk_scale, PAPER: tl.constexpr):
+def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
     """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
-    "paper" scaled and rounded as the paper's PyTorch code does."""
+    "autocast" scaled and rounded as the paper's PyTorch code does under bf16 autocast."""
     s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
-    if PAPER:
+    if AUTOCAST:
         s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
         s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
     return s
@@ -227,9 +228,9 @@ def _round_bits(x, BITS: tl.constexpr):
 # one-pass backward, in its own section below, does 5).
 # The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real
 # arithmetic (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's
-# rounded O, and every rounding that went into it, never reaches the gradient. In "paper" it is divided by
+# rounded O, and every rounding that went into it, never reaches the gradient. In "autocast" it is divided by
 # rowsum(P): there lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to
-# zero, an error that grew W_Q by itself in the paper mode's runs (docs/findings.md). In "fa2" P sums to 1 to
+# zero, an error that grew W_Q by itself in the autocast mode's runs (docs/findings.md). In "fa2" P sums to 1 to
 # fp32 rounding; dividing there would only add a rounding of rowsum(P) near 1. With delta from the fp32 O the
 # O read here is the forward's O before its final cast: P's rounding reaches the gradient, the cast's does
 # not.
@@ -254,7 +255,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, ONE_PASS: tl.constexpr,
+                     CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr, ONE_PASS: tl.constexpr,
                      DQ_TMA: tl.constexpr = False):
     # One program per (key tile, batch * head), looping over the query tiles; its pointers, offset once. With
     # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
@@ -297,7 +298,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
         delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
         # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
-        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, PAPER, FMA)
+        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, AUTOCAST, FMA)
         # dV += P^T dO
         dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
         # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
@@ -323,17 +324,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
 
 
 @triton.jit
-def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, PAPER: tl.constexpr,
+def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr,
                FMA: tl.constexpr):
     """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
     orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
     and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
-    s = _scores(a, bT, qk_scale, PAPER)
+    s = _scores(a, bT, qk_scale, AUTOCAST)
     valid = (queries < N) & (keys < N)
     if CAUSAL:
         valid = valid & (queries >= keys)
     s = tl.where(valid, s, float("-inf"))
-    if PAPER:
+    if AUTOCAST:
         return tl.exp(s - lse)
     return _exp2(s, qk_scale, lse, FMA)
 
@@ -343,10 +344,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, PAPER: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
+                   CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
     # One program per (query tile, batch * head), looping over the keys; its pointers, offset once. With
     # DELTA_FROM_P the same pass is the paper's control instead: it accumulates delta = rowsum(dP * P) (over
-    # rowsum(P) in "paper") and stores it (O is never read); run before dK/dV and dQ.
+    # rowsum(P) in "autocast") and stores it (O is never read); run before dK/dV and dQ.
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
@@ -373,7 +374,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         cols = start_n + tl.arange(0, BLOCK_N)
         kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
         vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
-        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, PAPER, FMA)
+        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, AUTOCAST, FMA)
         dp = tl.dot(do, vT)
         if DELTA_FROM_P:
             delta += tl.sum(p * dp, 1)
@@ -382,7 +383,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
     if DELTA_FROM_P:
-        if PAPER:                   # (rows past N, never stored, have no keys: p_sum = 0)
+        if AUTOCAST:                # (rows past N, never stored, have no keys: p_sum = 0)
             delta = delta / tl.where(rows < N, p_sum, 1.0)
         tl.store(DELTA + rows, delta, mask=rows < N)
     else:
@@ -474,21 +475,24 @@ if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
 
 
-def flash_attention(q, k, v, causal=True, fix=False, numerics=None, deterministic=True):
+def flash_attention(q, k, v, causal=True, fix="on", numerics=None, deterministic=True):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any
         strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of
         the same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
-    fix: False, True or "paper" (wire_fix).
-        True, the complete fix: the paper's row-max shift (_shifted_max: no P is exactly 1 in a row with tied
-            maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final cast to
-            q's dtype. The returned O is unchanged (the same bits as with the fix off, up to the shift's
-            rounding); the backward keeps one fp32 O. Exact in real arithmetic.
+    fix: "on", "off" or "paper" (FIXES).
+        "on" (the default), the complete fix: the paper's row-max shift (_shifted_max: no P is exactly 1 in a
+            row with tied maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final
+            cast to q's dtype. The returned O is unchanged (the same bits as with the fix off, up to the
+            shift's rounding). Exact in real arithmetic. It costs forward time (the shift, and an fp32 O
+            written) and that fp32 O's memory until the backward: the default, so that the kernel as a drop-in
+            trains through where plain FlashAttention-2 collapses.
+        "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
         "paper": the paper's rule alone (the shift), an ablation: it removes the tie bias but not the error of
             O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
     numerics: the experiments (Numerics), for studying the failure, not for training models; the default (None,
-        Numerics()) is plain FlashAttention-2.
+        Numerics()) rounds as FlashAttention-2 does.
     deterministic: True (the default, for now), the backward in two passes, dK/dV then dQ, with no atomics:
         the same bits on every run (7 matrix products per query tile and key tile). False, the one-pass
         backward: dQ is summed over the key tiles with fp32 atomics inside the dK/dV pass (5 products, as
@@ -506,15 +510,15 @@ def flash_attention(q, k, v, causal=True, fix=False, numerics=None, deterministi
 Forward = namedtuple("Forward", "o lse o_delta")
 
 
-def forward(q, k, v, *, causal=True, fix=False, numerics=None, delta=None, deterministic=True):
+def forward(q, k, v, *, causal=True, fix="on", numerics=None, delta=None, deterministic=True):
     """The forward as flash_attention runs it, for tests and experiments: Forward(o, lse, o_delta), o the O
     returned (q's dtype), lse each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O the backward's
-    delta reads where that is not o itself (the fp32 O with fix=True; else an empty tensor). Differentiable
+    delta reads where that is not o itself (the fp32 O with fix "on"; else an empty tensor). Differentiable
     through o, as flash_attention.
 
-    causal, fix, numerics, deterministic: flash_attention's. delta: what the backward's delta reads ("O",
-    "fp32 O", "P" or "stochastic O"), in place of what fix and numerics make of it (wire_fix); the shift stays
-    fix's. Unlike flash_attention, v is read as given: the "vo" amplifier's rounding of V (amplified_v) is the
+    causal, fix, numerics, deterministic: flash_attention's. delta: what the backward's delta reads (one of
+    Numerics.delta's values), in place of what fix and numerics make of it (wire_fix); the shift stays fix's.
+    Unlike flash_attention, v is read as given: the "vo" amplifier's rounding of V (amplified_v) is the
     caller's, as in nanolp.emulate.forward."""
     numerics = Numerics() if numerics is None else numerics
     check_inputs(q, k, v, numerics)
@@ -531,8 +535,8 @@ def forward(q, k, v, *, causal=True, fix=False, numerics=None, delta=None, deter
                                deterministic, numerics.fma))
 
 
-def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=None):
-    """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix=True. For
+def flash_forward_fp32(q, k, v, causal=True, fix="on", numerics=None):
+    """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix "on". For
     diagnostics and tests."""
     numerics = Numerics() if numerics is None else numerics
     check_inputs(q, k, v, numerics)
@@ -540,7 +544,7 @@ def flash_forward_fp32(q, k, v, causal=True, fix=False, numerics=None):
     shift, _ = wire_fix(fix, numerics)
     with torch.no_grad():
         v = amplified_v(v, numerics.o_bits)
-        return _flash_fwd(q, k, v, causal, shift, "fp32 O", numerics.precision, numerics.p_bits,
+        return _flash_fwd(q, k, v, causal, shift, "fp32-o", numerics.precision, numerics.p_bits,
                           numerics.o_bits, False, True, numerics.fma)[2]
 
 
@@ -554,16 +558,16 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
                precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True,
                fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
-    delta "P" is for the backward only (_setup_context)."""
+    delta "p" is for the backward only (_setup_context)."""
     B, H, N, D = q.shape
-    fp32_o = stochastic or delta in ("fp32 O", "stochastic O")   # the kernel skips its final cast, done below
+    fp32_o = stochastic or delta in ("fp32-o", "stochastic-o")   # the kernel skips its final cast, done below
     o = empty_in_layout_of(q, torch.float32 if fp32_o else None)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = launch_setting("fwd", D)
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=_TUNED.get("block_n", TILE_N),
-        CAUSAL=causal, PAPER=precision == "paper", SHIFT=fix_constants(precision, p_bits) if shift else None,
+        CAUSAL=causal, AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if shift else None,
         P_BITS=p_bits, O_BITS=o_bits, FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED,
         **{name: _TUNED[name] for name in ("maxnreg",) if name in _TUNED})
     if not fp32_o:
@@ -576,8 +580,8 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, deterministic=True, fma=True):
     o = empty_in_layout_of(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if delta in ("fp32 O", "stochastic O"):
-        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32 O" else None)
+    if delta in ("fp32-o", "stochastic-o"):
+        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32-o" else None)
     return o, lse, o.new_empty(0)
 
 
@@ -592,8 +596,8 @@ def _bwd_launch(q, k, v, o, causal, precision, deterministic=True, fma=True):
     grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
                qk_scale(D, precision))
-    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PAPER=precision == "paper", FMA=fma,
-                num_warps=warps, num_stages=stages, **UNFUSED)
+    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, AUTOCAST=precision == "autocast",
+                FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
     return grids, strides, meta
 
 
@@ -647,7 +651,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, _, delta, precision, _, _, _, *rest = inputs
     o, lse, o_delta = output
     ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
-    ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "P"
+    ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "p"
     ctx.deterministic, ctx.fma = (*rest, True, True)[:2]   # (their defaults where the call left them out)
 
 
@@ -699,8 +703,8 @@ def check_inputs(q, k, v, numerics):
         raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
     if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
         raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
-    if numerics.stochastic_o != "off" and q.dtype != torch.bfloat16:
-        raise TypeError(f"stochastic_o rounds to bfloat16; q, k, v are {q.dtype}")
+    if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
+        raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
 
 
 def qk_scale(head_dim, precision):
@@ -725,20 +729,24 @@ def empty_in_layout_of(t, dtype=None):
 # (output_and_delta_o). The paper's: a tied row's max shifted up in the forward (_shifted_max, one small function
 # called once per key tile). First how fix wires them.
 
+FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
+
+
 def wire_fix(fix, numerics):
-    """fix's three values as the forward's shift (_shifted_max) and what the backward's delta reads:
+    """fix as the forward's shift (_shifted_max) and what the backward's delta reads; the one check of fix and
+    of how it goes with the numerics (Numerics checks its own fields):
 
         fix        the shift    delta reads
-        False      off          numerics.delta ("O" unless an experiment says otherwise)
+        "off"      off          numerics.delta ("o" unless an experiment says otherwise)
         "paper"    on           numerics.delta
-        True       on           "fp32 O": O before its final cast (output_and_delta_o)
+        "on"       on           "fp32-o": O before its final cast (output_and_delta_o)
     """
-    if not (isinstance(fix, bool) or fix == "paper"):
-        raise ValueError(f'fix must be False, True or "paper", got {fix!r}')
-    if fix is True and numerics.delta not in ("O", "fp32 O"):
-        raise ValueError(f"fix=True (delta from the fp32 O) and delta from {numerics.delta} are different "
-                         "ways of computing delta: choose one")
-    return fix is not False, "fp32 O" if fix is True else numerics.delta
+    if fix not in FIXES:
+        raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
+    if fix == "on" and numerics.delta not in ("o", "fp32-o"):
+        raise ValueError(f'fix="on" (delta from the fp32 O) and delta="{numerics.delta}" are different ways of '
+                         "computing delta: choose one")
+    return fix != "off", "fp32-o" if fix == "on" else numerics.delta
 
 
 def output_and_delta_o(o32, dtype, stochastic, delta):
@@ -746,14 +754,14 @@ def output_and_delta_o(o32, dtype, stochastic, delta):
     delta reads (None: the same). The cast is what delta's one-signed error comes from in our runs; with the
     fix the caller still gets the bf16 O, bit for bit as without it.
 
-    delta "O"             O = round(o32);       delta reads O            (the paper's channel)
-    delta "fp32 O"        O = round(o32);       delta reads o32          (the complete fix, fix=True)
-    stochastic            O = stochastic(o32);  delta reads O            (or o32 with delta "fp32 O")
-    delta "stochastic O"  O = round(o32);       delta reads an independent stochastic(o32)"""
+    delta "o"             O = round(o32);       delta reads O            (the paper's channel)
+    delta "fp32-o"        O = round(o32);       delta reads o32          (the complete fix, fix "on")
+    stochastic            O = stochastic(o32);  delta reads O            (or o32 with delta "fp32-o")
+    delta "stochastic-o"  O = round(o32);       delta reads an independent stochastic(o32)"""
     o = stochastic_round(o32) if stochastic else o32.to(dtype)                        # ROUND: O's final cast
-    if delta == "fp32 O":
+    if delta == "fp32-o":
         return o, o32
-    return o, stochastic_round(o32) if delta == "stochastic O" else None
+    return o, stochastic_round(o32) if delta == "stochastic-o" else None
 
 
 # The paper's shift, in nats. exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9, so TIE_TOL catches
@@ -866,14 +874,14 @@ class Numerics:
     """How the attention rounds, for studying the failure, not for training models; the defaults are plain
     FlashAttention-2. Each field is a flag of train.py's "experiments" group, a key of a run's config.json and
     summary.json, and a column of runs.csv, all made from this class."""
-    precision: str = option("fa2: S, m, l and acc in fp32 (production kernels); paper: the paper's roundings",
-                            "fa2", ("fa2", "paper"))
-    delta_from_p: bool = option("delta = rowsum(dP * P) from P recomputed in fp32 (the paper's control)",
-                                False)
-    delta_fp32: bool = option("delta from the forward's fp32 O, before its final cast, without the shift",
-                              False)
-    stochastic_o: str = option("O stochastically rounded in the forward, or only the O that delta reads",
-                               "off", ("off", "forward", "delta"))
+    precision: str = option("fa2: S, m, l and acc in fp32 (production kernels); autocast: the rounding points of "
+                            "the paper's PyTorch code under bf16 autocast", "fa2", ("fa2", "autocast"))
+    delta: str = option("what the backward's delta reads (fp32-o with fix on): o, the O returned (the paper's "
+                        "channel); fp32-o, the forward's fp32 O, before its final cast (the fix's cure without the "
+                        "shift); p, rowsum(dP * P) from P recomputed in fp32 (the paper's control); stochastic-o, an "
+                        "independent stochastic rounding of the fp32 O", "o", ("o", "fp32-o", "p", "stochastic-o"))
+    stochastic_o: str = option("forward: O stochastically rounded in the forward, the O that the next layer reads "
+                               "(and delta, with delta o)", "off", ("off", "forward"))
     mantissa_bits: int = option("the amplifier: P (or V and O) rounded to 1-6 mantissa bits (3: FP8); 0: off",
                                 0, range(7))
     amplify: str = option("what mantissa_bits rounds: P before P V, or V and O (amplifies the tie bias)",
@@ -892,25 +900,12 @@ class Numerics:
         if self.amplify != "p" and self.mantissa_bits == 0:
             raise ValueError(f"amplify={self.amplify!r} says what mantissa_bits rounds: "
                              "give mantissa_bits 1-6")
-        if self.exponent != "fma" and self.precision == "paper":
-            raise ValueError('exponent="torch" is a form of the "fa2" exponent; precision="paper" rounds S on its '
+        if self.exponent != "fma" and self.precision == "autocast":
+            raise ValueError('exponent="torch" is a form of the "fa2" exponent; precision="autocast" rounds S on its '
                              "own (in natural units): choose one")
-        if len(self._delta_options()) > 1:
-            names = " and ".join(name for name, _ in self._delta_options())
-            raise ValueError(f"{names} are different ways of computing delta: choose one")
-
-    def _delta_options(self):
-        """(option, what delta reads) for each option that sets what the backward's delta reads."""
-        return [(name, reads) for name, reads, on in (
-            ("delta_from_p", "P", self.delta_from_p), ("delta_fp32", "fp32 O", self.delta_fp32),
-            ('stochastic_o="delta"', "stochastic O", self.stochastic_o == "delta")) if on]
-
-    @property
-    def delta(self):
-        """What delta reads, the fix aside: "O", the O returned (the paper's channel); "fp32 O", O before its
-        final cast; "P", rowsum(dP * P) instead; "stochastic O", an independent stochastic rounding of the
-        fp32 O."""
-        return ([reads for _, reads in self._delta_options()] or ["O"])[0]
+        if self.stochastic_o == "forward" and self.delta == "stochastic-o":
+            raise ValueError('stochastic_o="forward" and delta="stochastic-o" are different stochastic roundings of '
+                             "the O that delta reads: choose one")
 
     @property
     def fma(self):
@@ -932,7 +927,8 @@ class Numerics:
 def stochastic_round(x, generator=None):
     """Round fp32 x to bfloat16 stochastically: up or down with probabilities that make the rounding
     unbiased (E[result] = x), by adding 16 random bits below bf16's mantissa and truncating. Twice the error
-    variance of round-to-nearest on average; used by the stochastic_o experiment only."""
+    variance of round-to-nearest on average; used by the stochastic-rounding experiments only (stochastic_o,
+    delta "stochastic-o")."""
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: |x| rounded up or down, to bf16
     rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)

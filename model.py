@@ -35,7 +35,7 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 384
     attn: str = "kernel"      # one of ATTN_BACKENDS
-    fix: object = False       # kernel/emulate: False, True (the complete fix) or "paper" (the paper's rule alone)
+    fix: str = "off"          # kernel/emulate: "off", "on" (the complete fix) or "paper" (the paper's rule alone)
     # ---- experiments: variants that test the mechanism; the defaults are the plain model and attention.
     numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds (kernels.Numerics)
     pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
@@ -138,7 +138,7 @@ class GPT(nn.Module):
         assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
         assert config.pos in ("learned", "none"), f'pos must be "learned" or "none", got {config.pos!r}'
         changed = [f.name for f in fields(Numerics) if getattr(config.numerics, f.name) != f.default]
-        kernel_only = (["fix"] if config.fix else []) + changed
+        kernel_only = (["fix"] if config.fix != "off" else []) + changed
         if config.attn not in ("kernel", "emulate") and kernel_only:
             raise ValueError(f"{', '.join(kernel_only)}: only our kernel (attn kernel or emulate) has it, "
                              f"not attn {config.attn!r}")

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kernels import Numerics
+from kernels import FIXES, Numerics
 from model import ATTN_BACKENDS, GPT, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
-from nanolp.presets import ARM, COMMON, FIX, NUMERICS
+from nanolp.presets import ARM, COMMON, NUMERICS
 from nanolp.runconfig import claim_folder, describe, nothing_to_resume, resolve_config
 from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
                          read_log, set_aside, write_checksum, write_json)
@@ -109,17 +109,15 @@ def parser(preset="default"):
     """The flags. Every default is None, so that a flag the user gave can be told from one they did not (the
     preset's value); --help shows the values of `preset`, the one on the command line."""
     default = PRESETS[preset]
-    def show(key):   # a default as it reads: on/off, 200,000
+    def show(key):   # a default as it reads: 200,000
         value = default[key]
-        if isinstance(value, bool):
-            value = "on" if value else "off"
         return f" (default {value:,})" if isinstance(value, int) else f" (default {value})"
     p = Parser(
         description="Train a char-level GPT in bf16 and watch flash attention's rounding collapse it (--fix off), "
                     f"or not (--fix on). The defaults shown are the {preset} preset's (--preset tiny --help: the "
                     "tiny preset's). Details: the top of train.py and README.md.")
     demo = p.add_argument_group("the demo")
-    demo.add_argument("--fix", choices=list(FIX), help="off: plain bf16 flash attention, which collapses; on: the "
+    demo.add_argument("--fix", choices=FIXES, help="off: plain bf16 flash attention, which collapses; on: the "
                       "complete fix (the paper's shifted row max, and delta from the forward's fp32 O), which trains "
                       "through; paper: the paper's shift alone, which collapses too" + show("fix"))
     demo.add_argument("--attn", choices=ATTN_BACKENDS, help="what computes attention: kernel, our Triton flash "
@@ -171,13 +169,8 @@ def parser(preset="default"):
     experiments = p.add_argument_group("experiments", "the attention's numerics (kernels.Numerics; --attn kernel "
                                                       "or emulate only) and the model, to test the mechanism")
     for f in fields(Numerics):   # a flag per field, with the help and values it declares
-        name = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            experiments.add_argument(name, action=argparse.BooleanOptionalAction,
-                                     help=f.metadata["help"] + show(f.name))
-        else:
-            experiments.add_argument(name, type=f.type, choices=f.metadata["choices"],
-                                     help=f.metadata["help"] + show(f.name))
+        experiments.add_argument("--" + f.name.replace("_", "-"), type=f.type, choices=f.metadata["choices"],
+                                 help=f.metadata["help"] + show(f.name))
     experiments.add_argument("--pos", choices=["learned", "none"], help="position embeddings: learned (GPT-2's), "
                              "or none, so that layer 0 sees only characters and every repeat of a row's best match "
                              "ties exactly" + show("pos"))
@@ -324,7 +317,7 @@ def run(c, data, resume):
     # the model and its optimizer
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
-                          n_embd=c["n_embd"], attn=c["attn"], fix=FIX[c["fix"]],
+                          n_embd=c["n_embd"], attn=c["attn"], fix=c["fix"],
                           numerics=Numerics(**{k: c[k] for k in NUMERICS}), pos=c["pos"])).to(device)
     c["vocab_size"], c["flops_per_token"] = data.vocab_size, model.flops_per_token()
     # weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2

@@ -31,18 +31,19 @@ def sdpa(backend):
 
 
 IMPLS = {
-    "ours": lambda q, k, v: flash_attention(q, k, v, causal=True),
+    "ours": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="off"),
     # the complete fix: the paper's shift and delta from the fp32 O
-    "ours_fix": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=True),
+    "ours_fix": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="on"),
     # softmax's exponent as PyTorch builds FA2 (S * scale rounded, then the max subtracted), not one fma
-    "ours_torch_exp": lambda q, k, v: flash_attention(q, k, v, causal=True, numerics=Numerics(exponent="torch")),
+    "ours_torch_exp": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="off",
+                                                      numerics=Numerics(exponent="torch")),
     # the paper's rule alone
     "ours_paper": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="paper"),
     # the paper's control, delta = rowsum(dP * P): one more pass over the keys in the backward
-    "ours_dp": lambda q, k, v: flash_attention(q, k, v, causal=True, numerics=Numerics(delta_from_p=True)),
+    "ours_dp": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="off", numerics=Numerics(delta="p")),
     # the one-pass backward: dQ through fp32 atomics in the dK/dV pass (5 matrix products per tile pair, not 7)
-    "ours_1pass": lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=False),
-    "ours_fix_1pass": lambda q, k, v: flash_attention(q, k, v, causal=True, fix=True, deterministic=False),
+    "ours_1pass": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="off", deterministic=False),
+    "ours_fix_1pass": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="on", deterministic=False),
     "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }
@@ -58,7 +59,7 @@ def time_impl(fn, q, k, v, do):
 
 
 # README's speed table: forward+backward against cuDNN per head_dim, over the sequences where timings are steady
-TABLE_IMPLS = {"ours": "`fix=False`", "ours_fix": "`fix=True`", "sdpa_flash": "torch SDPA flash"}
+TABLE_IMPLS = {"ours": '`fix="off"`', "ours_fix": '`fix="on"`', "sdpa_flash": "torch SDPA flash"}
 TABLE_SEQS = (4096, 16384)
 
 

@@ -9,31 +9,27 @@ without a collapse only bound it from below); a least-squares line through log(c
 factor per bit and the step it predicts at B = 7. From results/seed_study/runs.csv: the plain bf16 run of the same
 seed (off-s0).
 """
-import csv
 import math
 import statistics
 from pathlib import Path
+
+from nanolp.runs import read_table
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 BF16_BITS = 7
 
 
-def rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def main():
-    runs = [r for r in rows(RESULTS / "amplifier" / "gpu_runs.csv")
-            if r["fix"] == "off" and r["seed"] == "0" and r["amplify"] == "p" and not r["variant"]
-            and r["delta_from_p"] == "False" and r["delta_fp32"] == "False" and r["precision"] == "fa2"]
+    runs = [r for r in read_table(RESULTS / "amplifier" / "gpu_runs.csv")
+            if r["fix"] == "off" and r["seed"] == 0 and r["amplify"] == "p" and not r["variant"]
+            and r["delta"] == "o" and r["precision"] == "fa2"]
     collapsed, censored = {}, {}
     for r in runs:
-        bits = int(r["mantissa_bits"])
-        if r["collapse_step"]:
-            collapsed.setdefault(bits, []).append(int(r["collapse_step"]))
+        bits = r["mantissa_bits"]
+        if r["collapse_step"] is not None:
+            collapsed.setdefault(bits, []).append(r["collapse_step"])
         else:
-            censored[bits] = max(censored.get(bits, 0), int(r["steps"]))
+            censored[bits] = max(censored.get(bits, 0), r["steps"])
     points = {bits: statistics.median(steps) for bits, steps in sorted(collapsed.items())}
     for bits in sorted(set(collapsed) | set(censored)):
         line = f"P at {bits} bits: "
@@ -48,10 +44,10 @@ def main():
     mx, my = statistics.mean(x), statistics.mean(y)
     slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
     predicted = math.exp(my + slope * (BF16_BITS - mx))
-    bf16 = next(r for r in rows(RESULTS / "seed_study" / "runs.csv") if r["name"] == "off-s0-nolog")
+    bf16 = next(r for r in read_table(RESULTS / "seed_study" / "runs.csv") if r["name"] == "off-s0-nolog")
     print(f"fit through {', '.join(map(str, x))} bits: {math.exp(slope):.2f}x later per bit; "
           f"at {BF16_BITS} bits (plain bf16) {predicted:,.0f} steps")
-    measured = int(bf16["collapse_step"])
+    measured = bf16["collapse_step"]
     print(f"plain bf16, measured (seed_study/runs.csv, off-s0-nolog): collapsed at {measured:,} steps, "
           f"{predicted / measured:.1f}x sooner than the fit")
 

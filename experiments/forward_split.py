@@ -1,5 +1,5 @@
 """Where the fix's forward time goes: the forward alone with the fix off, the shift alone (fix="paper"), the fp32
-O alone (delta_fp32) and both (fix=True), at seq 4096, batch 4, 2048 channels, bf16, causal; median ms.
+O alone (delta="fp32-o") and both (fix="on"), at seq 4096, batch 4, 2048 channels, bf16, causal; median ms.
 
     python -m experiments.forward_split > results/speed/forward_split.txt     # on a GPU
     python -m experiments.forward_split --fwd 128/8/2/maxnreg=128 64/4/2     # FWD_TUNING against candidates
@@ -21,8 +21,8 @@ import torch
 import kernels
 from kernels import Numerics, flash_attention
 
-VARIANTS = {"off": {}, "shift": dict(fix="paper"), "o32": dict(numerics=Numerics(delta_fp32=True)),
-            "both": dict(fix=True)}
+VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"),
+            "o32": dict(fix="off", numerics=Numerics(delta="fp32-o")), "both": dict(fix="on")}
 
 
 class FwdConfig(NamedTuple):

@@ -57,9 +57,8 @@ def backends(device):
         from kernels import flash_attention as ours
     else:
         from nanolp.emulate import emulate_attention as ours
-    out = {"ours, fix off": lambda q, k, v: ours(q, k, v, causal=True),
-           "ours, fix paper": lambda q, k, v: ours(q, k, v, causal=True, fix="paper"),
-           "ours, fix on": lambda q, k, v: ours(q, k, v, causal=True, fix=True)}
+    out = {f"ours, fix {fix}": lambda q, k, v, fix=fix: ours(q, k, v, causal=True, fix=fix)
+           for fix in ("off", "paper", "on")}
     if device == "cuda":
         def torch_flash(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

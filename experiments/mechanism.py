@@ -4,7 +4,7 @@
 2. The paper's bias, on rows with k tied maxima (experiments.tied, as in tests/test_mechanism.py): independent rows,
    each with its own k tied maxima, the other keys 12-18 nats below, mostly negative V. The error of O and of
    delta = rowsum(dO * O) against float64 for `--fix off`, `--fix paper` (the shifted row max) and `--fix on` (the
-   shift, and delta from the forward's fp32 O), precision "paper" and "fa2", as a function of k: per-row mean
+   shift, and delta from the forward's fp32 O), precision "autocast" and "fa2", as a function of k: per-row mean
    error, then its mean and standard error over the rows.
 3. The curvature effect (experiments.curvature), on a quadratic loss with known curvature H: the mean error delta
    reads from a rounded O against the predicted tr(H Sigma_e), for round-to-nearest, stochastic rounding and an
@@ -27,11 +27,11 @@ from kernels import Numerics
 from nanolp.emulate import emulate_attention, emulate_forward_fp32, round_bf16
 from nanolp.plots import PALETTE, save
 
-PRECISIONS = ("paper", "fa2")
-FIXES = {"off": False, "paper": "paper", "on": True}  # train.py's --fix, as the attention's fix argument
+PRECISIONS = ("autocast", "fa2")
+FIXES = ("off", "paper", "on")  # kernels.FIXES (train.py's --fix), in the order the tables and figures show them
 O_FIXES = ("off", "paper")  # --fix on's forward is --fix paper's: the same O, only delta reads another
 COLORS = {fix: PALETTE[f"fix {fix}"][0] for fix in FIXES}  # as in the run figures
-TIES = (1, 2, 3, 4, 8, 16)  # numbers of tied maxima per row (3: the case the shift makes worse in "paper" mode)
+TIES = (1, 2, 3, 4, 8, 16)  # numbers of tied maxima per row (3: the case the shift makes worse in "autocast" mode)
 ROWS = 65536  # independent tied rows per k (experiments.tied.tied_rows); all k in under a minute on 2 CPU cores
 PAPER_SUM = -4.70399  # the fp32 sum of P V terms in the paper's worked example, to its printed digits
 CURVATURES = (0.25, 1.0, 4.0)  # scales of H's eigenvalues
@@ -77,8 +77,8 @@ def delta_errors(attend, forward_fp32, q, k, v, do, precision, fix):
     """Errors of O and of delta = rowsum(dO * O) against float64. delta is computed as the kernel's backward does,
     summed in fp32 from bf16 dO and the O it reads: the stored bf16 O, or with --fix on the forward's fp32 O."""
     numerics = Numerics(precision=precision)
-    o = attend(q, k, v, causal=False, fix=FIXES[fix], numerics=numerics)
-    read = forward_fp32(q, k, v, causal=False, fix=FIXES[fix], numerics=numerics) if fix == "on" else o
+    o = attend(q, k, v, causal=False, fix=fix, numerics=numerics)
+    read = forward_fp32(q, k, v, causal=False, fix=fix, numerics=numerics) if fix == "on" else o
     o64 = reference(q, k, v)
     delta = (do.float() * read.float()).sum(-1).double()
     delta64 = (do.double() * o64).sum(-1)
@@ -108,7 +108,7 @@ def stats(per_row):
     return mean_error(torch.from_numpy(per_row))
 
 
-ERRORS = ((0, "O", O_FIXES), (1, "delta = rowsum(dO * O)", tuple(FIXES)))  # (index in a result, name, fixes)
+ERRORS = ((0, "O", O_FIXES), (1, "delta = rowsum(dO * O)", FIXES))  # (index in a result, name, fixes)
 
 
 def plot_error_histograms(results, k, path):

@@ -6,7 +6,7 @@
 One attention layer (the repo's GPT: 1 layer, 1 head, 32 dims, context 32, vocab 32) learns to output the previous
 token, so every row but the first puts all its weight on one key: the sharp rows where O's bf16 cast rounds O back
 to that key's V (experiments/sharp_rows.py). Attention is the kernel's numerics (nanolp.emulate, bf16 autocast, fix
-off), with delta from the bf16 O ("off") or from the fp32 O ("dfp32", --delta-fp32); AdamW (0.9, 0.95), lr 3e-3, no
+off), with delta from the bf16 O ("off") or from the fp32 O ("dfp32", --delta fp32-o); AdamW (0.9, 0.95), lr 3e-3, no
 weight decay, batch 32. The loss reaches its floor, log(32)/32 = 0.108 (the first position cannot be predicted), within
 ~1,000 steps; after that the printed product of W_Q's and W_K's spectral norms bounds the logits' growth. The CPU
 is deterministic, so the two arms differ only through delta."""
@@ -24,7 +24,7 @@ def main(arm, seed, steps, every=4000):
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=1, n_head=1, n_embd=WIDTH, attn="emulate",
-                          numerics=Numerics(delta_fp32=arm == "dfp32")))
+                          numerics=Numerics(delta="fp32-o" if arm == "dfp32" else "o")))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(1)
     print("step loss |W_Q|*|W_K|", flush=True)

@@ -11,7 +11,7 @@ rate passes 1% and the logit then, and the tie rate's range over steps 5,000-30,
 --heads: at the first step where layer 0's max logit passes 100 (its take-off), the head whose W_Q spectral norm
 has grown the most over its value at the reference step (the lead head); in runs that never take off, the head
 that grew the most over the whole run. The reference step is 20,000, or half the take-off step (of the run's
-length, without one) where that is before step 20,000 (the "paper" precision takes off by step 12,000). At the
+length, without one) where that is before step 20,000 (the "autocast" precision takes off by step 12,000). At the
 reference step, that head's norm and its rank among layer 0's six heads (1 = largest), and its tie rate (rows
 whose top two scores are within tol), mean over steps 2,000 to the reference + 5,000, with that rate's rank.
 

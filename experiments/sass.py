@@ -15,7 +15,7 @@ not the one that ran). Prints markdown tables (results/speed/sass.md).
 
     PYTHONPATH=/tmp/triton36 python -m experiments.sass --fwd 128/8/2/maxnreg=128 64/4/1    # ~7 s a setting
 
-With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix=False, "paper" and True, at
+With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix "off", "paper" and "on", at
 FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
 optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
 (results/speed/forward_d128_candidates.md).
@@ -69,11 +69,11 @@ def record(run):
     return launches
 
 
-# The forward's variants: label: (shift, what delta reads). fix=False is the first, fix="paper" the third,
-# fix=True the fourth, delta_fp32=True the second.
-FORWARD = {"shift off, O bf16": (False, "O"), "shift off, O fp32": (False, "fp32 O"),
-           "shift on, O bf16": (True, "O"), "shift on, O fp32": (True, "fp32 O")}
-FIXES = {"fix=False": (False, "O"), 'fix="paper"': (True, "O"), "fix=True": (True, "fp32 O")}
+# The forward's variants: label: (shift, what delta reads). fix="off" is the first, fix="paper" the third,
+# fix="on" the fourth, delta="fp32-o" (with fix "off") the second.
+FORWARD = {"shift off, O bf16": (False, "o"), "shift off, O fp32": (False, "fp32-o"),
+           "shift on, O bf16": (True, "o"), "shift on, O fp32": (True, "fp32-o")}
+FIXES = {'fix="off"': (False, "o"), 'fix="paper"': (True, "o"), 'fix="on"': (True, "fp32-o")}
 
 
 def forward_launches(D, variants, config=None):
@@ -96,9 +96,9 @@ def launches():
         q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
         lse = torch.empty(q.shape[:3])
         delta, dkdv, dq = record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False))
-        # with fix=True delta reads the forward's fp32 O; the other backward kernels never read O
-        (delta_fp32, _, _) = record(lambda: kernels._flash_bwd(q, q, q, q, q.float(), lse, True, "fa2", False))
-        out += [(f"bwd delta d{D}, O bf16", *delta), (f"bwd delta d{D}, O fp32", *delta_fp32),
+        # with fix "on" delta reads the forward's fp32 O; the other backward kernels never read O
+        (delta_o32, _, _) = record(lambda: kernels._flash_bwd(q, q, q, q, q.float(), lse, True, "fa2", False))
+        out += [(f"bwd delta d{D}, O bf16", *delta), (f"bwd delta d{D}, O fp32", *delta_o32),
                 (f"bwd dkdv d{D}", *dkdv), (f"bwd dq d{D}", *dq)]
         # the one-pass backward (deterministic=False): dK/dV with dQ through atomics, then dQ's scale and cast
         (_, one_pass, cast) = record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False, False))

@@ -53,8 +53,8 @@ from pathlib import Path
 import numpy as np
 
 from nanolp.presets import BEFORE_OPTION, COMMON, NUMERICS
-from nanolp.runs import (DamagedFile, find_runs, latest_checkpoint, load_run, load_runs, log_path, read_json,
-                         thin_log, write_csv)
+from nanolp.runs import (DamagedFile, as_current, find_runs, latest_checkpoint, load_run, load_runs, log_path,
+                         read_json, thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -168,8 +168,8 @@ def parse_flags(text, where):
 
 
 def flag_settings(flags):
-    """The train.py settings (config.json's keys) that flags give: ["--fix", "on", "--delta-fp32", "--no-x"] ->
-    {"fix": "on", "delta_fp32": True, "x": False}."""
+    """The train.py settings (config.json's keys) that flags give: ["--fix", "off", "--delta", "p", "--x", "--no-y"]
+    -> {"fix": "off", "delta": "p", "x": True, "y": False}."""
     settings, i = {}, 0
     while i < len(flags):
         if not flags[i].startswith("--"):
@@ -465,17 +465,18 @@ def collect_study(study, out, results):
 
 def kept_rows(table, names):
     """The rows of an existing runs.csv that are not among `names` (the runs whose folders were just collected):
-    rows of runs whose logs were never kept, named ARM-sSEED-nolog (NO_LOG), and the columns to write: COLUMNS,
-    then any others that table has."""
+    rows of runs whose logs were never kept, named ARM-sSEED-nolog (NO_LOG), in today's spellings (as_current; the
+    other cells as written), and the columns to write: COLUMNS, then any others that table has."""
     if not table.exists():
         return [], COLUMNS
     with open(table, newline="") as f:
         reader = csv.DictReader(f)
-        rows = [row for row in reader if row["name"] not in names]
+        rows = [as_current(row) for row in reader if row["name"] not in names]
     for row in rows:
         row["log_kept"] = False
         row["name"] += "" if row["name"].endswith(NO_LOG) else NO_LOG
-    return rows, COLUMNS + [c for c in reader.fieldnames if c not in COLUMNS]
+    columns = as_current(dict.fromkeys(reader.fieldnames))   # (an older table's columns, as its rows now read)
+    return rows, COLUMNS + [c for c in columns if c not in COLUMNS]
 
 
 # -----------------------------------------------------------------------------

@@ -59,13 +59,13 @@ def record_launches():
         q = k = v = torch.zeros(1, 2, kernels.SHORT_SEQ, D, dtype=torch.bfloat16)
         forward = [(True, False, "fa2", (0, 0), True)]
         if D == 64:  # every constexpr combination: the amplifiers (P_BITS, O_BITS) with causal masking only,
-            amplifiers = ((0, 0), (3, 0), (0, 2))   # the unfused exponent without them ("paper" has its own)
-            forward = [(causal, shift, precision, bits, fma) for causal, shift, precision, bits, fma
-                       in itertools.product((True, False), (False, True), ("fa2", "paper"), amplifiers, (True, False))
+            amplifiers = ((0, 0), (3, 0), (0, 2))   # the unfused exponent without them ("autocast" has its own)
+            forward = [(causal, shift, precision, bits, fma) for causal, shift, precision, bits, fma in
+                       itertools.product((True, False), (False, True), ("fa2", "autocast"), amplifiers, (True, False))
                        if (causal or bits == (0, 0)) and (fma or (precision == "fa2" and bits == (0, 0)))]
         for causal, shift, precision, bits, fma in forward:
             p_bits, o_bits = bits
-            kernels._flash_fwd(q, k, v, causal=causal, shift=shift, delta="O", precision=precision, p_bits=p_bits,
+            kernels._flash_fwd(q, k, v, causal=causal, shift=shift, delta="o", precision=precision, p_bits=p_bits,
                                o_bits=o_bits, stochastic=False, fma=fma)
         # unpipelined, pipelined; two-pass (deterministic), one-pass with dQ by atomics and by TMA (DQ_TMA)
         backward = [(N, "fa2", False, deterministic, tma, True) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
@@ -73,7 +73,7 @@ def record_launches():
         if D == 64:
             backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic, False, fma)
                          for precision, from_p, deterministic, fma in itertools.product(
-                             ("fa2", "paper"), (False, True), (True, False), (True, False))
+                             ("fa2", "autocast"), (False, True), (True, False), (True, False))
                          if fma or precision == "fa2"]
         for N, precision, from_p, deterministic, tma, fma in backward:
             q = k = v = o = torch.zeros(1, 2, N, D, dtype=torch.bfloat16)
@@ -103,7 +103,7 @@ EXPONENT_KERNELS = ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")   # the
 
 def says_fma(kernel, meta):
     """Whether the launch computes "fa2"'s exponent as a fused multiply-add (one fma.rn per score in its PTX)."""
-    return kernel.fn.__name__ in EXPONENT_KERNELS and bool(meta.get("FMA")) and not meta.get("PAPER")
+    return kernel.fn.__name__ in EXPONENT_KERNELS and bool(meta.get("FMA")) and not meta.get("AUTOCAST")
 
 
 def main():

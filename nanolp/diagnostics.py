@@ -4,7 +4,7 @@ What the paper's mechanism says to watch, measured on one fixed batch every --di
     max_logit   largest scaled score q.k/sqrt(d) in a layer: the logits grow before a collapse
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
                 (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits; the scores rounded
-                to bf16 as the kernel rounds them in the "paper" precision); also per head,
+                to bf16 as the kernel rounds them in the "autocast" precision); also per head,
                 since the paper's failure starts in a few heads
     sharp_rate  fraction of causal rows (the first query, with its one key, left out) whose largest probability
                 exceeds 1 - SHARP_EPS: where O's bf16 cast rounds O back to that key's V and delta's error
@@ -92,7 +92,7 @@ def capture_attention(model, x, y, ctx):
 @torch.no_grad()
 def attention_stats(q, k, v, O, dO, tol=TIE_TOL, precision="fa2"):
     """max_logit, and per head the tie rate (ties within tol nats), the sharp rate, the delta error and its push,
-    of one attention call. Ties are counted in the scores the kernel exponentiates: in the "paper" precision they
+    of one attention call. Ties are counted in the scores the kernel exponentiates: in the "autocast" precision they
     are rounded to bf16, which ties keys whose fp32 scores differ by up to half a bf16 step (1/32 at logits 8-16)."""
     S = causal_scores(q, k)  # fp32, -inf above the diagonal
     S_kernel = S if precision == "fa2" else scores(q, k, precision, q.dtype).masked_fill(S.isneginf(), -math.inf)

@@ -121,7 +121,7 @@ def scale_of(q, precision):
 
 def scores(q, kt, precision, dtype):
     """S for one key tile as the exponent reads it, exactly as kernels._scores (fa2: Q K^T in fp32, its scale
-    applied in the exponent; paper: scaled, in nats, rounded twice)."""
+    applied in the exponent; autocast: scaled, in nats, rounded twice)."""
     S = _dot(q, kt.transpose(-1, -2))
     if precision == "fa2":
         return S
@@ -163,7 +163,7 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
             P = _exp2(exponent(S, scale, m_new.unsqueeze(-1), numerics.fma))
             l = l * alpha + _rowsum(P)
             acc = acc * alpha.unsqueeze(-1) + _dot(_round(low(P), dtype), vt)   # P rounded right before P V
-        else:  # "paper": every intermediate held in the input dtype, as under bf16 autocast in PyTorch
+        else:  # "autocast": every intermediate held in the input dtype, as under bf16 autocast in PyTorch
             m_new = _round(torch.maximum(m, r), dtype)
             alpha = _round(_exp(_round(m - m_new, dtype)), dtype)
             P = _round(low(_exp(_round(S - m_new.unsqueeze(-1), dtype))), dtype)
@@ -208,15 +208,15 @@ def _probs_and_dp(q, k, v, lse, do, causal, precision, fma=True):
 
 def delta(q, k, v, o, lse, do, causal, precision, from_p=False, fma=True):
     """The backward's delta. rowsum(dO * O) from the stored O, the paper's channel (kernels._bwd_delta_kernel);
-    from_p: the paper's localisation control rowsum(dP * P), divided by rowsum(P) in "paper", P recomputed in fp32
-    and O never read, both sums accumulated per key tile as kernels._bwd_dq_kernel does in its DELTA_FROM_P pass
-    (one more pass over the keys)."""
+    from_p: the paper's localisation control rowsum(dP * P), divided by rowsum(P) in "autocast", P recomputed in
+    fp32 and O never read, both sums accumulated per key tile as kernels._bwd_dq_kernel does in its DELTA_FROM_P
+    pass (one more pass over the keys)."""
     if not from_p:
         return _rowsum(do.float() * o.float())
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision, fma)
     tiles = _delta_tiles(*q.shape[-2:])
     delta = sum(_rowsum((P * dP)[..., cols]) for cols in tiles)
-    if precision == "paper":
+    if precision == "autocast":
         delta = delta / sum(_rowsum(P[..., cols]) for cols in tiles)
     return delta
 
@@ -260,7 +260,7 @@ class _EmulatedAttention(torch.autograd.Function):
         _, o32, lse = forward(q, k, v, causal, shift, numerics)
         o, o_delta = output_and_delta_o(o32, q.dtype, numerics.stochastic_o == "forward", delta)   # as the kernel
         ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
-        ctx.args = (causal, numerics.precision, delta == "P", deterministic, numerics.fma)
+        ctx.args = (causal, numerics.precision, delta == "p", deterministic, numerics.fma)
         return o
 
     @staticmethod
@@ -270,7 +270,7 @@ class _EmulatedAttention(torch.autograd.Function):
             return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 5)
 
 
-def emulate_attention(q, k, v, causal=True, fix=False, numerics=Numerics(), deterministic=True):
+def emulate_attention(q, k, v, causal=True, fix="on", numerics=Numerics(), deterministic=True):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch (with
     deterministic=False, the one-pass backward's dQ as the CPU interpreter sums it)."""
     check_inputs(q, k, v, numerics)
@@ -280,7 +280,7 @@ def emulate_attention(q, k, v, causal=True, fix=False, numerics=Numerics(), dete
         return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics, deterministic)
 
 
-def emulate_forward_fp32(q, k, v, causal=True, fix=False, numerics=Numerics()):
+def emulate_forward_fp32(q, k, v, causal=True, fix="on", numerics=Numerics()):
     """kernels.flash_forward_fp32's result: the forward's O before its final cast."""
     check_inputs(q, k, v, numerics)
     shift, _ = wire_fix(fix, numerics)

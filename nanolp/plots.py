@@ -2,9 +2,9 @@
 
 A run is named by its arm, the train.py flags that set it apart from its preset (analyze.arm), and its seed.
 Colour says what kind of attention the arm used, the same in every figure: our flash attention with `--fix off`
-red, `--fix on` blue, `--fix paper` orange, torch SDPA grey, fp32 attention green, `--delta-from-p` (the paper's
-control) olive, `--delta-fp32` purple. Shades within a colour separate the arms of one kind; line style is the seed.
-A config key missing from an older run reads as train.py's default.
+red, `--fix on` blue, `--fix paper` orange, torch SDPA grey, fp32 attention green, `--delta p` (the paper's control)
+olive, `--delta fp32-o` purple. Shades within a colour separate the arms of one kind; line style is the seed. A
+config key missing from an older run reads as train.py's default.
 """
 
 import matplotlib
@@ -37,16 +37,9 @@ def step_axis(axis):
     axis.set_major_formatter(FuncFormatter(label))   # one formatter per axis: it reads that axis's range
 
 
-def flag(run, key):
-    """A boolean setting; absent (older runs) reads as False."""
-    value = run.setting(key, False)
-    return value.lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
-
-
 def fix_word(run):
-    """--fix as train.py spells it: off, on or paper (older runs stored a bool)."""
-    fix = run.setting("fix", "off")
-    return ("on" if fix else "off") if isinstance(fix, bool) else str(fix)
+    """--fix as train.py spells it: off, on or paper."""
+    return str(run.setting("fix", "off"))
 
 
 def family(run):
@@ -56,9 +49,9 @@ def family(run):
         return "fp32"
     if attn.startswith("sdpa"):
         return "sdpa"
-    if flag(run, "delta_from_p"):
+    if run.setting("delta") == "p":
         return "delta from P"
-    if flag(run, "delta_fp32"):
+    if run.setting("delta") == "fp32-o":
         return "delta from fp32 O"
     return f"fix {fix_word(run)}"
 

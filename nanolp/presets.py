@@ -12,8 +12,6 @@ NUMERICS = tuple(f.name for f in fields(Numerics))
 # declares them. The presets themselves, every other setting, open train.py (PRESETS): the functions here that
 # need them take them as an argument, since nanolp never imports train.py.
 COMMON = dict(fix="off", **asdict(Numerics()))
-# --fix: off; on, the complete fix (the paper's shift and delta from the fp32 O); paper, the paper's rule alone
-FIX = {"off": False, "on": True, "paper": "paper"}
 # The arm: every setting that decides a run's numbers (its numerics and its data order). The default name spells
 # out each one that differs from the preset, --resume refuses to change any, summary.json records them all.
 # Not in it: the run's length and intervals, and --device/--compile (where and how fast the same steps run).
@@ -39,9 +37,12 @@ def flag(key):
 
 
 def in_flags(message):
-    """A kernel's message about its arguments (fix=True, delta_fp32, ...) in train.py's flags (--fix on, ...)."""
-    names = "|".join(rf"\b{name}\b" for name in ("fix=True", "fix", *NUMERICS))
-    return re.sub(names, lambda m: "--fix on" if m[0] == "fix=True" else flag(m[0]), message)
+    """A kernel's message about its arguments in train.py's flags: a setting given as name=value (fix="on",
+    delta="p") as --fix on, --delta p, and a name with an underscore (mantissa_bits) as its flag; a word that is
+    also a setting's name (delta, exponent) stays a word."""
+    names = "|".join(("fix", *NUMERICS))
+    message = re.sub(rf"\b({names})=(['\"]?)([\w.-]+)\2", lambda m: f"{flag(m[1])} {m[3]}", message)
+    return re.sub(rf"\b({'|'.join(name for name in NUMERICS if '_' in name)})\b", lambda m: flag(m[1]), message)
 
 
 def check_config(c):
@@ -63,10 +64,10 @@ def check_config(c):
         problems.append(f"--attn {c['attn']} needs a head size (--n-embd / --n-head) of 16, 32, 64 or 128, "
                         f"got {c['n_embd']} / {c['n_head']} = {c['n_embd'] // c['n_head']}")
     try:   # the kernel's own rules for its options (kernels.Numerics, kernels.wire_fix), told in flags
-        wire_fix(FIX[c["fix"]], Numerics(**{k: c[k] for k in NUMERICS}))
+        wire_fix(c["fix"], Numerics(**{k: c[k] for k in NUMERICS}))
     except ValueError as e:
         problems.append(in_flags(str(e)))
-    experiments = [flag(k) if c[k] is True else f"{flag(k)} {c[k]}" for k in ("fix", *NUMERICS) if c[k] != COMMON[k]]
+    experiments = [f"{flag(k)} {c[k]}" for k in ("fix", *NUMERICS) if c[k] != COMMON[k]]
     if experiments and not ours:
         problems.append(f"{', '.join(experiments)}: only our kernel has {'these' if len(experiments) > 1 else 'it'} "
                         f"(--attn kernel or emulate), not --attn {c['attn']}")

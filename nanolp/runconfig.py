@@ -2,7 +2,7 @@
 config.json, checked, named; and its folder claimed. train.py calls resolve_config, then claim_folder.
 
 Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for each setting of ARM that differs
-from the preset's (-delta_fp32, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_fp32-s0. A name
+from the preset's (-delta_p, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_p-s0. A name
 longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. A new run refuses a
 folder that holds a run's result (a checkpoint or summary.json) and replaces an attempt that stopped before its
 first checkpoint. --resume continues a run with its own config.json and refuses a flag of ARM that differs from it
@@ -24,7 +24,7 @@ import torch
 from nanolp.presets import ARM, NAMED, changed_settings, check_config, flag
 from nanolp.runs import DAMAGED, RunError, latest_checkpoint, read_json
 
-# a setting in a name: -<label><number>, -<label>_<word>, -<label> for a switch that is on (-no_<label>: off)
+# a setting in a name: -<label><number>, -<label>_<word>
 LABELS = dict(mantissa_bits="bits", block_size="block", batch_size="batch", weight_decay="wd", grad_clip="clip")
 MAX_NAME = 80
 
@@ -32,8 +32,6 @@ MAX_NAME = 80
 def suffix(key, value):
     """How a run name spells one setting (LABELS)."""
     label = LABELS.get(key, key)
-    if isinstance(value, bool):
-        return label if value else f"no_{label}"
     if isinstance(value, (int, float)):
         return f"{label}{'_' if label[-1].isdigit() else ''}{value!r}"   # repr: the shortest exact spelling
     if key == "data" and value is not None:

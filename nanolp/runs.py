@@ -8,9 +8,10 @@ every setting of ARM) and ckpt/ (the last 3 checkpoints, each with its sha256; -
 in ckpt/damaged/, and continues from the newest good one).
 
 A run folder may still be in progress or may come from an older train.py, so every file and
-every column is optional: missing files read as empty, empty cells read as NaN. A file that is there but cannot be
-read (cut short by a full disk or a copy) is DamagedFile, one line naming it; a checkpoint is checked against the
-sha256 written beside it (checksum_problem).
+every column is optional: missing files read as empty, empty cells read as NaN, and settings an older train.py
+spelled otherwise read in today's spellings (as_current). A file that is there but cannot be read (cut short by a
+full disk or a copy) is DamagedFile, one line naming it; a checkpoint is checked against the sha256 written beside
+it (checksum_problem).
 """
 
 import csv
@@ -255,7 +256,8 @@ def locked(run_dir):
 
 
 def read_json(path):
-    """A config.json or summary.json: {} if there is none, DamagedFile if it cannot be parsed."""
+    """A config.json or summary.json, its settings in today's spellings (as_current): {} if there is none,
+    DamagedFile if it cannot be parsed."""
     if not path.exists():
         return {}
     try:
@@ -264,7 +266,37 @@ def read_json(path):
         raise DamagedFile(f"{path} cannot be parsed as JSON ({e})") from None
     if not isinstance(value, dict):   # (train.py writes an object)
         raise DamagedFile(f"{path} holds JSON but not an object")
-    return value
+    return as_current(value)
+
+
+def as_current(settings):
+    """A run's settings as an older train.py wrote them (a config.json, a summary.json, a row of runs.csv, typed or
+    as text), in today's spellings; every reader of those files gets them through here, and the files, being
+    data, stay as written. Before, fix was a bool in some runs (True: "on"); what delta reads was three settings,
+    delta_from_p ("p"), delta_fp32 ("fp32-o") and stochastic_o "delta" ("stochastic-o"), now the one setting
+    delta; precision "paper", the paper's rounding points under autocast, is "autocast". A row's flags (its arm's
+    train.py flags) read likewise. Today's settings come back unchanged."""
+    settings = dict(settings)
+    yes = lambda value: value in (True, "True")   # (a runs.csv cell read as text)
+    if settings.get("fix") in (True, False, "True", "False"):
+        settings["fix"] = "on" if yes(settings["fix"]) else "off"
+    if {"delta_from_p", "delta_fp32"} & set(settings) or settings.get("stochastic_o") == "delta":
+        reads = [value for key, value in (("delta_from_p", "p"), ("delta_fp32", "fp32-o")) if yes(settings.get(key))]
+        if settings.get("stochastic_o") == "delta":
+            reads.append("stochastic-o")
+            settings["stochastic_o"] = "off"
+        settings["delta"] = reads[0] if reads else "o"   # (train.py refused more than one)
+        settings.pop("delta_from_p", None)
+        settings.pop("delta_fp32", None)
+    if settings.get("precision") == "paper":
+        settings["precision"] = "autocast"
+    flags = ((r" ?--no-delta-(from-p|fp32)\b", ""), (r"--delta-from-p\b", "--delta p"),   # (as an arm gave them)
+             (r"--delta-fp32\b", "--delta fp32-o"), (r"--stochastic-o([= ])delta\b", r"--delta\1stochastic-o"),
+             (r"--precision([= ])paper\b", r"--precision\1autocast"))
+    if isinstance(settings.get("flags"), str):
+        for old, new in flags:
+            settings["flags"] = re.sub(old, new, settings["flags"]).strip()
+    return settings
 
 
 def write_json(path, value):
@@ -325,9 +357,10 @@ def study_runs(table):
 
 
 def read_table(path):
-    """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell)."""
+    """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell), the settings in
+    today's spellings (as_current)."""
     with open(path, newline="") as f:
-        return [{k: from_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [as_current({k: from_cell(v) for k, v in row.items()}) for row in csv.DictReader(f)]
 
 
 def from_cell(text):

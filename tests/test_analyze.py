@@ -17,7 +17,7 @@ from experiments import mechanism
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
-from nanolp.runs import Run, load_run, read_table, study_runs, write_csv
+from nanolp.runs import Run, as_current, load_run, read_table, study_runs, write_csv
 
 N_LAYER, N_HEAD = 2, 2  # the tiny preset's
 STEPS = np.arange(0, 400, 10)
@@ -74,8 +74,9 @@ def write_run(root, name, seed, collapse, rng, **settings):
 
 
 def fake_run(**config):
-    """A run's config as train.py records it today (with the exponent, which runs before the option lack)."""
-    return Run(Path("r"), {"exponent": "fma", **config}, {}, {})
+    """A run of this config (with the exponent, which runs before the option lack), as loading its config.json
+    reads it: an older run's spellings in today's (nanolp.runs.as_current)."""
+    return Run(Path("r"), as_current({"exponent": "fma", **config}), {}, {})
 
 
 # -----------------------------------------------------------------------------
@@ -93,10 +94,16 @@ def test_runs_before_the_exponent_option_are_named_so():
 @pytest.mark.parametrize("config, expected", [
     (dict(fix="off", seed=3, steps=60000, minutes=12.0, diag_interval=250, name="x", out="y"), "--fix off"),
     (dict(fix="on", lr=3e-3), "--fix on --lr 0.003"),
-    (dict(fix="paper", delta_fp32=True), "--fix paper --delta-fp32"),
+    (dict(fix="paper", delta="fp32-o"), "--fix paper --delta fp32-o"),
     (dict(fix="off", stochastic_o="forward"), "--fix off --stochastic-o forward"),
     (dict(fix="off", mantissa_bits=3, amplify="p"), "--fix off --mantissa-bits 3"),
-    (dict(fix="on", attn="sdpa", precision="paper", delta_from_p=True), "--attn sdpa"),  # ignored by torch's
+    (dict(fix="on", attn="sdpa", precision="autocast", delta="p"), "--attn sdpa"),  # ignored by torch's
+    # older runs, in the spellings of their day
+    (dict(fix="paper", delta_fp32=True), "--fix paper --delta fp32-o"),
+    (dict(fix="off", delta_from_p=True, delta_fp32=False, stochastic_o="off"), "--fix off --delta p"),
+    (dict(fix="off", stochastic_o="delta"), "--fix off --delta stochastic-o"),
+    (dict(fix="off", precision="paper"), "--fix off --precision autocast"),
+    (dict(fix="on", attn="sdpa", precision="paper", delta_from_p=True), "--attn sdpa"),
     (dict(attn="fp32", pos="none"), "--attn fp32 --pos none"),
     (dict(fix=True), "--fix on"),  # an older run: a bool, and keys added since missing
     (dict(preset="tiny", fix="off", lr=3e-3, n_layer=2), "--preset tiny --fix off"),  # the preset's own values
@@ -161,11 +168,11 @@ def test_headline_draws_each_run_to_its_end(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     for seed, collapse in ((0, True), (1, False), (2, False)):
         write_run(tmp_path, f"off-s{seed}", seed, collapse, rng)
-    write_run(tmp_path, "o32-s0", 0, False, rng, delta_fp32=True)  # an internal name: the legend must not use it
+    write_run(tmp_path, "o32-s0", 0, False, rng, delta="fp32-o")  # an internal name: the legend must not use it
     runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
     fig = headline(runs, runs, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["--preset tiny --fix off --delta-fp32: 1 run: no collapse in 390 steps",
+    assert texts == ["--preset tiny --fix off --delta fp32-o: 1 run: no collapse in 390 steps",
                      "--preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps",
                      "median of an arm's lines, while all of them (at least 3) are alive", "collapse",
                      "a run's end without a collapse (right)"]
@@ -506,8 +513,8 @@ def test_labels_and_colours(tmp_path):
     rng = np.random.default_rng(0)
     for name, seed, settings in (("off-s0", 0, {}), ("off-s1", 1, {}), ("b3-s0", 0, dict(mantissa_bits=3)),
                                  ("on-s0", 0, dict(fix="on")), ("paper-s0", 0, dict(fix="paper")),
-                                 ("fp32-s0", 0, dict(attn="fp32")), ("dfp32-s0", 0, dict(delta_fp32=True)),
-                                 ("dp-s0", 0, dict(delta_from_p=True))):
+                                 ("fp32-s0", 0, dict(attn="fp32")), ("dfp32-s0", 0, dict(delta="fp32-o")),
+                                 ("dp-s0", 0, dict(delta_from_p=True))):   # (dp-s0: an older run's spelling)
         write_run(tmp_path, name, seed, False, rng, **settings)
     write_run(tmp_path / "again", "off-s0", 0, False, rng)
     runs = [load_run(p) for p in sorted(tmp_path.iterdir()) if p.name != "again"] + [
@@ -569,7 +576,7 @@ def test_mechanism_worked_example():
 def test_mechanism_tied_rows_bias():
     results = mechanism.tied_rows_experiment(mechanism.emulate_attention, mechanism.emulate_forward_fp32, "cpu",
                                              ties=(2,), rows=1024)
-    (off, se_off), (shifted, _) = (mechanism.stats(results["paper", fix, 2][0]) for fix in ("off", "paper"))
+    (off, se_off), (shifted, _) = (mechanism.stats(results["autocast", fix, 2][0]) for fix in ("off", "paper"))
     # experiments.tied's rows, as in tests/test_mechanism.py: with the fix off the two tied P entries are exactly 1,
     # so the bf16 sums of P V sit on rounding midpoints and the tiny, mostly negative terms from the other keys
     # (V ~ N(-1, 0.5)) tip them away from zero: O is pushed negative, by many standard errors, and the shift
@@ -583,7 +590,7 @@ def test_mechanism_fix_on_reads_the_fp32_o():
     g = torch.Generator().manual_seed(0)
     q, k, v = mechanism.tied_rows(128, 2, generator=g)
     do = mechanism.grad_out(v.shape, generator=g)
-    o32 = mechanism.emulate_forward_fp32(q, k, v, causal=False, fix=True)
+    o32 = mechanism.emulate_forward_fp32(q, k, v, causal=False, fix="on")
     by_hand = (do.float() * o32).sum(-1).double() - (do.double() * mechanism.reference(q, k, v)).sum(-1)
     for fix, same in (("on", True), ("paper", False)):
         _, err = mechanism.delta_errors(mechanism.emulate_attention, mechanism.emulate_forward_fp32, q, k, v, do,

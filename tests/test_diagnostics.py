@@ -104,9 +104,9 @@ def test_tie_rate_counts_near_ties_only():
     assert tie_rate.max().item() < 0.05
 
 
-def test_tie_rate_sees_the_paper_precisions_rounded_scores():
+def test_tie_rate_sees_the_autocast_precisions_rounded_scores():
     """Keys 0 and 1 score 10.0 and 10.02 (q.k = 80 and 80.16, d = 64): 0.02 apart in fp32, more than the tie
-    tolerance, but the "paper" precision rounds q.k to bf16 (80 both) before the scale, so the kernel ties them."""
+    tolerance, but the "autocast" precision rounds q.k to bf16 (80 both) before the scale, so the kernel ties them."""
     T, D = 16, 64
     q = torch.ones(1, 1, T, D, dtype=torch.bfloat16)
     k = torch.zeros(1, 1, T, D, dtype=torch.bfloat16)
@@ -114,10 +114,10 @@ def test_tie_rate_sees_the_paper_precisions_rounded_scores():
     k[:, :, 1, 0] = 1.41   # bf16 1.4140625: q.k1 = 80.164
     v = torch.randn(1, 1, T, D, generator=torch.Generator().manual_seed(4)).bfloat16()
     O = reference_attention(q, k, v)
-    stats = {p: attention_stats(q, k, v, O, torch.ones_like(O), precision=p) for p in ("fa2", "paper")}
+    stats = {p: attention_stats(q, k, v, O, torch.ones_like(O), precision=p) for p in ("fa2", "autocast")}
     assert stats["fa2"][1].item() == 0.0
-    assert stats["paper"][1].item() == (T - 1) / T   # every row that sees both keys
-    assert stats["paper"][0] == stats["fa2"][0]        # the max logit stays the fp32 score's (10.02)
+    assert stats["autocast"][1].item() == (T - 1) / T   # every row that sees both keys
+    assert stats["autocast"][0] == stats["fa2"][0]        # the max logit stays the fp32 score's (10.02)
 
 
 def test_sharp_rate_counts_rows_with_one_dominant_key():

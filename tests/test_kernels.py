@@ -6,6 +6,7 @@ bitwise tests are skipped: tensor cores and the GPU's exp2 differ from float64-r
 """
 import math
 import os
+import re
 from fractions import Fraction
 import subprocess
 import sys
@@ -89,28 +90,28 @@ SHAPES = [(1, 2, 130, 64), (2, 1, 1, 16), (1, 3, 77, 32), (1, 1, 200, 128), (1, 
 
 @requires_interpreter
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
-@pytest.mark.parametrize("fix", [False, True])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
+@pytest.mark.parametrize("fix", ["off", "on"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisoned):
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
-    o, lse, _ = kernels.forward(q, k, v, causal=causal, fix=fix, numerics=Numerics(precision=precision), delta="O")
-    o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix, Numerics(precision=precision))
+    o, lse, _ = kernels.forward(q, k, v, causal=causal, fix=fix, numerics=Numerics(precision=precision), delta="o")
+    o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix != "off", Numerics(precision=precision))
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
 
 
 @requires_interpreter
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     """With 128-row query tiles (the GPU's) some rows meet key tiles that are fully masked for them."""
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
-    for fix in (False, True):
+    for fix in ("off", "on"):
         with kernels.tuned(fwd={64: (128, 4, 1)}):
-            o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=Numerics(precision=precision), delta="O")
-        o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, Numerics(precision=precision))
+            o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=Numerics(precision=precision), delta="o")
+        o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix != "off", Numerics(precision=precision))
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
 
 
@@ -121,40 +122,40 @@ def test_forward_candidate_settings_keep_the_bits_and_leave_the_tuning():
     from experiments.forward_split import FwdConfig, forward_config
     before = dict(kernels.FWD_TUNING), kernels.TILE_N, kernels._fwd_kernel
     q, k, v = rand((1, 2, 300, 128), scale=3.0), rand((1, 2, 300, 128)), rand((1, 2, 300, 128))
-    for shift, delta in ((False, "O"), (True, "O"), (True, "fp32 O")):
-        reference = kernels.forward(q, k, v, fix=shift, delta=delta)
+    for fix in ("off", "paper", "on"):
+        reference = kernels.forward(q, k, v, fix=fix)
         for config in (FwdConfig(64, 4, 1, 168), FwdConfig(128, 8, 2, 128)):
             with forward_config(128, config):
-                out = kernels.forward(q, k, v, fix=shift, delta=delta)
-            assert all(torch.equal(a, b) for a, b in zip(out, reference)), (config, shift, delta)
+                out = kernels.forward(q, k, v, fix=fix)
+            assert all(torch.equal(a, b) for a, b in zip(out, reference)), (config, fix)
     assert (dict(kernels.FWD_TUNING), kernels.TILE_N, kernels._fwd_kernel) == before
     assert FwdConfig.parse("128/8/2/block_n=32/maxnreg=128") == FwdConfig(128, 8, 2, 128, 32)
     assert str(FwdConfig(128, 8, 2, 128, 32)) == "128/8/2/maxnreg=128/block_n=32"
 
 
 @requires_interpreter
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
-@pytest.mark.parametrize("fix", [False, True])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
+@pytest.mark.parametrize("fix", ["off", "on"])
 @pytest.mark.parametrize("amplify", ["p", "vo"])
 def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     """The amplifier (P rounded to 3 mantissa bits before P V, as in FP8 e4m3 attention; or O before its store)
-    is emulated exactly, and so is the fp32 O that delta_fp32 keeps (rounded to O_BITS with "vo", not cast)."""
+    is emulated exactly, and so is the fp32 O that delta "fp32-o" keeps (rounded to O_BITS with "vo", not cast)."""
     q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 9, :]
     numerics = Numerics(precision=precision, mantissa_bits=3, amplify=amplify)
-    o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="O")
-    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix, numerics)
+    o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="o")
+    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix != "off", numerics)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
-    o_bf16, _, _ = emulate.forward(q, k, v, True, fix, Numerics(precision=precision))
+    o_bf16, _, _ = emulate.forward(q, k, v, True, fix != "off", Numerics(precision=precision))
     assert not torch.equal(o, o_bf16), "the amplifier must change the result"
-    o32 = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="fp32 O").o_delta
-    assert torch.equal(o32, emulate.forward(q, k, v, True, fix, numerics)[1])
+    o32 = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="fp32-o").o_delta
+    assert torch.equal(o32, emulate.forward(q, k, v, True, fix != "off", numerics)[1])
 
 
 # -------------------------------------------------------------------------------------------------------
 # Gradients: bit for bit against the emulation, with delta from O, from P (the paper's control) or from an fp32 O
 
-DELTAS = {"O": Numerics(), "P": Numerics(delta_from_p=True), "fp32 O": Numerics(delta_fp32=True)}
+DELTAS = {delta: Numerics(delta=delta) for delta in ("o", "p", "fp32-o")}
 
 def grads(attention, q, k, v, do, **kw):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -164,28 +165,28 @@ def grads(attention, q, k, v, do, **kw):
 
 @requires_interpreter
 @pytest.mark.parametrize("shape", [(1, 2, 100, 64), (2, 1, 130, 32)])
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("delta_from", list(DELTAS))
 def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from, poisoned):
     """delta itself first: the gradients show its last bits only where they tip a rounding of dS to bf16."""
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     numerics = replace(DELTAS[delta_from], precision=precision)
-    o, lse, o32 = kernels.forward(q, k, v, causal=causal, numerics=numerics)
+    o, lse, o32 = kernels.forward(q, k, v, causal=causal, fix="off", numerics=numerics)
     o_want, o32_want, _ = emulate.forward(q, k, v, causal, False, numerics)
     assert torch.equal(o, o_want)                         # the returned O is the same with every delta
-    if delta_from == "fp32 O":
-        assert torch.equal(o32, o32_want)                 # delta_fp32 keeps O before its cast for delta
+    if delta_from == "fp32-o":
+        assert torch.equal(o32, o32_want)                 # delta "fp32-o" keeps O before its cast for delta
         o = o32
-    delta = kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from == "P")
-    assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from == "P"))
-    ours = grads(kernels.flash_attention, q, k, v, do, causal=causal, numerics=numerics)
-    want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, numerics=numerics)
+    delta = kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from == "p")
+    assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from == "p"))
+    ours = grads(kernels.flash_attention, q, k, v, do, causal=causal, fix="off", numerics=numerics)
+    want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, fix="off", numerics=numerics)
     for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
         assert a.dtype == q.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
             f"{name} differs from the emulation"
-    other = grads(emulate.emulate_attention, q, k, v, do, causal=causal,
-                  numerics=replace(DELTAS["P" if delta_from == "O" else "O"], precision=precision))
+    other = grads(emulate.emulate_attention, q, k, v, do, causal=causal, fix="off",
+                  numerics=replace(DELTAS["p" if delta_from == "o" else "o"], precision=precision))
     assert not torch.equal(ours[0], other[0]), "two ways of computing delta must give different bits here"
 
 
@@ -198,11 +199,11 @@ def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through()
     assert not torch.equal(v3, v)
     vo = Numerics(mantissa_bits=3, amplify="vo")
     for attention in (kernels.flash_attention, emulate.emulate_attention):
-        ours = grads(attention, q, k, v, do, numerics=vo)
-        on_v3 = grads(attention, q, k, v3, do, numerics=vo)
+        ours = grads(attention, q, k, v, do, fix="off", numerics=vo)
+        on_v3 = grads(attention, q, k, v3, do, fix="off", numerics=vo)
         for name, a, b in zip(("dQ", "dK", "dV"), ours, on_v3):
             assert torch.equal(a, b), f"{attention.__name__}: {name} must equal the gradient at the rounded V"
-    plain = grads(kernels.flash_attention, q, k, v3, do)
+    plain = grads(kernels.flash_attention, q, k, v3, do, fix="off")
     assert not torch.equal(ours[0], plain[0]), "O rounded to 3 bits must change delta and so dQ"
 
 
@@ -234,8 +235,8 @@ def test_dq_by_tma_where_the_gpu_has_it(monkeypatch):
 
 @requires_interpreter
 @pytest.mark.parametrize("shape", [(1, 2, 130, 64), (2, 1, 77, 32)])
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
-@pytest.mark.parametrize("fix", [False, True])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
+@pytest.mark.parametrize("fix", ["off", "on"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_one_pass_gradients_bitwise_equal_emulation(shape, precision, fix, causal, dq_tma, poisoned):
     """dQ, dK, dV of the one-pass backward, bit for bit against the emulation of its summation order
@@ -265,10 +266,11 @@ def test_gradients_bitwise_equal_emulation_at_every_tuning(D, deterministic, tma
     monkeypatch.setattr(kernels, "DQ_TMA", tma)
     shape = (1, 2, 300, D)
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    for precision in ("fa2", "paper"):
+    for precision in ("fa2", "autocast"):
         numerics = Numerics(precision=precision)
-        ours = grads(kernels.flash_attention, q, k, v, do, numerics=numerics, deterministic=deterministic)
-        want = grads(emulate.emulate_attention, q, k, v, do, numerics=numerics, deterministic=deterministic)
+        ours = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=numerics, deterministic=deterministic)
+        want = grads(emulate.emulate_attention, q, k, v, do, fix="off", numerics=numerics,
+                     deterministic=deterministic)
         for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{precision}: {name} differs"
 
@@ -284,15 +286,15 @@ def test_one_pass_equals_two_pass_under_the_interpreter(delta_from, dtype, poiso
     shape = (1, 2, 200, 64)                                       # 4 key tiles, the last one ragged
     assert kernels.ONE_PASS_TUNING[64][:2] == kernels.BWD_TUNING[64][:2]
     q, k, v, do = rand(shape, dtype, 2.0), rand(shape, dtype), rand(shape, dtype), rand(shape, dtype)
-    one = grads(kernels.flash_attention, q, k, v, do, numerics=DELTAS[delta_from], deterministic=False)
-    two = grads(kernels.flash_attention, q, k, v, do, numerics=DELTAS[delta_from])
+    one = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=DELTAS[delta_from], deterministic=False)
+    two = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=DELTAS[delta_from])
     for name, a, b in zip(("dQ", "dK", "dV"), one, two):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name}: one pass differs from two"
 
 
 @requires_interpreter
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision, dq_tma):
     """The fp32 buffer the atomics (or TMA reductions) fill, before its cast (where a difference of order is
@@ -301,7 +303,7 @@ def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision, dq_t
     d128); and the order decides those bits: the same shares summed from the last key tile down differ."""
     shape = (1, 2, 300, D)                                        # at least 3 key tiles, the last one ragged
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    o, lse, _ = kernels.forward(q, k, v, causal=causal, numerics=Numerics(precision=precision))
+    o, lse, _ = kernels.forward(q, k, v, causal=causal, fix="off", numerics=Numerics(precision=precision))
     (_, per_key), strides, meta = kernels._bwd_launch(q, k, v, o, causal, precision, deterministic=False)
     args = (q, k, v, do, lse, kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, False))
     dq_sum, dk, dv = torch.zeros_like(o, dtype=torch.float32), torch.empty_like(o), torch.empty_like(o)
@@ -327,13 +329,13 @@ def test_one_pass_gradients_against_float64(seed, dq_tma, poisoned):
     D = [16, 32, 64, 128][seed % 4]
     dtype = [torch.bfloat16, torch.float16][seed % 2]
     q, k, v = (rand((B, H, N, D), dtype, seed=seed * 3 + i) for i in range(3))
-    check_against_float64(q, k, v, seed % 3 != 0, fix=seed % 2 == 0, deterministic=False)
+    check_against_float64(q, k, v, seed % 3 != 0, fix="on" if seed % 2 == 0 else "off", deterministic=False)
 
 
 # -------------------------------------------------------------------------------------------------------
 # Forward and gradients against float64, within twice the error of plain bf16 attention
 
-def check_against_float64(q, k, v, causal, numerics=Numerics(), fix=False, attention=kernels.flash_attention,
+def check_against_float64(q, k, v, causal, numerics=Numerics(), fix="off", attention=kernels.flash_attention,
                           factor=2.0, autocast=False, deterministic=True):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     do = rand(q.shape, q.dtype)
@@ -380,21 +382,21 @@ def test_gradients_every_tuning_setting(N, D, deterministic, tma, monkeypatch, p
     check_against_float64(q, k, v, True, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
-@pytest.mark.parametrize("fix", [False, True])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
+@pytest.mark.parametrize("fix", ["off", "on"])
 def test_gradients_precision_modes(precision, fix):
     q, k, v = (rand((1, 2, 96, 64), scale=s) for s in (2.0, 1.0, 1.0))
     check_against_float64(q, k, v, True, Numerics(precision=precision), fix)
 
 
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 def test_gradients_autocast_large_logits(precision):
     """Row maxima of a few hundred nats. A backward that rounds S unlike the forward gets P = exp(S - lse)
     wrong by factors of e here (bf16 spacing is 1-2 at these logits) and fails by orders of magnitude."""
     q, k, v = rand((1, 2, 128, 64), scale=1.0), rand((1, 2, 128, 64)), rand((1, 2, 128, 64))
     q = q * (300 / (q @ k.transpose(-1, -2) / 8).amax())
     q = q.to(torch.bfloat16)
-    for fix in (False, True):
+    for fix in ("off", "on"):
         check_against_float64(q, k, v, True, Numerics(precision=precision), fix, autocast=True)
 
 
@@ -443,7 +445,7 @@ def test_runaway_logits(logit, exponent):
     half_ulp = 2.0 ** (math.floor(math.log2(logit * 1.01 * kernels.LOG2E)) - 24)
     p_ref = reference_probs(q.double(), k.double(), True)
     dv_bound = (2.0 ** half_ulp - 1) * (p_ref.transpose(-1, -2) @ do.double().abs()) + 1e-2 * ref_inputs[2].grad.abs().max()
-    for fix in (False, True):
+    for fix in ("off", "on"):
         for keys, values, exact in ((k, v, True), (tied_k, tied_v, False)):
             inputs = [t.clone().requires_grad_() for t in (q, keys, values)]
             o = kernels.flash_attention(*inputs, causal=True, fix=fix, numerics=Numerics(exponent=exponent))
@@ -504,7 +506,7 @@ def test_fma_rounds_once():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("fix", [False, True])
+@pytest.mark.parametrize("fix", ["off", "on"])
 def test_both_exponents_bitwise_equal_emulation(fix, poisoned):
     """Both forms of the exponent (kernels._exp2), forward and backward, bit for bit; with rows at logits ~1e6,
     where the fused form's P_max = 2^residue (up to 2^(1/16)), the two forms give different O, lse and dV."""
@@ -513,8 +515,8 @@ def test_both_exponents_bitwise_equal_emulation(fix, poisoned):
     results = {}
     for exponent in ("fma", "torch"):
         numerics = Numerics(exponent=exponent)
-        o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="O")
-        o_want, _, lse_want = emulate.forward(q, k, v, True, fix, numerics)
+        o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="o")
+        o_want, _, lse_want = emulate.forward(q, k, v, True, fix != "off", numerics)
         assert torch.equal(o.view(torch.int16), o_want.view(torch.int16)) and torch.equal(lse, lse_want), exponent
         ours = grads(kernels.flash_attention, q, k, v, do, fix=fix, numerics=numerics)
         want = grads(emulate.emulate_attention, q, k, v, do, fix=fix, numerics=numerics)
@@ -526,35 +528,36 @@ def test_both_exponents_bitwise_equal_emulation(fix, poisoned):
 
 def test_emulation_gradients_against_float64():
     q, k, v = (rand((2, 2, 70, 32)) for _ in range(3))
-    for precision in ("fa2", "paper"):
-        check_against_float64(q, k, v, True, Numerics(precision=precision), True, attention=emulate.emulate_attention)
+    for precision in ("fa2", "autocast"):
+        check_against_float64(q, k, v, True, Numerics(precision=precision), "on", attention=emulate.emulate_attention)
 
 
-@pytest.mark.parametrize("delta_from", ["P", "fp32 O"])
+@pytest.mark.parametrize("delta_from", ["p", "fp32-o"])
 def test_delta_controls_against_float64(delta_from):
     q, k, v = (rand((1, 2, 80, 64)) for _ in range(3))
-    for precision in ("fa2", "paper"):
+    for precision in ("fa2", "autocast"):
         check_against_float64(q, k, v, True, replace(DELTAS[delta_from], precision=precision))
 
 
 def test_delta_from_the_fp32_o_returns_the_plain_forward_in_q_layout():
-    """delta from the fp32 O (fix=True, or delta_fp32 alone) changes only what the backward reads: the O returned
-    is the one without it, bit for bit, in q's dtype and layout; and so is O with stochastic_o="delta"."""
+    """delta from the fp32 O (fix "on", or delta "fp32-o" alone) changes only what the backward reads: the O
+    returned is the one without it, bit for bit, in q's dtype and layout; and so is O with delta "stochastic-o"."""
     q, k, v = (rand((1, 37, 2, 32), seed=s).transpose(1, 2) for s in range(3))   # heads inside the sequence
-    for plain, options in ((dict(fix="paper"), dict(fix=True)), ({}, dict(numerics=Numerics(delta_fp32=True))),
-                           ({}, dict(numerics=Numerics(stochastic_o="delta")))):
+    off = dict(fix="off")
+    for plain, options in ((dict(fix="paper"), dict(fix="on")), (off, dict(off, numerics=Numerics(delta="fp32-o"))),
+                           (off, dict(off, numerics=Numerics(delta="stochastic-o")))):
         want = kernels.flash_attention(q, k, v, **plain)
         o = kernels.flash_attention(q, k, v, **options)
         assert o.dtype == q.dtype and o.stride() == want.stride() and torch.equal(o, want), options
 
 
-OPTIONS = {"fix": (True, {}), "paper rule": ("paper", {}), "SR forward": (False, dict(stochastic_o="forward")),
-           "SR delta": (False, dict(stochastic_o="delta")),
-           "SR forward, fp32 delta": (False, dict(stochastic_o="forward", delta_fp32=True))}
+OPTIONS = {"fix": ("on", {}), "paper rule": ("paper", {}), "SR forward": ("off", dict(stochastic_o="forward")),
+           "SR delta": ("off", dict(delta="stochastic-o")),
+           "SR forward, fp32 delta": ("off", dict(stochastic_o="forward", delta="fp32-o"))}
 
 
 @requires_interpreter
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_fix_and_stochastic_rounding_bitwise_equal_emulation(option, precision, poisoned):
     """O and the gradients of the complete fix, the paper's rule alone and the stochastic-rounding experiments, bit
@@ -578,29 +581,41 @@ def test_stochastic_forward_rounds_o_unbiased_within_one_step():
     the fp32 O itself; round-to-nearest is not unbiased in that sense element by element, but both stay within a
     step."""
     q, k, v = (rand((4, 2, 128, 64), seed=s) for s in range(3))
-    o32 = kernels.flash_forward_fp32(q, k, v).double()
+    o32 = kernels.flash_forward_fp32(q, k, v, fix="off").double()
     forward = Numerics(stochastic_o="forward")
-    draws = torch.stack([kernels.flash_attention(q, k, v, numerics=forward).double() for _ in range(8)])
+    draws = torch.stack([kernels.flash_attention(q, k, v, fix="off", numerics=forward).double() for _ in range(8)])
     step = (o32.abs() * 2.0 ** -7).clamp_min(1e-30)               # at least one bf16 step (2^-7 relative, or less)
     assert ((draws - o32).abs() <= step).all()
     assert not torch.equal(draws[0], draws[1]), "two draws should differ"
     err = (draws - o32) / step
     assert err.mean().abs() < 4 * err.std() / err.numel() ** 0.5
-    assert torch.equal(kernels.flash_attention(q, k, v).double(), o32.to(torch.bfloat16).double())
+    assert torch.equal(kernels.flash_attention(q, k, v, fix="off").double(), o32.to(torch.bfloat16).double())
 
 
 # -------------------------------------------------------------------------------------------------------
 # The fix: exact in real arithmetic, robust at the edges
 
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 def test_fix_changes_only_rounding(precision):
     q, k, v = (rand((2, 2, 150, 64)) for _ in range(3))
     k[..., 10, :] = k[..., 20, :]
-    o_off = kernels.flash_attention(q, k, v, fix=False, numerics=Numerics(precision=precision))
-    o_on = kernels.flash_attention(q, k, v, fix=True, numerics=Numerics(precision=precision))
+    o_off = kernels.flash_attention(q, k, v, fix="off", numerics=Numerics(precision=precision))
+    o_on = kernels.flash_attention(q, k, v, fix="on", numerics=Numerics(precision=precision))
     ref, _ = reference(q, k, v, True)
     assert rel(o_on, o_off) < 2 * max(rel(o_off, ref), rel(o_on, ref)) + 1e-6
-    assert rel(o_on, ref) < (2e-2 if precision == "paper" else 5e-3)
+    assert rel(o_on, ref) < (2e-2 if precision == "autocast" else 5e-3)
+
+
+def test_the_fix_is_on_by_default():
+    """flash_attention is a drop-in that trains through: without a fix argument it runs the complete fix (fix
+    "on": O and the gradients, bit for bit), not plain FlashAttention-2; and so does its emulation."""
+    q, k, v, do = (rand((1, 2, 100, 64)) for _ in range(4))
+    k[..., 7, :] = k[..., 3, :]                                   # exact ties, so the shift has work to do
+    for attention in (kernels.flash_attention, emulate.emulate_attention):
+        on, off, default = (grads(attention, q, k, v, do, **fix) for fix in (dict(fix="on"), dict(fix="off"), {}))
+        assert all(torch.equal(a, b) for a, b in zip(default, on)), attention.__name__
+        assert not all(torch.equal(a, b) for a, b in zip(default, off)), attention.__name__
+        assert torch.equal(attention(q, k, v), attention(q, k, v, fix="on")), attention.__name__
 
 
 def structured(logit, n_tied, n=130, d=64, all_equal=False):
@@ -621,14 +636,14 @@ def structured(logit, n_tied, n=130, d=64, all_equal=False):
 
 
 @pytest.mark.parametrize("logit", [1e4, 300.0, 90.0, 1.0, 1e-3, 0.0, -1e-3, -90.0, -300.0, -1e4])
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 def test_fix_adversarial_ties(logit, precision, poisoned):
     """Tied maxima at large and tiny logits of both signs, and all-equal rows: finite and close to float64.
     (The official rule, beta * max, gives 0/0 once a tied max passes ~87 nats.)"""
     for n_tied, all_equal in ((2, False), (7, False), (130, True)):
         q, k, v = structured(logit, n_tied, all_equal=all_equal)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        o = kernels.flash_attention(q, k, v, causal=False, fix=True, numerics=Numerics(precision=precision))
+        o = kernels.flash_attention(q, k, v, causal=False, fix="on", numerics=Numerics(precision=precision))
         o.backward(torch.ones_like(o))
         assert all(torch.isfinite(t).all() for t in (o, q.grad, k.grad, v.grad)), (logit, n_tied)
         ref, _ = reference(q, k, v, False)
@@ -639,7 +654,7 @@ def test_fix_adversarial_ties(logit, precision, poisoned):
 def test_fix_shift_stays_in_range_and_value_dependent():
     """The shift d = m' - r lies in [2^-6, 64) nats for every tied max, and depends on the max; a tile's max tied
     with an earlier tile's (t) counts as a tie, one 1 nat apart does not, and a fully masked tile is left alone."""
-    shift = lambda S, r, t: emulate.shifted_max(S, r, t, kernels.fix_constants("paper"))  # noqa: E731
+    shift = lambda S, r, t: emulate.shifted_max(S, r, t, kernels.fix_constants("autocast"))  # noqa: E731
     r = torch.tensor([-1e4, -300.0, -87.0, -1.0, -1e-6, 0.0, 1e-6, 1e-3, 1.0, 63.0, 87.0, 300.0, 1e4])
     none = torch.full_like(r, -math.inf)                   # no earlier tile
     S = torch.stack([r, r, r - 5], -1)                     # two exact ties per row
@@ -667,7 +682,7 @@ def _shifted_max_kernel(S, T, M, T_NEW, BLOCK: tl.constexpr, COLS: tl.constexpr,
 
 @requires_interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered in fmod")   # the -inf rows' d, never used
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
 def test_shifted_max_equals_emulation_on_adversarial_rows(precision):
     """The kernel's _shifted_max, bit for bit against the emulation's, on rows of exact and near ties (within
     tol and just outside), maxima of 0, tiny, moderate, large (past 2^21 spans of the fold, ~10^8) and huge,
@@ -706,7 +721,7 @@ def _fold_kernel(D, OUT, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
 
 @requires_interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered in fmod")   # d = inf, as in the kernel
-@pytest.mark.parametrize("precision, p_bits", [("fa2", 0), ("paper", 0), ("fa2", 1), ("paper", 3)])
+@pytest.mark.parametrize("precision, p_bits", [("fa2", 0), ("autocast", 0), ("fa2", 1), ("autocast", 3)])
 def test_fold_without_division_is_fmod(precision, p_bits):
     """_fold (lo + fmod(d, span) by a float64 floor, no division) against the emulation's lo + torch.fmod, bit for
     bit below 2^27 spans: at the multiples of span and the float32 values next to them, where the quotient is
@@ -755,31 +770,35 @@ def test_bad_input():
     with pytest.raises(ValueError, match="contiguous"):
         wide = rand((1, 2, 16, 128))[..., ::2]
         kernels.flash_attention(wide, wide, wide)
-    with pytest.raises(ValueError, match="precision"):
-        Numerics(precision="fp8")
+    for precision in ("fp8", "paper"):   # ("paper" is the fix's word: the paper's rounding points are "autocast")
+        with pytest.raises(ValueError, match="precision"):
+            Numerics(precision=precision)
     with pytest.raises(ValueError, match="mantissa_bits"):
         Numerics(mantissa_bits=7)
     with pytest.raises(ValueError, match="mantissa_bits"):
         Numerics(mantissa_bits=True)
     with pytest.raises(ValueError, match="amplify"):
         Numerics(mantissa_bits=3, amplify="o")
-    with pytest.raises(ValueError, match="delta_fp32"):
-        Numerics(delta_fp32="yes")
+    for delta in ("yes", "O", True):
+        with pytest.raises(ValueError, match="delta must be"):
+            Numerics(delta=delta)
     with pytest.raises(ValueError, match="choose one"):
-        Numerics(delta_from_p=True, delta_fp32=True)
-    with pytest.raises(ValueError, match="choose one"):
-        kernels.flash_attention(q, q, q, fix=True, numerics=Numerics(delta_from_p=True))
-    with pytest.raises(ValueError, match="choose one"):
-        Numerics(stochastic_o="delta", delta_fp32=True)
-    for fix in ("on", 1, None):
-        with pytest.raises(ValueError, match="fix must be"):
+        Numerics(stochastic_o="forward", delta="stochastic-o")
+    for delta in ("p", "stochastic-o"):
+        for attention in (kernels.flash_attention, emulate.emulate_attention):
+            with pytest.raises(ValueError, match="choose one"):
+                attention(q, q, q, fix="on", numerics=Numerics(delta=delta))
+    for fix in (True, False, 1, None, "yes"):
+        with pytest.raises(ValueError, match=re.escape(f'fix must be "off", "on" or "paper", got {fix!r}')):
             kernels.flash_attention(q, q, q, fix=fix)
     with pytest.raises(ValueError, match="deterministic must be"):
         kernels.flash_attention(q, q, q, deterministic="no")
-    with pytest.raises(ValueError, match="stochastic_o"):
-        Numerics(stochastic_o="up")
-    with pytest.raises(TypeError, match="bfloat16"):
-        kernels.flash_attention(q.half(), q.half(), q.half(), numerics=Numerics(stochastic_o="forward"))
+    for stochastic_o in ("up", "delta"):   # ("delta": delta="stochastic-o")
+        with pytest.raises(ValueError, match="stochastic_o"):
+            Numerics(stochastic_o=stochastic_o)
+    for numerics in (Numerics(stochastic_o="forward"), Numerics(delta="stochastic-o")):
+        with pytest.raises(TypeError, match="bfloat16"):
+            kernels.flash_attention(q.half(), q.half(), q.half(), fix="off", numerics=numerics)
     with pytest.raises(TypeError, match="torch.Tensor"):
         kernels.flash_attention(q.tolist(), q, q)
 
@@ -830,7 +849,7 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, 
         t = rand((2, 70, 3, 32), seed=seed).transpose(1, 2) if seq_major else rand((2, 3, 70, 32), seed=seed)
         return t.requires_grad_()
     q, k, v = inputs(0), inputs(1), inputs(2)
-    o = kernels.flash_attention(q, k, v, deterministic=deterministic)
+    o = kernels.flash_attention(q, k, v, fix="off", deterministic=deterministic)
     assert o.transpose(1, 2).is_contiguous() == seq_major and o.is_contiguous() == (not seq_major)
     do = rand((2, 3, 70, 32), seed=3)
     o.backward(do if seq_major else do.transpose(1, 2).contiguous().transpose(1, 2))  # dO in the other layout
@@ -840,7 +859,7 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, 
     for t, r in zip((q, k, v), leaves):
         assert t.grad.stride() == o.stride() and rel(t.grad, r.grad) < 1e-2
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    kernels.flash_attention(q2, k2, v2, deterministic=deterministic).float().sum().backward()  # dO: stride 0
+    kernels.flash_attention(q2, k2, v2, fix="off", deterministic=deterministic).float().sum().backward()  # dO: stride 0
     ref2, leaves2 = reference(q2, k2, v2, True)
     ref2.sum().backward()
     for t, r in zip((q2, k2, v2), leaves2):
@@ -848,15 +867,15 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, 
 
 
 @pytest.mark.parametrize("seq_major", [True, False])
-@pytest.mark.parametrize("delta, stochastic", [("O", False), ("fp32 O", False), ("stochastic O", False),
-                                               ("O", True), ("fp32 O", True)])
+@pytest.mark.parametrize("delta, stochastic", [("o", False), ("fp32-o", False), ("stochastic-o", False),
+                                               ("o", True), ("fp32-o", True)])
 def test_custom_ops_pass_torch_opcheck(seq_major, delta, stochastic):
     """torch's own check of a custom op: schema, autograd registration, and fake (meta) outputs whose shapes,
     strides and dtypes match the real ones, which torch.compile relies on."""
     q, k, v = (rand((1, 20, 2, 16), seed=s).transpose(1, 2) if seq_major else rand((1, 2, 20, 16), seed=s)
                for s in range(3))
     fwd_args = (q, k, v, True, True, delta, "fa2", 0, 0, stochastic)
-    if stochastic or delta == "stochastic O":   # opcheck compares two calls: the same draws each time
+    if stochastic or delta == "stochastic-o":   # opcheck compares two calls: the same draws each time
         torch.library.opcheck(kernels._flash_fwd, fwd_args, test_utils=("test_schema", "test_faketensor",
                                                                         "test_autograd_registration"))
         return
@@ -868,14 +887,14 @@ def test_custom_ops_pass_torch_opcheck(seq_major, delta, stochastic):
                                                    deterministic))
 
 
-@pytest.mark.parametrize("amplify, delta_fp32", [("p", False), ("vo", False), ("p", True)])
-def test_torch_compile_traces_through_the_op(amplify, delta_fp32):
+@pytest.mark.parametrize("amplify, delta", [("p", "o"), ("vo", "o"), ("p", "fp32-o")])
+def test_torch_compile_traces_through_the_op(amplify, delta):
     """train.py compiles the model: the custom ops' fake implementations must accept exactly what the ops do,
     or dynamo logs an error, breaks the graph and runs that part eagerly (at half the speed, silently)."""
     q, k, v = (rand((1, 2, 70, 32), seed=s).requires_grad_() for s in range(3))
-    numerics = Numerics(mantissa_bits=3, amplify=amplify, delta_fp32=delta_fp32)
+    numerics = Numerics(mantissa_bits=3, amplify=amplify, delta=delta)
     def f(q, k, v):
-        return kernels.flash_attention(q, k, v, fix=True, numerics=numerics)
+        return kernels.flash_attention(q, k, v, fix="on", numerics=numerics)
     torch._dynamo.reset()
     o = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
     o.float().square().sum().backward()

@@ -10,14 +10,14 @@ Rows are independent apart from sharing V within a block of 64 (a per-block stan
 
 Measured with the emulation (bit-identical to the kernel under the interpreter), 16384 rows, mean error of O:
 
-    mode   k  fix off               fix on                off/on
-    paper  2  -1.04e-3 (se 1.7e-6)  -7.6e-5 (se 2.7e-6)   14
-    paper  4  -3.6e-4  (se 1.7e-6)  -5.7e-5 (se 2.7e-6)   6.4
-    paper  8  -1.2e-4               -6.2e-5               1.9   (not asserted)
-    paper 16  -3.2e-5               -7.7e-5               0.4   (fix on is worse; not asserted)
-    paper  3  -5.8e-4               +8.7e-4 (se 1.3e-5)   0.7   (fix flips the sign: xfail below)
-    fa2    2  +3.9e-4 (se 1.9e-6)   -4.9e-5 (se 1.3e-5)   8
-    fa2    4  +1.1e-4               -2.1e-5 (se 1.3e-5)   5
+    mode      k  fix off               fix on                off/on
+    autocast  2  -1.04e-3 (se 1.7e-6)  -7.6e-5 (se 2.7e-6)   14
+    autocast  4  -3.6e-4  (se 1.7e-6)  -5.7e-5 (se 2.7e-6)   6.4
+    autocast  8  -1.2e-4               -6.2e-5               1.9   (not asserted)
+    autocast 16  -3.2e-5               -7.7e-5               0.4   (fix on is worse; not asserted)
+    autocast  3  -5.8e-4               +8.7e-4 (se 1.3e-5)   0.7   (fix flips the sign: xfail below)
+    fa2       2  +3.9e-4 (se 1.9e-6)   -4.9e-5 (se 1.3e-5)   8
+    fa2       4  +1.1e-4               -2.1e-5 (se 1.3e-5)   5
     k = 1 (no tie, the fix does nothing): -4.6e-7 in both modes.
     fa2, P at 3 bits (the amplifier), k = 2: exact ties +3.8e-4 off, +1.5e-3 on (the fix is worse: exp(-d) rounded
     to 3 bits has a relative error of up to 6% whose mean over d is not zero); near-ties within 2^-5 nats
@@ -25,16 +25,16 @@ Measured with the emulation (bit-identical to the kernel under the interpreter),
     delta follows O (about 64x larger: dO ~ 1 summed over 64 features).
 
 Thresholds, checked over 30 seeds at 1024 rows with the emulation (worst seed in brackets):
-  paper, k = 2 and 4, fix off: mean < 0 (away from zero, as the paper predicts) and |mean| > 5 s.e. [t = 50]
-  paper, k = 2 and 4, fix on:  |mean| at least 3x smaller                                           [4.2x]
+  autocast, k = 2 and 4, fix off: mean < 0 (away from zero, as the paper predicts) and |mean| > 5 s.e. [t = 50]
+  autocast, k = 2 and 4, fix on:  |mean| at least 3x smaller                                           [4.2x]
   fa2, k = 2: fix off mean > 0 (TOWARD zero: the sign differs) and > 5 s.e. [t = 48]; fix on 3x smaller [3.9x]
 The same holds for delta (worst seeds: t = 43, factors 4.4 / 3.9).
 
-Why, in one line each (measured by switching single rounding points off in a copy of the paper forward):
-  paper, fix off: P = 1 for the tied keys, so P V = (sum of k bf16 values of V) + tiny sum of P_j v_j < 0; the
+Why, in one line each (measured by switching single rounding points off in a copy of the autocast forward):
+  autocast, fix off: P = 1 for the tied keys, so P V = (sum of k bf16 values of V) + tiny sum of P_j v_j < 0; the
     first part lands on bf16 midpoints and the tiny negative part tips them away from zero, at the P V rounding
     and again at the final O rounding (k = 2: either one alone gives the full -1.0e-3).
-  paper, fix on, k = 3, 5, 6, 7, 12 (fix on +8.7e-4, +4.5e-4, +8.7e-4, +3.4e-4, +8.7e-4 against fix off
+  autocast, fix on, k = 3, 5, 6, 7, 12 (fix on +8.7e-4, +4.5e-4, +8.7e-4, +3.4e-4, +8.7e-4 against fix off
     -5.8e-4, -2.6e-4, -2.0e-4, -1.8e-4, -8.2e-5; 4096 rows, se <= 2.6e-5):
     the tied P are one bf16 value c < 1 and rowsum(P) = k c + (tiny, positive);
     k c lands on bf16 midpoints when k is not a power of two, and the positive tail always tips l UP, so O is
@@ -45,7 +45,7 @@ Why, in one line each (measured by switching single rounding points off in a cop
     mean of V; our reading: midpoints at larger |O| (larger ulp) tip toward zero, so the net is positive (53% of
     half-ulp midpoints round toward zero; the sign stayed positive for V ~ N(-0.75, 0.5) and N(-3, 1)).
 With the other keys only 1-8 nats below (gap_range=(1, 8)), their P are not tiny, and no clean tie bias shows:
-paper mode is then biased for k = 1 as well and the fix does not reduce it.
+autocast mode is then biased for k = 1 as well and the fix does not reduce it.
 """
 import functools
 
@@ -79,10 +79,10 @@ def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys
     numerics = Numerics(precision=precision, mantissa_bits=mantissa_bits, amplify=amplify)
     v = kernels.amplified_v(v, numerics.o_bits)            # "vo": the float64 reference gets the rounded V too
     o = kernels.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=False, fix=fix, numerics=numerics,
-                        delta="O").o
+                        delta="o").o
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
-        want = emulate.forward(q, k, v, False, fix, numerics)[0]
+        want = emulate.forward(q, k, v, False, fix != "off", numerics)[0]
         assert torch.equal(o, want)
     tied = slice(0, q.shape[-1])            # the tied rows (n_keys > head_dim pads q with zero rows)
     o, o64, do = o[..., tied, :].double(), reference(q, k, v)[..., tied, :], do[..., tied, :].double()
@@ -130,15 +130,15 @@ def test_the_papers_worked_example():
 
 @pytest.mark.parametrize("what", [0, 1], ids=["O", "delta"])
 @pytest.mark.parametrize("n_tied", [2, 4])
-def test_paper_tied_rows_biased_away_from_zero_and_fix_removes_it(n_tied, what):
-    (m_off, se_off), (m_on, _) = measure("paper", n_tied, False)[what], measure("paper", n_tied, True)[what]
+def test_autocast_tied_rows_biased_away_from_zero_and_fix_removes_it(n_tied, what):
+    (m_off, se_off), (m_on, _) = measure("autocast", n_tied, "off")[what], measure("autocast", n_tied, "on")[what]
     assert m_off < -T_MIN * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed (negative)"
     assert abs(m_on) * FACTOR < abs(m_off), f"fix on: mean {m_on:.2e} not {FACTOR}x below fix off {m_off:.2e}"
 
 
 @pytest.mark.parametrize("what", [0, 1], ids=["O", "delta"])
 def test_fa2_tied_rows_biased_toward_zero_and_fix_removes_it(what):
-    (m_off, se_off), (m_on, _) = measure("fa2", 2, False)[what], measure("fa2", 2, True)[what]
+    (m_off, se_off), (m_on, _) = measure("fa2", 2, "off")[what], measure("fa2", 2, "on")[what]
     assert m_off > T_MIN * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed (positive)"
     assert abs(m_on) * FACTOR < abs(m_off), f"fix on: mean {m_on:.2e} not {FACTOR}x below fix off {m_off:.2e}"
 
@@ -150,17 +150,17 @@ def test_ties_between_copies_of_one_key_carry_no_bias():
     -3.0e-7), tied keys with different values +3.8e-4: over 1,000x less. (The fix gives the copies +8e-6, s.e.
     3e-5; on 16x more rows +3.0e-5, s.e. 9e-6.) So the many ties of a model without positions (11-29% of layer-0
     rows in the tiny model) are not the paper's precondition; ties between different tokens are."""
-    (m_copies, se_copies), _ = measure("fa2", 2, False, copies=True)
-    (m_distinct, _), _ = measure("fa2", 2, False)
+    (m_copies, se_copies), _ = measure("fa2", 2, "off", copies=True)
+    (m_distinct, _), _ = measure("fa2", 2, "off")
     assert abs(m_copies) < max(T_MIN * se_copies, 1e-3 * abs(m_distinct)), (m_copies, se_copies)
     assert m_distinct > 1e3 * abs(m_copies), (m_distinct, m_copies)
 
 
-@pytest.mark.xfail(strict=True, reason="paper precision: with 3 tied maxima the fix makes rowsum(P) = 3c + tail "
+@pytest.mark.xfail(strict=True, reason="autocast precision: with 3 tied maxima the fix makes rowsum(P) = 3c + tail "
                    "land on bf16 midpoints that the positive tail tips up; O is then biased toward zero (+8.9e-4) "
                    "by more than the fix-off bias (-5.7e-4). Remove this mark once the fix handles it.")
-def test_paper_fix_with_three_tied_maxima():
-    (m_off, _), (m_on, _) = measure("paper", 3, False)[0], measure("paper", 3, True)[0]
+def test_autocast_fix_with_three_tied_maxima():
+    (m_off, _), (m_on, _) = measure("autocast", 3, "off")[0], measure("autocast", 3, "on")[0]
     assert abs(m_on) * FACTOR < abs(m_off)
 
 
@@ -169,10 +169,10 @@ def test_amplifier_near_ties_fix_widens_with_the_bits():
     second key up to 2^-5 nats below the max) bias O (-7.9e-3 over 1024 rows, 52 s.e.). The fix's tol and shift
     widen with the bits (kernels.fix_constants) and remove it (3 seeds: +1.1e-4 to +8.8e-4, within 1.3 s.e. of 0); with the bf16
     constants it changed nothing (-7.9e-3)."""
-    shift = kernels.fix_constants("paper", 3)
+    shift = kernels.fix_constants("autocast", 3)
     assert (shift.tol, shift.lo) == (2.0 ** -5, 2.0 ** -2)
     (m_off, se_off), (m_on, _) = (measure("fa2", 2, fix, mantissa_bits=3, tie_gap=2.0 ** -5)[0]
-                                  for fix in (False, True))
+                                  for fix in ("off", "on"))
     assert m_off < -T_MIN * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed (negative)"
     assert abs(m_on) * FACTOR < abs(m_off), f"fix on: mean {m_on:.2e} not {FACTOR}x below fix off {m_off:.2e}"
 
@@ -185,28 +185,28 @@ def test_vo_amplifier_scales_the_tie_bias_and_the_fix_removes_it():
     of its own, though: rows mixing two keys that are not tied (the second up to 2^-3 or 2^-1 nats below the max)
     get +4.4e-4 / +6.8e-4 at 3 bits, fix on or off, from O's own density across its binades (V ~ N(-1, 0.5)
     puts O near the edge at -1); in bf16 +1.2e-4 / -1e-5."""
-    (m3, se3), _ = measure("fa2", 2, False, mantissa_bits=3, amplify="vo")
-    (m7, _), _ = measure("fa2", 2, False)
-    (m5, _), _ = measure("fa2", 2, False, mantissa_bits=5, amplify="vo")
+    (m3, se3), _ = measure("fa2", 2, "off", mantissa_bits=3, amplify="vo")
+    (m7, _), _ = measure("fa2", 2, "off")
+    (m5, _), _ = measure("fa2", 2, "off", mantissa_bits=5, amplify="vo")
     assert m3 > T_MIN * se3 and 3 < m3 / m5 < 6 and 3 < m5 / m7 < 6, (m7, m5, m3)
-    (on, _), _ = measure("fa2", 2, True, mantissa_bits=3, amplify="vo")
+    (on, _), _ = measure("fa2", 2, "on", mantissa_bits=3, amplify="vo")
     assert abs(on) * FACTOR < m3, f"fix on: {on:.2e} against fix off {m3:.2e}"
-    (single, _), _ = measure("fa2", 1, False, mantissa_bits=3, amplify="vo")
+    (single, _), _ = measure("fa2", 1, "off", mantissa_bits=3, amplify="vo")
     assert abs(single) * 100 < m3, f"one max: {single:.2e} should carry no bias (2 tied: {m3:.2e})"
 
 
-@pytest.mark.parametrize("precision", ["paper", "fa2"])
+@pytest.mark.parametrize("precision", ["autocast", "fa2"])
 def test_ties_across_key_tiles_fix_removes_them(precision):
     """Two tied maxima anywhere among 256 keys (four 64-key tiles, as in training at context 256) share a tile
     only a quarter of the time, and the paper's per-tile rule does not see the rest. Measured with the emulation,
     1024 rows, 3 seeds (the per-tile rule by passing no earlier max to shifted_max):
       fa2 (the default mode): off +4.0e-4 (s.e. 8e-6); per-tile rule +2.5e-4..+3.0e-4; fix on -1e-5..-8e-5
         (s.e. 4e-5): ties across tiles carry most of the bias, and counting them removes it.
-      paper: off -2.5e-4..-2.6e-4, a quarter of the one-tile value (-1.04e-3): ties in different tiles add
+      autocast: off -2.5e-4..-2.6e-4, a quarter of the one-tile value (-1.04e-3): ties in different tiles add
         their bf16 P V sums at a midpoint with no tail left to tip it, so only the shared-tile quarter is
         biased; per-tile rule -1e-5..-3e-5; fix on -4e-5..-6e-5 (s.e. 1.2e-5), the one-tile fix's residual."""
-    (m_off, se_off), (m_on, _) = (measure(precision, 2, fix, n_keys=256)[0] for fix in (False, True))
-    sign = -1 if precision == "paper" else 1
+    (m_off, se_off), (m_on, _) = (measure(precision, 2, fix, n_keys=256)[0] for fix in ("off", "on"))
+    sign = -1 if precision == "autocast" else 1
     assert sign * m_off > T_MIN * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed"
     assert abs(m_on) * FACTOR < abs(m_off), f"fix on: mean {m_on:.2e} not {FACTOR}x below fix off {m_off:.2e}"
 
@@ -226,10 +226,10 @@ def sharp_inputs(seed):
 @functools.lru_cache(maxsize=None)
 def delta_error_with_fix(rows, fix, seed=0):
     """(mean, s.e.) of the error of the delta the backward reads, fa2, against float64: from the bf16 O (fix off,
-    the paper's rule) or from the fp32 O (fix=True), the forward run by the kernel."""
+    the paper's rule) or from the fp32 O (fix "on"), the forward run by the kernel."""
     q, k, v, do = sharp_inputs(seed) if rows == "sharp" else inputs(2, seed, 0.0)
     out = kernels.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=False, fix=fix)
-    read = (out.o_delta if fix is True else out.o).cpu().double()
+    read = (out.o_delta if fix == "on" else out.o).cpu().double()
     return mean_error((do.double() * read).sum(-1) - (do.double() * reference(q, k, v)).sum(-1))
 
 
@@ -238,37 +238,37 @@ def delta_error_with_fix(rows, fix, seed=0):
 def test_complete_fix_leaves_delta_unbiased_where_fix_off_is_not(rows, seed):
     """The complete fix (the shift, and delta from the fp32 O) on the two kinds of rows that bias delta, fa2.
     Mean error of delta (s.e.), 1024 rows, seeds 0 / 1:
-        rows    fix off                   fix=True                  the paper's rule alone
+        rows    fix off                   fix on                    the paper's rule alone
         tied    +2.45e-2 (5.6e-4), t=+44  +1.6e-3 (3.3e-3), t=+0.5  -2.1e-3 (3.3e-3), t=-0.6
                 +2.45e-2 (5.4e-4), t=+46  -4.6e-3 (3.4e-3), t=-1.4  -5.8e-3 (3.4e-3), t=-1.7
         sharp   -9.99e-4 (9.1e-6), t=-110 -3.9e-8 (2.1e-8), t=-1.9  -9.99e-4 (9.1e-6), t=-110
                 -9.90e-4 (8.9e-6), t=-112 -3.1e-8 (2.0e-8), t=-1.5  -9.90e-4 (8.9e-6), t=-112
     The paper's rule removes the tie bias but leaves the sharp rows' error whole: a sharp row has no tie to shift."""
-    m_off, se_off = delta_error_with_fix(rows, False, seed)
-    m_fix, se_fix = delta_error_with_fix(rows, True, seed)
+    m_off, se_off = delta_error_with_fix(rows, "off", seed)
+    m_fix, se_fix = delta_error_with_fix(rows, "on", seed)
     assert abs(m_off) > 10 * se_off, f"fix off: mean {m_off:.2e}, s.e. {se_off:.1e}: not one-signed"
-    assert abs(m_fix) < 3 * se_fix, f"fix=True: mean {m_fix:.2e}, s.e. {se_fix:.1e}: not within noise of zero"
+    assert abs(m_fix) < 3 * se_fix, f"fix on: mean {m_fix:.2e}, s.e. {se_fix:.1e}: not within noise of zero"
     assert abs(m_fix) * FACTOR < abs(m_off)
 
 
 def test_paper_rule_alone_leaves_the_sharp_rows_error():
-    m_off, _ = delta_error_with_fix("sharp", False)
+    m_off, _ = delta_error_with_fix("sharp", "off")
     m_paper, se_paper = delta_error_with_fix("sharp", "paper")
     assert abs(m_paper) > 10 * se_paper and m_paper == pytest.approx(m_off, rel=0.05)
 
 
 @pytest.mark.parametrize("rows", ["tied", "sharp"])
-def test_paper_precision_needs_delta_from_p(rows):
-    """In precision="paper" the accumulator is rounded to bf16 at every key tile, so the fp32 O that fix=True's delta
-    reads has already lost what the final cast would lose: on sharp rows its error is fix off's (-9.99e-4, t=-110),
-    on tied rows -2.0e-3 (t=-3.7). delta = rowsum(dP * P) / rowsum(P) (delta_from_p) never reads O: -1.0e-8 (t=-0.4)
-    and -5.9e-8 (t=-0.5). Seed 0, 1024 rows, the emulation (the kernel's numbers)."""
+def test_autocast_precision_needs_delta_from_p(rows):
+    """In precision="autocast" the accumulator is rounded to bf16 at every key tile, so the fp32 O that fix "on"'s
+    delta reads has already lost what the final cast would lose: on sharp rows its error is fix off's (-9.99e-4,
+    t=-110), on tied rows -2.0e-3 (t=-3.7). delta = rowsum(dP * P) / rowsum(P) (delta "p") never reads O: -1.0e-8
+    (t=-0.4) and -5.9e-8 (t=-0.5). Seed 0, 1024 rows, the emulation (the kernel's numbers)."""
     q, k, v, do = sharp_inputs(0) if rows == "sharp" else inputs(2, 0, 0.0)
     want = (do.double() * reference(q, k, v)).sum(-1)
-    _, o32, lse = emulate.forward(q, k, v, False, True, Numerics(precision="paper"))
-    m_fix, se_fix = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "paper").double() - want)
-    m_p, se_p = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "paper", from_p=True).double() - want)
-    assert abs(m_fix) > 3 * se_fix, f"fix=True in paper precision: mean {m_fix:.2e} (s.e. {se_fix:.1e})"
+    _, o32, lse = emulate.forward(q, k, v, False, True, Numerics(precision="autocast"))
+    m_fix, se_fix = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "autocast").double() - want)
+    m_p, se_p = mean_error(emulate.delta(q, k, v, o32, lse, do, False, "autocast", from_p=True).double() - want)
+    assert abs(m_fix) > 3 * se_fix, f"fix on in autocast precision: mean {m_fix:.2e} (s.e. {se_fix:.1e})"
     assert abs(m_p) < 3 * se_p and abs(m_p) * 100 < abs(m_fix), f"delta from P: {m_p:.2e} (s.e. {se_p:.1e})"
 
 
@@ -277,7 +277,7 @@ def delta_errors(precision, seed=0, mantissa_bits=0, tie_gap=0.0):
     """(mean, s.e.) of the error of delta against float64, fix off, k = 2, computed three ways (emulation, which
     under the interpreter is the kernel's backward bit for bit): rowsum(dO * O) from the bf16 O; the same from O
     before its final cast (an fp32 copy of O, the control this repo used before); rowsum(dP * P), P recomputed
-    from lse (delta_from_p, the paper's control; in "paper" divided by rowsum(P))."""
+    from lse (delta "p", the paper's control; in "autocast" divided by rowsum(P))."""
     q, k, v, do = inputs(2, seed, tie_gap)
     o, o32, lse = emulate.forward(q, k, v, False, False, Numerics(precision=precision, mantissa_bits=mantissa_bits))
     want = (do.double() * reference(q, k, v)).sum(-1)
@@ -286,11 +286,11 @@ def delta_errors(precision, seed=0, mantissa_bits=0, tie_gap=0.0):
 
 
 @pytest.mark.parametrize("precision, mantissa_bits, tie_gap", [("fa2", 0, 2.0 ** -9), ("fa2", 3, 2.0 ** -5),
-                                                               ("paper", 0, 0.0)],
-                         ids=["fa2-near-ties", "fa2-P3-near-ties", "paper-ties"])
+                                                               ("autocast", 0, 0.0)],
+                         ids=["fa2-near-ties", "fa2-P3-near-ties", "autocast-ties"])
 def test_delta_from_p_removes_the_bias_an_fp32_o_keeps(precision, mantissa_bits, tie_gap):
     """The localisation control must keep every rounding of the forward away from delta. An fp32 copy of O only
-    skips O's final cast: in "fa2" mode near-tied P rounded up to exactly 1.0 inside acc, and in "paper" mode
+    skips O's final cast: in "fa2" mode near-tied P rounded up to exactly 1.0 inside acc, and in "autocast" mode
     everything rounded in acc, still reach it. rowsum(dP * P) never reads O. Mean error of delta (1024 rows,
     seeds 0, 1, 2; s.e. in brackets):
 
@@ -299,15 +299,15 @@ def test_delta_from_p_removes_the_bias_an_fp32_o_keeps(precision, mantissa_bits,
                                   (1.2e-3)                     (6e-4)                       (1.4e-7)
       fa2, P at 3 bits, 2^-5      -0.504, -0.492, -0.512       -0.505, -0.494, -0.513       +4e-8, +8e-8, -2.0e-7
                                   (9.5e-3)                     (9.5e-3)                     (1.2e-7)
-      paper, exact ties           -6.71e-2, -6.61e-2, -6.69e-2 the same to 3 digits         -2.8e-7, -2.1e-7, -2.8e-7
+      autocast, exact ties        -6.71e-2, -6.61e-2, -6.69e-2 the same to 3 digits         -2.8e-7, -2.1e-7, -2.8e-7
                                   (4.9e-4)                     (4.9e-4)                     (1.1e-7)
       fa2, exact ties (no test)   +2.45e-2, +2.45e-2, +2.47e-2 -3.5e-7, -1.6e-7, -3.5e-7    -3.4e-7, +3.5e-7, -1.1e-6
                                   (5.6e-4)                     (9e-8)                       (3.7e-7)
 
     So an fp32 O removes the bias only where all of it comes from the final cast (fa2, exact ties). With near-ties
     in fa2 it keeps a bias the size of fix off's: with bf16 P of the other sign (fix off adds a positive final-cast
-    part to this negative P-rounding part), with P at 3 bits the same. In paper mode it changes nothing.
-    rowsum(dP * P) is within 3 s.e. (1.1e-6) of zero in fa2 mode. In paper mode, undivided, it kept -2.0e-3
+    part to this negative P-rounding part), with P at 3 bits the same. In autocast mode it changes nothing.
+    rowsum(dP * P) is within 3 s.e. (1.1e-6) of zero in fa2 mode. In autocast mode, undivided, it kept -2.0e-3
     (+5.5e-3 to +6.1e-3 with near-ties 2^-9), all of it from lse = m + log l, l and m rounded to bf16 in the forward,
     which makes rowsum(P) = 1 + 3e-5 here; divided by rowsum(P) it is -2.8e-7 (4e-9 of delta, ~64 here).
     Over 30 seeds (worst seed in brackets): the fp32-O error stays > 5 s.e. from zero [t = 11.9, 51, 122] and
@@ -330,8 +330,8 @@ def untied_errors(mantissa_bits, seed=0):
     o64 = reference(q, k, v, causal=True)
     want = (do.double() * o64).sum(-1)
     errors = []
-    for fix in (False, True):
-        o, _, lse = emulate.forward(q, k, v, True, fix, Numerics(mantissa_bits=mantissa_bits))
+    for shift in (False, True):   # the fix off and on (emulate.forward takes its shift)
+        o, _, lse = emulate.forward(q, k, v, True, shift, Numerics(mantissa_bits=mantissa_bits))
         errors.append(mean_error(o.double() - o64))
     errors += [mean_error(emulate.delta(q, k, v, o, lse, do, True, "fa2", from_p).double() - want)
                for from_p in (False, True)]

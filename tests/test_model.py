@@ -39,7 +39,7 @@ def qkv(logit_scale=1.0, B=2, H=2, T=64, D=32):
     return (q * logit_scale).bfloat16(), k.bfloat16(), v.bfloat16()
 
 
-@pytest.mark.parametrize("attn, fix", [("sdpa", False), ("emulate", False), ("emulate", True), ("kernel", True)])
+@pytest.mark.parametrize("attn, fix", [("sdpa", "off"), ("emulate", "off"), ("emulate", "on"), ("kernel", "on")])
 def test_backends_agree_with_fp32_reference(attn, fix):
     """Each backend against plain fp32 softmax attention; "kernel" is whatever computes it on this machine (on a
     CPU the emulation, on a GPU the Triton kernel), so this also checks what attn "kernel" runs here."""
@@ -81,10 +81,10 @@ def test_flops_per_token_matches_torchs_flop_counter():
 
 
 def test_delta_options_reach_the_backward_only():
-    """delta_fp32 and delta_from_p change the gradients the model gets (in their last bits), never the loss."""
+    """delta "fp32-o" and "p" change the gradients the model gets (in their last bits), never the loss."""
     x, y = batch(2)
     results = []
-    for numerics in (Numerics(), Numerics(delta_fp32=True), Numerics(delta_from_p=True)):
+    for numerics in (Numerics(), Numerics(delta="fp32-o"), Numerics(delta="p")):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**SMALL, attn="emulate", numerics=numerics))
         with BF16:
@@ -99,8 +99,9 @@ def test_delta_options_reach_the_backward_only():
 
 def test_kernel_options_need_our_kernel():
     """--fix on with torch's SDPA would silently train without the fix: refuse it, naming the option."""
-    for name, option in (("fix", dict(fix=True)), ("delta_fp32", dict(numerics=Numerics(delta_fp32=True))),
+    for name, option in (("fix", dict(fix="on")), ("fix", dict(fix="paper")),
+                         ("delta", dict(numerics=Numerics(delta="fp32-o"))),
                          ("mantissa_bits", dict(numerics=Numerics(mantissa_bits=3)))):
         with pytest.raises(ValueError, match=f"{name}: only our kernel"):
             GPT(GPTConfig(**SMALL, attn="sdpa", **option))
-    GPT(GPTConfig(**SMALL, attn="emulate", numerics=Numerics(delta_fp32=True)))   # fine
+    GPT(GPTConfig(**SMALL, attn="emulate", numerics=Numerics(delta="fp32-o")))   # fine

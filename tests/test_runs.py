@@ -1,7 +1,9 @@
-"""nanolp/runs.py: the git state a run records (train.py records the rest: tests/test_train.py), and what a
-log says of its run."""
+"""nanolp/runs.py: the git state a run records (train.py records the rest: tests/test_train.py), what a log says
+of its run, and a run recorded in older spellings read in today's."""
 
+import json
 import subprocess
+from pathlib import Path
 
 from nanolp import runs
 
@@ -29,3 +31,25 @@ def test_log_outcome_reads_a_log_as_train_py_summarises_it(tmp_path):
     (tmp_path / "summary.json").write_text('{"steps": 40, "final_val_loss": null}')
     run = runs.load_run(tmp_path)   # the summary's values where it has them, the log's elsewhere
     assert run.outcome["steps"] == 40 and run.outcome["final_val_loss"] == 2.9 and run.outcome["max_logit"] == 7.5
+
+
+def test_a_config_in_the_older_spellings_loads_in_todays(tmp_path):
+    """A committed run's config.json, as train.py wrote it before fix, delta and precision took today's spellings,
+    loads in today's: delta_from_p / delta_fp32 / stochastic_o "delta" as the one setting delta, precision "paper"
+    as "autocast", a fix that was a bool as "off" / "on"; the file itself is left as it was."""
+    committed = Path(__file__).resolve().parents[1] / "results" / "seed_study" / "runs" / "on-s0" / "config.json"
+    original = json.loads(committed.read_text())
+    assert original["delta_from_p"] is False and original["delta_fp32"] is False and "delta" not in original
+    loaded = runs.read_json(committed)
+    assert (loaded["fix"], loaded["precision"], loaded["delta"], loaded["stochastic_o"]) == ("on", "fa2", "o", "off")
+    assert loaded == {k: v for k, v in original.items() if k not in ("delta_from_p", "delta_fp32")} | dict(delta="o")
+    for old, new in ((dict(precision="paper", delta_from_p=True), dict(precision="autocast", delta="p")),
+                     (dict(fix=False, delta_fp32=True), dict(fix="off", delta="fp32-o")),
+                     (dict(fix=True, stochastic_o="delta"), dict(fix="on", stochastic_o="off", delta="stochastic-o"))):
+        (tmp_path / "config.json").write_text(json.dumps(original | old))
+        loaded = runs.read_json(tmp_path / "config.json")
+        assert "delta_from_p" not in loaded and "delta_fp32" not in loaded
+        assert {k: loaded[k] for k in ("fix", "precision", "delta", "stochastic_o")} == {
+            k: new.get(k, original.get(k, "o")) for k in ("fix", "precision", "delta", "stochastic_o")}, old
+        assert runs.read_json(tmp_path / "config.json") == runs.as_current(loaded)   # today's come back unchanged
+    assert json.loads(committed.read_text()) == original

@@ -12,7 +12,7 @@ import torch
 
 from experiments import sweep
 from nanolp import data
-from nanolp.runs import cell, load_run
+from nanolp.runs import as_current, cell, load_run
 
 # A stand-in for train.py: writes config.json (its flags), log.csv (a row every 10 steps, diagnostics every 100),
 # summary.json and device.txt (CUDA_VISIBLE_DEVICES, start and end time), after --sleep seconds.
@@ -98,9 +98,9 @@ def test_committed_studies():
     assert seed_study.min_steps == 150_000 and not seed_study.cpu_sized
     assert seed_study.arms["off"] == (["--fix", "off"], list(range(8)))
     assert seed_study.arms["on"] == (["--fix", "on"], list(range(8)))
-    assert seed_study.arms["paper-precision-on"] == (["--precision", "paper", "--fix", "on"], [0, 1, 2, 3])
+    assert seed_study.arms["paper-precision-on"] == (["--precision", "autocast", "--fix", "on"], [0, 1, 2, 3])
     rounding = sweep.load_study(sweep.STUDIES, "stochastic_rounding")
-    assert rounding.arms["delta"] == (["--fix", "off", "--stochastic-o", "delta"], [0, 1, 2])
+    assert rounding.arms["delta"] == (["--fix", "off", "--delta", "stochastic-o"], [0, 1, 2])
     probe = sweep.load_study(sweep.STUDIES, "delta_probe")
     assert (probe.min_steps, probe.arms) == (60_000, {"off": (["--fix", "off"], [0])})
 
@@ -113,17 +113,18 @@ def test_studies_file_format(tmp_path):
         common = "--preset tiny --lr 3e-3"
         [mini.arms]
         off = "--fix off"
-        dfp32 = { flags = "--delta-fp32 --data 'a b.txt'", seeds = [5] }
+        dfp32 = { flags = "--delta fp32-o --data 'a b.txt'", seeds = [5] }
         [other.arms]
         x = "--fix on"
     """)
     study = sweep.load_study(path, "mini")
     assert (study.name, study.min_steps, study.common) == ("mini", 1000, ["--preset", "tiny", "--lr", "3e-3"])
-    assert study.arms == {"off": (["--fix", "off"], [0, 1]), "dfp32": (["--delta-fp32", "--data", "a b.txt"], [5])}
+    assert study.arms == {"off": (["--fix", "off"], [0, 1]),
+                          "dfp32": (["--delta", "fp32-o", "--data", "a b.txt"], [5])}
     assert study.cpu_sized
     runs = study.runs(tmp_path / "out", tmp_path / "res")
     assert [run["name"] for run in runs] == ["off-s0", "off-s1", "dfp32-s5"]
-    assert runs[2]["flags"] == ["--preset", "tiny", "--lr", "3e-3", "--delta-fp32", "--data", "a b.txt",
+    assert runs[2]["flags"] == ["--preset", "tiny", "--lr", "3e-3", "--delta", "fp32-o", "--data", "a b.txt",
                                 "--steps", "1000"]
     assert runs[2]["kept"] == tmp_path / "res" / "runs" / "dfp32-s5"
 
@@ -161,16 +162,22 @@ def test_missing_studies_file(tmp_path):
 
 
 def test_flags_against_a_run_config(tmp_path):
-    assert sweep.flag_settings(["--fix", "on", "--lr=1e-3", "--delta-fp32", "--no-delta-from-p", "--lr", "-2"]) == \
-        dict(fix="on", lr="-2", delta_fp32=True, delta_from_p=False)
+    assert sweep.flag_settings(["--fix", "on", "--lr=1e-3", "--delta", "p", "--x", "--no-y", "--lr", "-2"]) == \
+        dict(fix="on", lr="-2", delta="p", x=True, y=False)
     run = tmp_path / "run"
     run.mkdir()
     assert sweep.contradiction(run, ["--fix", "on"]) == ""  # no config.json yet
-    (run / "config.json").write_text(json.dumps(dict(fix="on", lr=0.001, delta_fp32=False, batch_size=64)))
-    assert sweep.contradiction(run, ["--fix", "on", "--lr", "1e-3", "--no-delta-fp32", "--batch-size", "64"]) == ""
+    (run / "config.json").write_text(json.dumps(dict(fix="on", lr=0.001, delta="o", batch_size=64)))
+    assert sweep.contradiction(run, ["--fix", "on", "--lr", "1e-3", "--delta", "o", "--batch-size", "64"]) == ""
     assert "fix='on'" in sweep.contradiction(run, ["--fix", "paper"])
-    assert "delta_fp32" in sweep.contradiction(run, ["--delta-fp32"])
+    assert "delta='o'" in sweep.contradiction(run, ["--delta", "p"])
     assert "stochastic_o=None" in sweep.contradiction(run, ["--stochastic-o", "off"])  # an older run: no such key
+    # a run recorded in the older spellings (fix a bool, delta_fp32, precision "paper") reads in today's
+    (run / "config.json").write_text(json.dumps(dict(fix=True, delta_from_p=False, delta_fp32=True,
+                                                     stochastic_o="off", precision="paper")))
+    assert sweep.contradiction(run, ["--fix", "on", "--delta", "fp32-o", "--precision", "autocast",
+                                     "--stochastic-o", "off"]) == ""
+    assert "delta='fp32-o'" in sweep.contradiction(run, ["--delta", "p"])
 
 
 # -----------------------------------------------------------------------------
@@ -224,6 +231,42 @@ def test_plan(tmp_path):
     (out / "a-s0" / "config.json").write_text(json.dumps(dict(fix="paper")))  # run before the study changed
     with pytest.raises(sweep.StudyError, match="a-s0: its config.json has fix='paper'"):
         sweep.plan(study, out, results)
+
+
+def test_plan_takes_committed_runs_in_the_older_spellings_as_their_arms(tmp_path):
+    """Runs collected before fix, delta and precision took today's spellings (config.json and summary.json with
+    delta_from_p, delta_fp32, stochastic_o and precision "paper") are runs of the arms whose flags now say --delta
+    and --precision autocast: the seed study's own committed runs, and a copy of one of them recorded as a run of
+    the autocast precision with delta from P; collecting that copy gives its row in today's spellings."""
+    committed = sweep.ROOT / "results" / "seed_study"
+    seed_study = sweep.load_study(sweep.STUDIES, "seed_study")
+    states = {run["name"]: run["state"] for run in sweep.plan(seed_study, tmp_path / "none", committed)}
+    kept = {path.name for path in (committed / "runs").iterdir()}
+    assert kept and all(states[name] == "collected" for name in kept)
+
+    old = tmp_path / "results" / "runs" / "p-s2"
+    shutil.copytree(committed / "runs" / "off-fma-s2", old)
+    for name in ("config.json", "summary.json"):   # as train.py wrote such a run before
+        settings = json.loads((old / name).read_text())
+        assert settings["delta_from_p"] is False and "delta" not in settings   # the older spelling, as committed
+        settings |= dict(precision="paper", fix="paper", delta_from_p=True, name="p-s2")
+        (old / name).write_text(json.dumps(settings))
+    study = sweep.load_study(write_studies(tmp_path, """
+        [s]
+        min_steps = 150_000
+        seeds = [2]
+        [s.arms]
+        p = "--precision autocast --fix paper --delta p"
+    """), "s")
+    (run,) = sweep.plan(study, tmp_path / "out", tmp_path / "results")
+    assert run["state"] == "collected"
+    (row,) = sweep.collect_study(study, tmp_path / "out", tmp_path / "results")
+    assert (row["precision"], row["fix"], row["delta"], row["flags"]) == (
+        "autocast", "paper", "p", "--precision autocast --fix paper --delta p")
+    settings = json.loads((old / "config.json").read_text()) | dict(delta_from_p=False, delta_fp32=True)
+    (old / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(sweep.StudyError, match="p-s2: its config.json has delta='fp32-o', the arm's flags say 'p'"):
+        sweep.plan(study, tmp_path / "out", tmp_path / "results")
 
 
 # -----------------------------------------------------------------------------
@@ -377,6 +420,27 @@ def test_collect_keeps_the_rows_of_runs_without_logs(tmp_path):
             ("old-s3-nolog", "999", "patched", "False"), ("x-s0", "40", "", "True")]
 
 
+def test_collect_reads_an_older_runs_csv(tmp_path):
+    """A runs.csv written before fix, delta and precision took today's spellings: its rows of runs without logs
+    are kept in today's spellings (their flags too), under today's columns."""
+    studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = '--fix off'\n")
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "runs.csv").write_text(
+        "name,arm,flags,fix,precision,delta_from_p,delta_fp32,stochastic_o,steps\n"
+        "p-s0,p,--precision paper --fix off --delta-from-p,off,paper,True,False,off,999\n"
+        "d-s0,d,--fix off --stochastic-o delta,False,fa2,False,False,delta,998\n")
+    write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), dict(steps=40), [dict(step=40, elapsed_s=4)])
+    assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out"), "--collect"]) == 0
+    with open(tmp_path / "s" / "runs.csv", newline="") as f:
+        assert next(csv.reader(f)) == sweep.COLUMNS
+    rows = read_csv(tmp_path / "s" / "runs.csv")
+    assert [(r["name"], r["flags"], r["fix"], r["precision"], r["delta"], r["stochastic_o"], r["steps"])
+            for r in rows] == [
+        ("p-s0-nolog", "--precision autocast --fix off --delta p", "off", "autocast", "p", "off", "999"),
+        ("d-s0-nolog", "--fix off --delta stochastic-o", "off", "fa2", "stochastic-o", "off", "998"),
+        ("x-s0", "--fix off", "off", "fa2", "o", "off", "40")]
+
+
 def test_collected_finished_run_is_not_overwritten(tmp_path):
     study = sweep.load_study(write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = ''\n"), "s")
     write_run(tmp_path / "out", "x-s0", {}, dict(steps=30), [dict(step=30)])              # restarted, unfinished
@@ -430,8 +494,8 @@ def diag_row(step, sn, tie):
 def test_collect_synthetic_runs(tmp_path):
     base = {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 1.5, (1, 1): 0.5}
     config = dict(preset="test", attn="kernel", precision="fa2", fix="off", seed=3, lr=1e-3, batch_size=8,
-                  block_size=32, n_layer=2, n_head=2, n_embd=16, steps=100, mantissa_bits=3, delta_from_p=True,
-                  stochastic_o="delta")
+                  block_size=32, n_layer=2, n_head=2, n_embd=16, steps=100, mantissa_bits=3, delta="p",
+                  stochastic_o="forward")
     rows = [dict(step=10, elapsed_s=6.0, train_loss=3.0, val_loss="", tokens_per_s=900.0),  # no diagnostics
             diag_row(20, base, (0.01, 0.02)),                                            # the baseline
             diag_row(40, base | {(1, 1): 1.45, (0, 1): 5.8}, (0.05, 0.01)),             # 2.9x, 2.9x: not yet
@@ -441,27 +505,31 @@ def test_collect_synthetic_runs(tmp_path):
                    minutes=0.7, final_val_loss=2.95, final_train_loss=2.9, max_logit=6.0, tokens_per_s=1000.0,
                    peak_mem_gb=None, name="arm-s3", seed=3, attn="kernel", precision="fa2", fix="off")
     write_run(tmp_path / "runs", "arm-s3", config, summary, rows)
-    # an old run: no summary.json, no delta_from_p/mantissa_bits/stochastic_o in its config, no head ever grows
-    old = {k: v for k, v in config.items() if k not in ("delta_from_p", "mantissa_bits", "stochastic_o")}
+    # an old run: no summary.json, no delta/mantissa_bits/stochastic_o in its config, no head ever grows
+    old = {k: v for k, v in config.items() if k not in ("delta", "mantissa_bits", "stochastic_o")}
     write_run(tmp_path / "old", "legacy", dict(old, seed=0), None, rows[:3])
+    # a run of the older spellings: delta as delta_from_p / delta_fp32 / stochastic_o "delta", precision "paper"
+    older = dict(old, seed=1, precision="paper", delta_from_p=False, delta_fp32=False, stochastic_o="delta")
+    write_run(tmp_path / "old", "older", older, None, rows[:3])
 
     sweep.main(["--collect", str(tmp_path / "runs"), str(tmp_path / "old" / "legacy"),
-                "--csv", str(tmp_path / "out.csv")])
+                str(tmp_path / "old" / "older"), "--csv", str(tmp_path / "out.csv")])
     with open(tmp_path / "out.csv", newline="") as f:
         assert next(csv.reader(f)) == sweep.COLUMNS
     table = {row["name"]: row for row in read_csv(tmp_path / "out.csv")}
-    assert list(table) == ["arm-s3", "legacy"]
-    a, b = table["arm-s3"], table["legacy"]
-    assert (a["arm"], a["flags"], a["seed"], a["mantissa_bits"], a["delta_from_p"], a["stochastic_o"]) == (
-        "arm", "", "3", "3", "True", "delta")
+    assert list(table) == ["arm-s3", "legacy", "older"]
+    a, b, c = table["arm-s3"], table["legacy"], table["older"]
+    assert (c["precision"], c["delta"], c["stochastic_o"]) == ("autocast", "stochastic-o", "off")
+    assert (a["arm"], a["flags"], a["seed"], a["mantissa_bits"], a["delta"], a["stochastic_o"]) == (
+        "arm", "", "3", "3", "p", "forward")
     assert (a["collapsed"], a["collapse_step"], a["steps"], a["max_logit"]) == ("True", "60", "70", "6.0")
     assert float(a["tie_rate_final"]) == 0.2  # max over layers of each layer's last value (0.03, 0.20)
     assert float(a["tie_rate_head_peak"]) == 0.4  # max over heads and steps (layer 1, head 1, step 60)
     # the baseline is step 20 (the first row past a quarter of 70 steps); both (0, 0) (3.5x) and (1, 1) (3.2x)
     # first pass 3x at step 60: the larger ratio wins
     assert (a["first_growth_layer"], a["first_growth_head"], a["first_growth_step"]) == ("0", "0", "60")
-    assert (b["arm"], b["delta_from_p"], b["mantissa_bits"], b["stochastic_o"], b["collapsed"]) == (
-        "legacy", "False", "0", "off", "")
+    assert (b["arm"], b["delta"], b["mantissa_bits"], b["stochastic_o"], b["collapsed"]) == (
+        "legacy", "o", "0", "off", "")
     assert (b["steps"], float(b["minutes"]), b["max_logit"]) == ("40", 0.4, "6.0")  # from the log
     assert float(b["tie_rate_final"]) == 0.05
     assert b["first_growth_layer"] == b["first_growth_head"] == b["final_val_loss"] == ""
@@ -507,9 +575,10 @@ def test_tiny_study_on_cpu(tmp_path, text, gpus):
 
 
 def committed_rows():
+    """The committed rows as the code reads them: in today's spellings (nanolp.runs.as_current)."""
     for table in sorted(sweep.ROOT.glob("results/*/runs.csv")):
         for row in read_csv(table):
-            yield table.parent, row
+            yield table.parent, as_current(row)
 
 
 def test_every_committed_run_folder_has_its_row():

@@ -104,12 +104,12 @@ def test_smoke_run_learns_and_writes_its_folder(run, tmp_path, capsys):
 
 
 def test_summary_holds_the_arm(run):
-    run_dir = run("arm", "--attn", "emulate", "--delta-fp32", "--stochastic-o", "forward", "--lr", "0.002",
+    run_dir = run("arm", "--attn", "emulate", "--delta", "fp32-o", "--stochastic-o", "forward", "--lr", "0.002",
                   "--seed", "3", "--n-head", "4", "--steps", "20")
     config = json.loads((run_dir / "config.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert config["delta_fp32"] is True and config["delta_from_p"] is False
-    arm = dict(preset="tiny", attn="emulate", fix="off", precision="fa2", delta_from_p=False, delta_fp32=True,
+    assert config["delta"] == "fp32-o" and config["stochastic_o"] == "forward"
+    arm = dict(preset="tiny", attn="emulate", fix="off", precision="fa2", delta="fp32-o",
                stochastic_o="forward", mantissa_bits=0, amplify="p", exponent="fma", pos="learned", lr=0.002,
                warmup=20, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0, n_layer=2, n_head=4, n_embd=64, block_size=32,
                batch_size=8, dtype="bf16", data=config["data"], seed=3)
@@ -124,29 +124,29 @@ def default_name(tmp_path, *flags):
 
 def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
     arms = [[], ["--fix", "on"], ["--fix", "paper"], ["--attn", "sdpa"], ["--seed", "1"], ["--preset", "tiny"],
-            ["--precision", "paper"], ["--delta-from-p"], ["--delta-fp32"], ["--stochastic-o", "forward"],
-            ["--stochastic-o", "delta"], ["--mantissa-bits", "3"], ["--mantissa-bits", "3", "--amplify", "vo"],
+            ["--precision", "autocast"], ["--delta", "p"], ["--delta", "fp32-o"], ["--stochastic-o", "forward"],
+            ["--delta", "stochastic-o"], ["--mantissa-bits", "3"], ["--mantissa-bits", "3", "--amplify", "vo"],
             ["--pos", "none"], ["--lr", "3e-3"], ["--lr", "0.0030001"], ["--warmup", "50"], ["--n-layer", "4"],
             ["--n-head", "12"], ["--n-embd", "192"], ["--block-size", "128"], ["--batch-size", "32"],
-            ["--dtype", "fp32", "--attn", "sdpa"], ["--data", str(text)], ["--delta-fp32", "--lr", "3e-3"]]
+            ["--dtype", "fp32", "--attn", "sdpa"], ["--data", str(text)], ["--delta", "fp32-o", "--lr", "3e-3"]]
     names = [default_name(tmp_path, *flags) for flags in arms]
     assert len(set(names)) == len(names), names
     assert names[:3] == ["default-kernel-fixoff-s0", "default-kernel-fixon-s0", "default-kernel-fixpaper-s0"]
-    assert names[8] == "default-kernel-fixoff-delta_fp32-s0"
-    assert names[-1] == "default-kernel-fixoff-delta_fp32-lr0.003-s0"
+    assert names[8] == "default-kernel-fixoff-delta_fp32-o-s0"
+    assert names[-1] == "default-kernel-fixoff-delta_fp32-o-lr0.003-s0"
     assert "-bits3-" in names[11] and "-data_words-" in names[23]
     # the same settings, however spelled, and flags that do not change the arm: the same name
     assert {default_name(tmp_path, *flags) for flags in (
-        [], ["--fix", "off"], ["--lr", "0.001"], ["--no-delta-fp32"], ["--preset", "default", "--mantissa-bits", "0"],
+        [], ["--fix", "off"], ["--lr", "0.001"], ["--delta", "o"], ["--preset", "default", "--mantissa-bits", "0"],
         ["--steps", "10", "--minutes", "5", "--log-interval", "5", "--diag-interval", "7", "--compile", "off",
          "--device", "cpu"])} == {"default-kernel-fixoff-s0"}
     assert default_name(tmp_path, "--preset", "tiny", "--lr", "3e-3") == "tiny-kernel-fixoff-s0"  # tiny's own lr
-    assert default_name(tmp_path, "--lr", "3e-3", "--delta-fp32") == names[-1]
+    assert default_name(tmp_path, "--lr", "3e-3", "--delta", "fp32-o") == names[-1]
     monkeypatch.setenv("NANOLP_DATA", str(text))   # the text is part of the arm, however it is given
     assert default_name(tmp_path) == names[23]
     monkeypatch.delenv("NANOLP_DATA")
     # past MAX_NAME characters: a hash of the settings, stable, and different for different settings
-    long = [["--attn", "emulate"], ["--precision", "paper"], ["--delta-from-p"], ["--stochastic-o", "forward"],
+    long = [["--attn", "emulate"], ["--precision", "autocast"], ["--delta", "p"], ["--stochastic-o", "forward"],
             ["--mantissa-bits", "3"], ["--amplify", "vo"], ["--pos", "none"], ["--lr", "0.002"]]
     a, b = (default_name(tmp_path, *sum(groups, [])) for groups in (long, long[::-1]))
     assert len(a) <= runconfig.MAX_NAME and a == b and re.fullmatch(r"default-emulate-fixoff-[0-9a-f]{10}-s0", a)
@@ -177,7 +177,7 @@ def test_resume_reproduces_an_uninterrupted_run(run, capsys):
 
 # a flag of each kind that decides a run's numbers, with a value other than the tiny run's
 ARM_CHANGES = [("--preset", "default"), ("--attn", "emulate"), ("--fix", "on"), ("--fix", "paper"), ("--seed", "1"),
-               ("--precision", "paper"), ("--delta-from-p",), ("--delta-fp32",), ("--stochastic-o", "forward"),
+               ("--precision", "autocast"), ("--delta", "p"), ("--delta", "fp32-o"), ("--stochastic-o", "forward"),
                ("--mantissa-bits", "3"), ("--amplify", "vo"), ("--exponent", "torch"), ("--pos", "none"),
                ("--lr", "0.01"), ("--warmup", "5"), ("--n-layer", "1"), ("--n-head", "4"), ("--n-embd", "32"),
                ("--block-size", "16"), ("--batch-size", "4"), ("--dtype", "fp32")]
@@ -213,6 +213,20 @@ def test_resume_may_change_the_length_and_intervals(run):
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["steps"], config["minutes"], config["log_interval"]) == (30, 10.0, 5)
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+
+
+def test_resume_continues_a_run_in_the_older_spellings(run, capsys):
+    """A run folder written before fix and delta were spelled as today (fix a bool; delta_from_p, delta_fp32 and
+    stochastic_o where delta is now) resumes under today's flags, refuses a flag that differs from what it ran,
+    and goes on in today's spellings."""
+    run_dir = run("old", "--attn", "emulate", "--delta", "fp32-o", "--steps", "20")
+    config = json.loads((run_dir / "config.json").read_text())
+    old = {k: v for k, v in config.items() if k != "delta"} | dict(fix=False, delta_from_p=False, delta_fp32=True)
+    (run_dir / "config.json").write_text(json.dumps(old))
+    assert "--delta: the run has 'fp32-o', this command 'p'" in refusal(
+        capsys, lambda: run("old", "--attn", "emulate", "--delta", "p", "--steps", "40", "--resume"))
+    run("old", "--attn", "emulate", "--delta", "fp32-o", "--steps", "40", "--resume")
+    assert json.loads((run_dir / "config.json").read_text()) == config | dict(steps=40)
 
 
 def test_a_new_run_never_continues_another(run, capsys):
@@ -352,13 +366,19 @@ BAD_SETTINGS = [
     *[((f"--{kind}-interval", "0"), f"--{kind}-interval must be at least 1, got 0")
       for kind in ("log", "eval", "diag", "ckpt")],
     (("--attn", "emulate", "--mantissa-bits", "7"), "argument --mantissa-bits: invalid choice: 7 (choose from 0, 1"),
-    (("--attn", "emulate", "--amplify", "vo"), "--amplify='vo' says what --mantissa-bits rounds: give --mantissa-bits"),
+    (("--attn", "emulate", "--amplify", "vo"), "--amplify vo says what --mantissa-bits rounds: give --mantissa-bits"),
     (("--fix", "on", "--mantissa-bits", "3"), "--fix on, --mantissa-bits 3: only our kernel has these (--attn kernel "
                                               "or emulate), not --attn sdpa"),
     (("--attn", "emulate", "--n-head", "4", "--n-embd", "32"), "--attn emulate needs a head size (--n-embd / "
                                                                "--n-head) of 16, 32, 64 or 128, got 32 / 4 = 8"),
-    (("--attn", "emulate", "--fix", "on", "--delta-from-p"), "--fix on (delta from the fp32 O) and delta from P are "
-                                                             "different ways of computing delta: choose one"),
+    (("--attn", "emulate", "--fix", "on", "--delta", "p"), "--fix on (delta from the fp32 O) and --delta p are "
+                                                           "different ways of computing delta: choose one"),
+    (("--attn", "emulate", "--stochastic-o", "forward", "--delta", "stochastic-o"),
+     "--stochastic-o forward and --delta stochastic-o are different stochastic roundings of the O that delta reads: "
+     "choose one"),
+    (("--attn", "emulate", "--exponent", "torch", "--precision", "autocast"),
+     '--exponent torch is a form of the "fa2" exponent; --precision autocast rounds S on its own'),
+    (("--precision", "paper"), "argument --precision: invalid choice: 'paper'"),
     (("--attn", "emulate", "--dtype", "fp32"), "--dtype fp32 needs --attn sdpa or fp32"),
     (("--attn", "sdpa-cudnn"), "--attn sdpa-cudnn needs a CUDA device, not cpu"),
     (("--device", "gpu"), "--device 'gpu' is not a device torch knows"),
