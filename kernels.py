@@ -22,7 +22,8 @@ cast to bf16 as delta reads it (in sharp rows it rounds away the pull of every o
 downstream of the same rounded O, is correlated with that rounding: experiments/curvature.py). So the fix has
 two parts, both under THE FIX below:
     1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
-    2. the backward: delta read from the forward's fp32 O, before its final cast (output_and_delta_o).
+    2. the backward: delta read from the forward's fp32 O, before its final cast (the forward's epilogue
+       stores it beside O: KEEP_O32; output_and_delta_o).
 fix="on" is both (the default); fix="paper" the first alone, kept as an ablation; fix="off" neither, plain
 FlashAttention-2. Each part is exact in real arithmetic.
 
@@ -63,13 +64,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Forward
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
+def _fwd_kernel(Q, K, V, O, O32, LSE,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
-                FMA: tl.constexpr):
-    # One program per (query tile, batch * head); its pointers, offset once to its batch and head.
+                FMA: tl.constexpr, KEEP_O32: tl.constexpr):
+    # One program per (query tile, batch * head); its pointers, offset once to its batch and head. O32, with
+    # KEEP_O32 only (else None): where THE FIX keeps O before its final cast, in fp32, with O's strides (below).
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -109,6 +111,12 @@ def _fwd_kernel(Q, K, V, O, LSE,
     o = _round_bits(acc / l_i[:, None], O_BITS)
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
              mask=offs_m[:, None] < N)
+    if KEEP_O32:
+        # THE FIX (the cure's forward half): O = acc / l itself, the fp32 o that the cast above rounded, stored
+        # beside the bf16 O for the backward's delta (output_and_delta_o), so nothing reads it back to cast it.
+        # O32 is laid out as O (empty_in_layout_of) and strides count elements, not bytes: O's strides serve it.
+        O32 += b * stride_ob + h * stride_oh
+        tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
     tl.store(LSE + offs_m, lse, mask=offs_m < N)
 
@@ -560,19 +568,18 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
     delta "p" is for the backward only (_setup_context)."""
     B, H, N, D = q.shape
-    fp32_o = stochastic or delta in ("fp32-o", "stochastic-o")   # the kernel skips its final cast, done below
-    o = empty_in_layout_of(q, torch.float32 if fp32_o else None)
+    o = empty_in_layout_of(q)
+    o32 = empty_in_layout_of(q, torch.float32) if keeps_fp32_o(stochastic, delta) else None
+    assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = launch_setting("fwd", D)
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=_TUNED.get("block_n", TILE_N),
         CAUSAL=causal, AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if shift else None,
-        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED,
-        **{name: _TUNED[name] for name in ("maxnreg",) if name in _TUNED})
-    if not fp32_o:
-        return o, lse, o.new_empty(0)
-    o, o_delta = output_and_delta_o(o, q.dtype, stochastic, delta)
+        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=o32 is not None, num_warps=warps, num_stages=stages,
+        **UNFUSED, **{name: _TUNED[name] for name in ("maxnreg",) if name in _TUNED})
+    o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
     return o, lse, o.new_empty(0) if o_delta is None else o_delta
 
 
@@ -725,9 +732,11 @@ def empty_in_layout_of(t, dtype=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# THE FIX, two parts. The cure: the backward's delta reads the forward's fp32 O, before its final cast
-# (output_and_delta_o). The paper's: a tied row's max shifted up in the forward (_shifted_max, one small function
-# called once per key tile). First how fix wires them.
+# THE FIX, two parts. The cure: the backward's delta reads the forward's fp32 O, before its final cast; the
+# forward kernel's epilogue stores it beside the bf16 O (KEEP_O32, one more store from the same registers, so the
+# fp32 O is never read back to be cast), and output_and_delta_o hands it to the backward. The paper's: a tied
+# row's max shifted up in the forward (_shifted_max, one small function called once per key tile). First how fix
+# wires them.
 
 FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
 
@@ -749,16 +758,27 @@ def wire_fix(fix, numerics):
     return fix != "off", "fp32-o" if fix == "on" else numerics.delta
 
 
-def output_and_delta_o(o32, dtype, stochastic, delta):
-    """The fix's backward part: from the forward's fp32 O, the O the caller gets and the O the backward's
-    delta reads (None: the same). The cast is what delta's one-signed error comes from in our runs; with the
-    fix the caller still gets the bf16 O, bit for bit as without it.
+def keeps_fp32_o(stochastic, delta):
+    """Whether the forward kernel keeps its fp32 O beside O (KEEP_O32): wherever output_and_delta_o reads it."""
+    return stochastic or delta in ("fp32-o", "stochastic-o")
+
+
+def output_and_delta_o(o, o32, stochastic, delta):
+    """The fix's backward part, the one place that says what the backward's delta reads: from the forward's O
+    (its epilogue's cast of the fp32 O) and that fp32 O (None where keeps_fp32_o says the epilogue did not keep
+    it), the O the caller gets and the O delta reads (None: the same). The cast is what delta's one-signed error
+    comes from in our runs; with the fix the caller still gets the bf16 O, bit for bit as without it: the
+    kernel's one cast (ROUND: O), with the fix on or off.
 
     delta "o"             O = round(o32);       delta reads O            (the paper's channel)
     delta "fp32-o"        O = round(o32);       delta reads o32          (the complete fix, fix "on")
     stochastic            O = stochastic(o32);  delta reads O            (or o32 with delta "fp32-o")
-    delta "stochastic-o"  O = round(o32);       delta reads an independent stochastic(o32)"""
-    o = stochastic_round(o32) if stochastic else o32.to(dtype)                        # ROUND: O's final cast
+    delta "stochastic-o"  O = round(o32);       delta reads an independent stochastic(o32)
+
+    The stochastic roundings (experiments only) are drawn here, on the host, from o32; with stochastic the
+    kernel's O goes unused."""
+    if stochastic:
+        o = stochastic_round(o32)                                                     # ROUND: O, stochastically
     if delta == "fp32-o":
         return o, o32
     return o, stochastic_round(o32) if delta == "stochastic-o" else None

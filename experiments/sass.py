@@ -71,8 +71,8 @@ def record(run):
 
 # The forward's variants: label: (shift, what delta reads). fix="off" is the first, fix="paper" the third,
 # fix="on" the fourth, delta="fp32-o" (with fix "off") the second.
-FORWARD = {"shift off, O bf16": (False, "o"), "shift off, O fp32": (False, "fp32-o"),
-           "shift on, O bf16": (True, "o"), "shift on, O fp32": (True, "fp32-o")}
+FORWARD = {"shift off, O bf16": (False, "o"), "shift off, O bf16 + fp32": (False, "fp32-o"),
+           "shift on, O bf16": (True, "o"), "shift on, O bf16 + fp32": (True, "fp32-o")}
 FIXES = {'fix="off"': (False, "o"), 'fix="paper"': (True, "o"), 'fix="on"': (True, "fp32-o")}
 
 

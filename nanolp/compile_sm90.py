@@ -9,12 +9,13 @@ change would meet the compiler only on the next GPU run. The host functions (_fl
 CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled
 as the GPU's JIT specializes it (specialize): the code that runs, not a generic version with scalar loads and
 other pipelining. At head_dim 64 the forward in every combination of causal, shift, precision and amplifier
-(causal only with an amplifier), both forms of the exponent (kernels._exp2), and the backward in both precisions
-with delta from O and from P and both exponents; at every head_dim the plain forward and backward, the backward
-at a short and a long (pipelined) sequence, each backward in two passes (deterministic) and in one (dQ through
-atomics, and through TMA reductions: kernels.DQ_TMA). Each must compile to the exponent it says, which the
-interpreter would never show: a kernel that computes "fa2"'s exponent as one fused multiply-add (FMA) has fma.rn in
-its PTX, and no other kernel has any (kernels.UNFUSED: the compiler contracts nothing itself).
+(causal only with an amplifier), both forms of the exponent (kernels._exp2), with and without the fp32 O kept
+beside O (KEEP_O32; causal only), and the backward in both precisions with delta from O and from P and both
+exponents; at every head_dim the plain forward, fix "on"'s forward (the shift and KEEP_O32) and the plain
+backward, the backward at a short and a long (pipelined) sequence, each backward in two passes (deterministic)
+and in one (dQ through atomics, and through TMA reductions: kernels.DQ_TMA). Each must compile to the exponent it
+says, which the interpreter would never show: a kernel that computes "fa2"'s exponent as one fused multiply-add
+(FMA) has fma.rn in its PTX, and no other kernel has any (kernels.UNFUSED: the compiler contracts nothing itself).
 Compilation only: the numbers are the GPU tests' job.
 """
 import itertools
@@ -57,15 +58,19 @@ def record_launches():
         setattr(kernels, name, Recorder(getattr(kernels, name), launches))
     for D in (16, 32, 64, 128):
         q = k = v = torch.zeros(1, 2, kernels.SHORT_SEQ, D, dtype=torch.bfloat16)
-        forward = [(True, False, "fa2", (0, 0), True)]
+        # the plain forward and fix "on"'s (the shift, and the fp32 O kept beside O: KEEP_O32)
+        forward = [(True, False, "fa2", (0, 0), True, "o"), (True, True, "fa2", (0, 0), True, "fp32-o")]
         if D == 64:  # every constexpr combination: the amplifiers (P_BITS, O_BITS) with causal masking only,
-            amplifiers = ((0, 0), (3, 0), (0, 2))   # the unfused exponent without them ("autocast" has its own)
-            forward = [(causal, shift, precision, bits, fma) for causal, shift, precision, bits, fma in
-                       itertools.product((True, False), (False, True), ("fa2", "autocast"), amplifiers, (True, False))
-                       if (causal or bits == (0, 0)) and (fma or (precision == "fa2" and bits == (0, 0)))]
-        for causal, shift, precision, bits, fma in forward:
+            amplifiers = ((0, 0), (3, 0), (0, 2))   # the unfused exponent without them ("autocast" has its own),
+            combinations = itertools.product((True, False), (False, True), ("fa2", "autocast"), amplifiers,
+                                             (True, False), ("o", "fp32-o"))   # the fp32 O kept (causal only)
+            forward = [(causal, shift, precision, bits, fma, delta)
+                       for causal, shift, precision, bits, fma, delta in combinations
+                       if (causal or (bits == (0, 0) and delta == "o"))
+                       and (fma or (precision == "fa2" and bits == (0, 0)))]
+        for causal, shift, precision, bits, fma, delta in forward:
             p_bits, o_bits = bits
-            kernels._flash_fwd(q, k, v, causal=causal, shift=shift, delta="o", precision=precision, p_bits=p_bits,
+            kernels._flash_fwd(q, k, v, causal=causal, shift=shift, delta=delta, precision=precision, p_bits=p_bits,
                                o_bits=o_bits, stochastic=False, fma=fma)
         # unpipelined, pipelined; two-pass (deterministic), one-pass with dQ by atomics and by TMA (DQ_TMA)
         backward = [(N, "fa2", False, deterministic, tma, True) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)

@@ -139,8 +139,8 @@ def _mask(S, col0, n_keys, causal):
 
 def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units), with
-    the fix's shift on or off. The kernel keeps the fp32 O only when delta reads it; the mechanism tests use it
-    to show what it carries."""
+    the fix's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
+    (kernels.keeps_fp32_o); the mechanism tests use it to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
     precision, p_bits, o_bits = numerics.precision, numerics.p_bits, numerics.o_bits
@@ -174,7 +174,7 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     if o_bits:  # the "vo" amplifier rounds O before it is stored
         o32 = round_mantissa(o32, o_bits)
     lse = m + (_log2(l) if precision == "fa2" else _log(l))
-    return o32.to(dtype), o32, lse
+    return o32.to(dtype), o32, lse                                                     # ROUND: O
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,8 +257,8 @@ def backward(q, k, v, o, lse, do, causal, precision, from_p=False, deterministic
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, shift, delta, numerics, deterministic):
-        _, o32, lse = forward(q, k, v, causal, shift, numerics)
-        o, o_delta = output_and_delta_o(o32, q.dtype, numerics.stochastic_o == "forward", delta)   # as the kernel
+        o, o32, lse = forward(q, k, v, causal, shift, numerics)
+        o, o_delta = output_and_delta_o(o, o32, numerics.stochastic_o == "forward", delta)   # as the kernel
         ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
         ctx.args = (causal, numerics.precision, delta == "p", deterministic, numerics.fma)
         return o

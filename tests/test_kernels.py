@@ -551,6 +551,43 @@ def test_delta_from_the_fp32_o_returns_the_plain_forward_in_q_layout():
         assert o.dtype == q.dtype and o.stride() == want.stride() and torch.equal(o, want), options
 
 
+@requires_interpreter
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
+@pytest.mark.parametrize("seq_major", [True, False])
+def test_fix_on_stores_o_and_its_fp32_o_from_one_epilogue(seq_major, precision, poisoned, monkeypatch):
+    """With fix "on" the forward's epilogue stores the fp32 O beside O (KEEP_O32), both in q's layout with the
+    same strides: O is the fp32 O it keeps rounded to nearest even, element for element (what the host's cast of
+    it gave), and both are the emulation's bits; O is also the O of the kernel that keeps no fp32 O (fix "paper",
+    the same shift), and fix "off"'s in every row that the shift leaves alone."""
+    def inputs(seed, scale=1.0):
+        if seq_major:                                            # heads inside the sequence, as model.py's
+            return rand((1, 130, 2, 64), scale=scale, seed=seed).transpose(1, 2)
+        return rand((1, 2, 130, 64), scale=scale, seed=seed)
+    q, k, v = inputs(0, 2.0), inputs(1), inputs(2)
+    k[..., 7, :] = k[..., 3, :]                                  # exact ties: rows that the shift moves
+    numerics = Numerics(precision=precision)
+    o, lse, o32 = kernels.forward(q, k, v, fix="on", numerics=numerics)
+    assert o.dtype == q.dtype and o32.dtype == torch.float32
+    assert o32.stride() == o.stride() == kernels.empty_in_layout_of(q).stride()
+    assert torch.equal(o.view(torch.int16), o32.to(q.dtype).view(torch.int16)), "O is not the fp32 O's cast"
+    moved = torch.zeros(q.shape[:3], dtype=torch.bool)           # the rows whose max the emulation shifts
+    shifted_max = emulate.shifted_max
+
+    def spy(S, r, t, shift):
+        shifted, t = shifted_max(S, r, t, shift)
+        moved.logical_or_(shifted != r)
+        return shifted, t
+    monkeypatch.setattr(emulate, "shifted_max", spy)
+    o_want, o32_want, lse_want = emulate.forward(q, k, v, True, True, numerics)
+    assert torch.equal(o.view(torch.int16), o_want.view(torch.int16)) and torch.equal(lse, lse_want)
+    assert torch.equal(o32, o32_want), "the fp32 O differs from the emulation's"
+    paper = kernels.forward(q, k, v, fix="paper", numerics=numerics)
+    assert paper.o_delta.numel() == 0 and torch.equal(paper.o, o) and torch.equal(paper.lse, lse)
+    off = kernels.forward(q, k, v, fix="off", numerics=numerics)
+    assert moved.any() and not moved.all()
+    assert torch.equal(off.o[~moved], o[~moved]) and torch.equal(off.lse[~moved], lse[~moved])
+
+
 OPTIONS = {"fix": ("on", {}), "paper rule": ("paper", {}), "SR forward": ("off", dict(stochastic_o="forward")),
            "SR delta": ("off", dict(delta="stochastic-o")),
            "SR forward, fp32 delta": ("off", dict(stochastic_o="forward", delta="fp32-o"))}
