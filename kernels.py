@@ -501,13 +501,14 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None, deterministic
             O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
     numerics: the experiments (Numerics), for studying the failure, not for training models; the default (None,
         Numerics()) rounds as FlashAttention-2 does.
-    deterministic: True (the default, for now), the backward in two passes, dK/dV then dQ, with no atomics:
+    deterministic: True (the default), the backward in two passes, dK/dV then dQ, with no atomics:
         the same bits on every run (7 matrix products per query tile and key tile). False, the one-pass
         backward: dQ is summed over the key tiles with fp32 atomics inside the dK/dV pass (5 products, as
         FlashAttention-3 and cuDNN do), so its last bits depend on the order the GPU runs the programs in;
         the same numbers otherwise (under the CPU interpreter the same bits, but for dQ at head_dim 128,
-        where the one-pass backward sums it over tiles of 128 keys, not 64). The default stays True until
-        the two are timed side by side on the GPU.
+        where the one-pass backward sums it over tiles of 128 keys, not 64). Timed side by side on the H200
+        the one-pass backward is at most 8-10% faster, and slower at short sequences: not worth run-to-run
+        differences (docs/kernel.md, "Which backward is the default").
     """
     numerics = Numerics() if numerics is None else numerics
     check_inputs(q, k, v, numerics)
