@@ -3,9 +3,8 @@
     from kernels import flash_attention
     o = flash_attention(q, k, v, causal=True, fix="on")   # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
 
-Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), and like it, O and
-the gradients are stored in q's layout (seq-major when q is a head view of a (batch, seq, channels) tensor);
-differentiable; head_dim 16/32/64/128; any sequence length; works inside torch.compile (it is a custom op).
+Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), O and the gradients
+in q's layout; differentiable; head_dim 16/32/64/128; any sequence length; a custom op (torch.compile traces it).
 
 Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
     S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
@@ -13,34 +12,18 @@ Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile
 and in the backward, from the loss's gradient dO of O:
     delta = rowsum(dO * O)      dP = dO V^T      dS = P * (dP - delta)      dQ = dS K * scale
 
-The paper (Qiu & Yao, arXiv 2510.04212): in bf16, training with flash attention collapses because the backward
-reads the forward's rounded O through delta, and the error it reads there has one sign, so dQ and dK carry a
-same-signed error that piles up in W_Q / W_K: logits grow and the loss explodes. The paper blames rows with
-several (near-)equal maxima, whose P are exactly 1 so that the rounding of P V always goes the same way, and
-shifts such a row's max up a little. In our runs that is not enough: the error that fails them is O's final
-cast to bf16 as delta reads it (in sharp rows it rounds away the pull of every other key, and dO, computed
-downstream of the same rounded O, is correlated with that rounding: experiments/curvature.py). So the fix has
-two parts, both under THE FIX below:
+The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with
+a one-signed error, which piles up in W_Q / W_K until the loss explodes. The paper blames rows with tied maxima
+(P exactly 1) and shifts their max up; in our runs the error that fails them is O's final cast as delta reads
+it. So the fix has two parts, both under THE FIX below:
     1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
-    2. the backward: delta read from the forward's fp32 O, before its final cast (the forward's epilogue
-       stores it beside O: KEEP_O32; output_and_delta_o).
-fix="on" is both (the default); fix="paper" the first alone, kept as an ablation; fix="off" neither, plain
-FlashAttention-2. Each part is exact in real arithmetic.
+    2. the backward: delta read from the forward's fp32 O, before its final cast (KEEP_O32; output_and_delta_o).
+fix="on" is both (the default); fix="paper" the first alone (an ablation); fix="off" neither. Each is exact in
+real arithmetic. Why, and the evidence: docs/kernel.md, "The fix".
 
-Two precision modes. "fa2" is what production kernels do: S, m, l and acc in fp32, P rounded to the input
-dtype right before P V, O rounded once at the end; it works in log2 units (exp2, scale folded into
-qk_scale = scale * log2(e)), the cheapest form on a GPU. "autocast" reproduces the rounding points of the
-paper's PyTorch implementation run under bf16 autocast: S rounded (after Q K^T and again after the scale),
-S - m, P, rowsum(P), P V, m, l and acc each rounded to the input dtype, natural units. Every rounding point
-below is marked "ROUND", and the compiler adds none (UNFUSED). The exponent S * scale - m is one fused
-multiply-add, as FlashAttention-2 ships it, or (Numerics.exponent="torch") rounded twice, as PyTorch builds it;
-at runaway logits the two differ (_exp2). nanolp/emulate.py computes exactly the same thing
-in PyTorch. The precision mode and the other experiments on these numerics are the fields of Numerics.
-
-Reading order: the forward kernel; the backward kernels (two passes, then the one-pass variant); the host code
-(flash_attention, the entry point forward, the custom ops and their launches, the checks); THE FIX; an appendix
-of what only the experiments use (Numerics). How fast each part is, and why each setting is what it is, in
-docs/kernel.md ("Speed").
+Every rounding point is marked "ROUND", in both precision modes ("fa2", as production kernels; "autocast", as
+the paper's PyTorch code), and nanolp/emulate.py computes the same bits (docs/kernel.md, "Two precision modes, ...").
+Reading order: forward; backward; host code; THE FIX; appendix (Numerics). Speed: docs/kernel.md, "Speed".
 """
 import math
 import os
@@ -70,8 +53,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
                 FMA: tl.constexpr, KEEP_O32: tl.constexpr):
-    # One program per (query tile, batch * head); its pointers, offset once to its batch and head. O32, with
-    # KEEP_O32 only (else None): where THE FIX keeps O before its final cast, in fp32, with O's strides (below).
+    # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -80,10 +62,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     V += b * stride_vb + h * stride_vh
     O += b * stride_ob + h * stride_oh
     LSE += bh * N
-    # Query tiles in descending order, heaviest first: with the causal mask a tile reads the keys up to its
-    # own last row, so the last tile does the most work; started first, it leaves the light tiles to fill
-    # the GPU's tail instead of running alone there (docs/kernel.md, "Speed"). A program writes only its own
-    # rows, so the order cannot change a bit.
+    # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The kernel")
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -107,14 +86,12 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                                     offs_m, offs_n, offs_d, N, qk_scale,
                                     True, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
     # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
-    # (log2 units in "fa2").
     o = _round_bits(acc / l_i[:, None], O_BITS)
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
              mask=offs_m[:, None] < N)
     if KEEP_O32:
-        # THE FIX (the cure's forward half): O = acc / l itself, the fp32 o that the cast above rounded, stored
-        # beside the bf16 O for the backward's delta (output_and_delta_o), so nothing reads it back to cast it.
-        # O32 is laid out as O (empty_in_layout_of) and strides count elements, not bytes: O's strides serve it.
+        # THE FIX (the cure's forward half): the fp32 o the cast above rounded, stored beside O for the
+        # backward's delta (output_and_delta_o). O32 is laid out as O, so O's (element) strides serve it.
         O32 += b * stride_ob + h * stride_oh
         tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
@@ -182,8 +159,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward
-# did, or P = exp(S - lse) no longer sums to one and training blows up for reasons unrelated to the paper.
+# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward did.
 
 @triton.jit
 def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
@@ -199,13 +175,7 @@ def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
 @triton.jit
 def _exp2(s, qk_scale, m, FMA: tl.constexpr):
     """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
-
-    FMA: S * scale - m as one fused multiply-add, rounded once, as FlashAttention-2 computes it (its softmax.h:
-    exp2f(x * scale - max_scaled), "so that the compiler can use a single FFMA"; FA3 and FlashMLA keep it). At a
-    row's max, m is S * scale rounded, so the fma returns the product's rounding residue and P_max = 2^residue,
-    not 1: |residue| <= half an ulp of m, 2^-17 at logits ~10 (nothing), ~4% at 1e6, up to 2^64 at 1e9.
-    Otherwise (exponent="torch", as PyTorch builds FA2 with UNFUSE_FMA): S * scale rounded, then m subtracted,
-    each rounded on its own (the kernels compile without contraction, UNFUSED): P_max is exactly 1."""
+    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md)."""
     if FMA:
         x = tl.fma(s, qk_scale, -m)                              # ROUND: once
     else:
@@ -215,9 +185,8 @@ def _exp2(s, qk_scale, m, FMA: tl.constexpr):
 
 @triton.jit
 def _round_bits(x, BITS: tl.constexpr):
-    """The amplifier (Numerics.mantissa_bits): round fp32 x to BITS explicit mantissa bits, ties to even, on
-    its bit pattern; used on P before P V, as an FP8 attention does (3 bits is e4m3's mantissa), or on O
-    before it is stored (amplify="vo"). BITS = 0: no-op."""
+    """The amplifier (Numerics.mantissa_bits): fp32 x rounded to BITS mantissa bits, ties to even (P before
+    P V, as FP8 attention does, or O before its store with amplify="vo"). BITS = 0: no-op."""
     if BITS > 0:
         tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
         DROP: tl.constexpr = 23 - BITS
@@ -232,16 +201,8 @@ def _round_bits(x, BITS: tl.constexpr):
 # and dQ (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
 #     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
 #     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
-# That is 7 matrix products per (query tile, key tile) pair: S and dP are computed in both passes (the
-# one-pass backward, in its own section below, does 5).
-# The paper's localisation control computes delta = rowsum(dP * P) instead: the same number in real
-# arithmetic (rowsum(dP * P) = dO . sum_j P_j v_j = dO . O), but from P recomputed in fp32, so the forward's
-# rounded O, and every rounding that went into it, never reaches the gradient. In "autocast" it is divided by
-# rowsum(P): there lse comes from a bf16 row sum, so P sums to 1 + O(2^-9) and the rows of dS would not sum to
-# zero, an error that grew W_Q by itself in the autocast mode's runs (docs/findings.md). In "fa2" P sums to 1 to
-# fp32 rounding; dividing there would only add a rounding of rowsum(P) near 1. With delta from the fp32 O the
-# O read here is the forward's O before its final cast: P's rounding reaches the gradient, the cast's does
-# not.
+# 7 matrix products per tile pair (the one-pass backward: 5). The paper's control, delta from P:
+# docs/kernel.md, "Experiment options".
 
 @triton.jit
 def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
@@ -265,16 +226,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr, ONE_PASS: tl.constexpr,
                      DQ_TMA: tl.constexpr = False):
-    # One program per (key tile, batch * head), looping over the query tiles; its pointers, offset once. With
-    # ONE_PASS it also adds each query tile's dQ_i += dS_ij K_j (unscaled, fp32) into DQ, an fp32 buffer
-    # of zeros in O's layout, with atomics (DQ is unused without); with DQ_TMA as well, DQ is a tensor
-    # descriptor of that buffer, (batch, heads, seq, head_dim) in blocks of [1, 1, BLOCK_M, HEAD_DIM]
-    # (dq_sum_target), and each tile's share goes in as one TMA reduction (see the loop).
-    # Key-major: the program's BLOCK_N keys are the rows of every product, S^T = K_j Q_i^T, P^T, dP^T =
-    # V_j dO_i^T and dS^T are (keys x queries), so dV += P^T dO and dK += dS^T Q take P^T and dS^T as their
-    # first operand as computed, from registers, where the query-major form (P, dS with the queries as rows)
-    # transposed both through shared memory on every tile (docs/kernel.md, "Speed"). Only the one-pass
-    # dQ_i = dS_ij K_j takes dS^T transposed.
+    # One program per (key tile, batch * head), looping over query tiles. ONE_PASS: it also adds dQ_i += dS_ij K_j
+    # into DQ, an fp32 buffer in O's layout (DQ_TMA: its descriptor). Key-major: P^T and dS^T feed dV and dK
+    # from registers, untransposed (docs/kernel.md, "The kernel").
     tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
     if ONE_PASS:
         # the shares of dQ are summed in fp32
@@ -315,15 +269,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         # dK += dS^T Q (times the scale once, at the store)
         dk += tl.dot(dsT, tl.trans(qT))
         if ONE_PASS and DQ_TMA:
-            # The same share through TMA (FlashAttention-3's way): the tile goes to shared memory once and the
-            # copy engine adds it into the buffer in fp32 (cp.reduce.async.bulk.tensor, UTMAREDG), rows past
-            # N dropped by the descriptor's bounds; the wait for it to have read shared memory comes before
-            # the next tile's share is written there (instead of the atomics' vectorised REDs: DQ_TMA).
+            # The same share as one TMA reduction (FA3's way; rows past N dropped by the descriptor's bounds)
             DQ.atomic_add([b.to(tl.int32), h.to(tl.int32), start_m, 0],
                           tl.reshape(tl.dot(tl.trans(dsT), k), [1, 1, BLOCK_M, HEAD_DIM]))
         elif ONE_PASS:
-            # dQ_i += dS_ij K_j, the dQ kernel's product, added to the buffer in fp32 (its sum: see above).
-            # Relaxed: nothing reads the buffer before this kernel has finished.
+            # dQ_i += dS_ij K_j into the fp32 buffer (relaxed: nothing reads it before this kernel ends)
             tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(tl.trans(dsT), k),
                           mask=rows[:, None] < N, sem="relaxed")
     out = cols[:, None] * stride_om + offs_d[None, :]
@@ -353,9 +303,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
-    # One program per (query tile, batch * head), looping over the keys; its pointers, offset once. With
-    # DELTA_FROM_P the same pass is the paper's control instead: it accumulates delta = rowsum(dP * P) (over
-    # rowsum(P) in "autocast") and stores it (O is never read); run before dK/dV and dQ.
+    # One program per (query tile, batch * head), looping over the keys. DELTA_FROM_P: the paper's control
+    # instead, delta = rowsum(dP * P) (over rowsum(P) in "autocast"), stored; run before dK/dV and dQ.
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
@@ -400,23 +349,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The one-pass backward (deterministic=False; not what train.py runs): dQ summed inside the dK/dV pass,
-# _bwd_dkdv_kernel with ONE_PASS above, then scaled and cast here. 5 matrix products per (query tile, key
-# tile) pair instead of 7: the dK/dV program also forms dQ_i's share dS_ij K_j and adds it with fp32 atomics
-# (or TMA reductions: DQ_TMA) into a buffer that sums over the key tiles; one small kernel (_bwd_dq_cast_kernel)
-# then scales and casts it. The order in which the key tiles' shares reach the buffer
-# is the order the GPU happens to run the programs in, so the last bits of dQ change from run to run.
-# Triton's CPU interpreter runs programs one after another, key tile 0 first, so there each dQ_i is summed
-# over the key tiles in ascending order from zero, the dQ kernel's own order: with the same key tiles the two
-# backwards give the same bits (tests/test_kernels.py). dK and dV are summed over the query tiles in
-# ascending order in both; nanolp/emulate.py sums each backward over its own tiles (BWD_TUNING,
-# ONE_PASS_TUNING).
+# The one-pass backward (deterministic=False): _bwd_dkdv_kernel with ONE_PASS sums dQ in an fp32 buffer, which
+# this kernel scales and casts; dQ's last bits follow the GPU's order of programs (docs/kernel.md, "The kernel").
 
 @triton.jit
 def _bwd_dq_cast_kernel(DQ_SUM, DQ, stride_ob, stride_oh, stride_om, H, N, sm_scale, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr):
-    # The one-pass backward's last step: dQ = (sum over key tiles of dS K) * scale, cast once, as the dQ
-    # kernel stores it. DQ_SUM (fp32) and DQ are both in O's layout.
+    # dQ = (sum over key tiles of dS K) * scale, cast once; DQ_SUM (fp32) and DQ are both in O's layout.
     bh = tl.program_id(1).to(tl.int64)
     DQ_SUM += (bh // H) * stride_ob + (bh % H) * stride_oh
     DQ += (bh // H) * stride_ob + (bh % H) * stride_oh
@@ -426,19 +365,14 @@ def _bwd_dq_cast_kernel(DQ_SUM, DQ, stride_ob, stride_oh, stride_om, H, N, sm_sc
     tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)   # ROUND: dQ
 
 
-# Tuning, as BWD_TUNING's (the host section); at d128 128-key tiles halve the atomics' traffic into dQ, at d64
-# the two backwards share one dK/dV kernel and its tiles (docs/kernel.md, "Speed").
+# Tuning, as BWD_TUNING's (docs/kernel.md, "Speed", "kernels.py's settings").
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
-# dQ's shares: False, fp32 atomics (vectorised REDs); True, TMA reductions from shared memory (FlashAttention-3's
-# way, faster on the H200: docs/kernel.md, "Speed"); None, TMA where the GPU has it (sm_90 and later). The same
-# shares summed in fp32 either way, so the same bits wherever they land in the same order (the interpreter's:
-# nanolp/interp_patch.py runs the TMA reduction as atomics).
+# dQ's shares: False, fp32 atomics; True, TMA reductions; None, TMA on sm_90 and later (docs/kernel.md, "Speed").
 DQ_TMA = None
 
 
 def dq_by_tma(device):
-    """Whether the one-pass backward adds dQ by TMA reductions on this device: DQ_TMA (or tuned's dq_tma), or
-    where that is None whether the GPU has TMA (compute capability 9.0 and later)."""
+    """Whether the one-pass backward adds dQ by TMA reductions here: DQ_TMA (or tuned's), else if sm_90+."""
     setting = _TUNED.get("dq_tma", DQ_TMA)
     if setting is not None:
         return setting
@@ -446,38 +380,24 @@ def dq_by_tma(device):
 
 
 def dq_sum_target(dq_sum, block_m, tma):
-    """What the one-pass dK/dV kernel adds dQ's shares into: the fp32 buffer itself (atomics), or with
-    tma a host-side TMA descriptor of it in query tiles of block_m rows (the GPU's launcher encodes it;
-    it needs a 16-byte aligned buffer whose strides but the last are multiples of 16 bytes: O's, in fp32)."""
+    """What the one-pass dK/dV kernel adds dQ's shares into: the fp32 buffer (atomics), or with tma a TMA
+    descriptor of it in tiles of block_m rows (it needs 16-byte aligned strides but the last: O's, in fp32)."""
     if not tma:
         return dq_sum
     return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Host side: the entry points, their custom ops and launches, the checks (a custom op: torch.compile traces
-# around it).
+# Host side: the entry points, their custom ops and launches, the checks.
 
-# Tuning per head_dim, fixed: no autotune, so that a run's numerics (the backward's summation order) never depend
-# on a timing; chosen from settings timed on the H200 (docs/kernel.md, "Speed"). Forward, as (rows per program,
-# warps, pipeline stages): a program owns BLOCK_M query rows and walks the key tiles (TILE_N keys each); 128 rows
-# reuse each loaded K/V tile twice as often as 64, and stages > 1 let Triton prefetch the next K/V tile while this
-# one is multiplied. Backward, as (BLOCK_M queries, BLOCK_N keys, warps, stages): a dK/dV program owns a tile of
-# BLOCK_N keys and walks the query tiles, a dQ program owns BLOCK_M queries and walks the key tiles, so the tiles
-# set the order dK, dV and dQ are summed in (nanolp/emulate.py reads them); 64 x 64 tiles keep dK, dV (or dQ) and
-# the recomputed P in registers. Up to SHORT_SEQ keys a backward loop is at most 8 tiles long, too short to fill a
-# pipeline, so it runs unpipelined there. Under the CPU interpreter (which pipelines nothing) forward programs own
-# 64 rows; the backward keeps the GPU's tiles, so that the bitwise tests against nanolp/emulate.py check the GPU's
-# summation order.
+# Tuning per head_dim, fixed (no autotune: the summation order never depends on a timing). Forward: (BLOCK_M,
+# warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (docs/kernel.md,
+# "Speed", "kernels.py's settings").
 FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
 BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
 SHORT_SEQ = 512
-# Every launch compiles without floating-point contraction (Triton's enable_fp_fusion=False, ptxas --fmad=false):
-# each multiply and each add rounds on its own, where the ROUND comments and nanolp/emulate.py say, and the only
-# fused multiply-add is the one the code asks for (tl.fma in _exp2). Left to itself ptxas fused the exponent in
-# some tiles and not in others (the forward's tiles left of the diagonal only: there nothing stood between the
-# scale and the subtraction), one form here and another there, which the CPU interpreter, never fusing, could
-# not see (what it costs: docs/kernel.md, "Speed").
+# No floating-point contraction: each operation rounds where the ROUND marks say, and the only fma is _exp2's
+# tl.fma (ptxas once fused some tiles and not others: docs/kernel.md, "Correctness evidence").
 UNFUSED = dict(enable_fp_fusion=False)
 if INTERPRET:
     FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
@@ -486,29 +406,18 @@ if INTERPRET:
 def flash_attention(q, k, v, causal=True, fix="on", numerics=None, deterministic=True):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
-    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any
-        strides with the last dimension contiguous. head_dim 16, 32, 64 or 128; seq from 1 up. Returns O of
-        the same shape, stored in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
-    fix: "on", "off" or "paper" (FIXES).
-        "on" (the default), the complete fix: the paper's row-max shift (_shifted_max: no P is exactly 1 in a
-            row with tied maxima) and delta = rowsum(dO * O) read from the forward's fp32 O, before its final
-            cast to q's dtype. The returned O is unchanged (the same bits as with the fix off, up to the
-            shift's rounding). Exact in real arithmetic. It costs forward time (the shift, and an fp32 O
-            written) and that fp32 O's memory until the backward: the default, so that the kernel as a drop-in
-            trains through where plain FlashAttention-2 collapses.
+    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
+        the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
+    fix: "on" (the default), the complete fix: the paper's row-max shift plus delta read from the forward's
+            fp32 O (costs forward time and that fp32 O's memory until the backward).
         "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
-        "paper": the paper's rule alone (the shift), an ablation: it removes the tie bias but not the error of
-            O's final cast, which delta also reads, and that error is what fails our runs (docs/findings.md).
-    numerics: the experiments (Numerics), for studying the failure, not for training models; the default (None,
-        Numerics()) rounds as FlashAttention-2 does.
-    deterministic: True (the default), the backward in two passes, dK/dV then dQ, with no atomics:
-        the same bits on every run (7 matrix products per query tile and key tile). False, the one-pass
-        backward: dQ is summed over the key tiles with fp32 atomics inside the dK/dV pass (5 products, as
-        FlashAttention-3 and cuDNN do), so its last bits depend on the order the GPU runs the programs in;
-        the same numbers otherwise (under the CPU interpreter the same bits, but for dQ at head_dim 128,
-        where the one-pass backward sums it over tiles of 128 keys, not 64). Timed side by side on the H200
-        the one-pass backward is at most 8-10% faster, and slower at short sequences: not worth run-to-run
-        differences (docs/kernel.md, "Which backward is the default").
+        "paper": the shift alone, an ablation (it leaves O's final cast's error, which fails our runs).
+        The returned O is the fix-off O up to the shift's rounding (docs/kernel.md, "The fix").
+    numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
+    deterministic: True (the default), a two-pass backward with no atomics, the same bits every run. False,
+        the one-pass backward: dQ summed with fp32 atomics, last bits vary from run to run, at most 8-10%
+        faster (docs/kernel.md, "Which backward is the default").
+    Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
     """
     numerics = Numerics() if numerics is None else numerics
     check_inputs(q, k, v, numerics)
@@ -520,15 +429,14 @@ Forward = namedtuple("Forward", "o lse o_delta")
 
 
 def forward(q, k, v, *, causal=True, fix="on", numerics=None, delta=None, deterministic=True):
-    """The forward as flash_attention runs it, for tests and experiments: Forward(o, lse, o_delta), o the O
-    returned (q's dtype), lse each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O the backward's
-    delta reads where that is not o itself (the fp32 O with fix "on"; else an empty tensor). Differentiable
-    through o, as flash_attention.
+    """The forward as flash_attention runs it, for tests and experiments.
 
     causal, fix, numerics, deterministic: flash_attention's. delta: what the backward's delta reads (one of
-    Numerics.delta's values), in place of what fix and numerics make of it (wire_fix); the shift stays fix's.
-    Unlike flash_attention, v is read as given: the "vo" amplifier's rounding of V (amplified_v) is the
-    caller's, as in nanolp.emulate.forward."""
+    Numerics.delta's values) in place of wire_fix's; the shift stays fix's. v is read as given (the "vo"
+    amplifier's rounding, amplified_v, is the caller's).
+    Returns Forward(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
+    each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O delta reads where it is not o (the fp32
+    O with fix "on"; else an empty tensor)."""
     numerics = Numerics() if numerics is None else numerics
     check_inputs(q, k, v, numerics)
     check_device(q)
@@ -545,8 +453,7 @@ def forward(q, k, v, *, causal=True, fix="on", numerics=None, delta=None, determ
 
 
 def flash_forward_fp32(q, k, v, causal=True, fix="on", numerics=None):
-    """The forward's O before its final cast, in fp32 (no autograd): what delta reads with fix "on". For
-    diagnostics and tests."""
+    """The forward's fp32 O before its final cast (no autograd), what delta reads with fix "on"; for tests."""
     numerics = Numerics() if numerics is None else numerics
     check_inputs(q, k, v, numerics)
     check_device(q)
@@ -557,11 +464,7 @@ def flash_forward_fp32(q, k, v, causal=True, fix="on", numerics=None):
                           numerics.o_bits, False, True, numerics.fma)[2]
 
 
-# The custom ops take plain values (a custom op's schema has no dataclass): the fix's wiring (shift and delta,
-# from wire_fix), then what the kernels need of the numerics (precision, the amplifier's p_bits and o_bits,
-# and stochastic: O stochastically rounded in the forward), then deterministic, which only the backward reads
-# (the forward op takes it so that its autograd context can hand it on), and fma: the exponent's form
-# (Numerics.exponent "fma"; both passes use it).
+# The custom ops take plain values (a schema has no dataclass): wire_fix's shift and delta, Numerics' parts.
 @torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
                precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True,
@@ -594,9 +497,8 @@ def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, dete
 
 
 def _bwd_launch(q, k, v, o, causal, precision, deterministic=True, fma=True):
-    """What every backward kernel is launched with: the grids of programs per query tile (delta, dQ, dQ's
-    cast) and per key tile (dK/dV), the strides (O's for dO, dQ, dK, dV too) and qk_scale, the
-    meta-parameters (the one-pass backward's with deterministic=False)."""
+    """What every backward kernel is launched with: the grids per query tile and per key tile, the strides (O's
+    for dO, dQ, dK, dV too) and qk_scale, the meta-parameters (the one-pass backward's if not deterministic)."""
     B, H, N, D = q.shape
     block_m, block_n, warps, stages = launch_setting("bwd" if deterministic else "one_pass", D)
     if N <= SHORT_SEQ:
@@ -610,9 +512,8 @@ def _bwd_launch(q, k, v, o, causal, precision, deterministic=True, fma=True):
 
 
 def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma=True):
-    """The backward's first step: delta = rowsum(dO * O), or with from_p the paper's control, which does
-    not read O. Launched with the two-pass backward's tiles either way, so that both backwards read the same
-    delta. do must be in O's layout."""
+    """delta = rowsum(dO * O), or with from_p the paper's control (no O read), with the two-pass tiles either
+    way so both backwards read the same delta. do must be in O's layout."""
     (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma=fma)
     delta = torch.empty_like(lse)
     if from_p:
@@ -628,9 +529,8 @@ def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma=True):
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True,
                fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """deterministic: dK/dV and dQ in two passes (7 matrix products per tile pair); else in one, dQ summed
-    with atomics or TMA reductions (DQ_TMA; 5 products; dQ's last bits depend on the order the GPU runs the
-    programs in)."""
+    """deterministic: dK/dV and dQ in two passes; else in one, dQ summed with atomics or TMA reductions
+    (DQ_TMA), its last bits depending on the order the GPU runs the programs in."""
     if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
         do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
     (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic, fma)
@@ -674,10 +574,8 @@ _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_device(q):
-    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once
-    nanolp/interp_patch.py has patched it (and marked the interpreter module so): the stock interpreter
-    truncates bf16 casts and multiplies the bit patterns of bf16 operands in tl.dot, so it would return wrong
-    numbers, finite and silent."""
+    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once nanolp/interp_patch.py
+    has patched it: the stock interpreter computes bf16 wrongly, finite and silent."""
     if INTERPRET:
         from triton.runtime import interpreter
         if getattr(interpreter, "nanolp_bf16_patch", False):
@@ -720,11 +618,8 @@ def qk_scale(head_dim, precision):
 
 
 def empty_in_layout_of(t, dtype=None):
-    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is: (batch, seq, heads, head_dim)
-    in memory when t's heads sit inside its sequence (q, k, v viewed from a (batch, seq, 3 * channels)
-    projection, as in model.py), else (batch, heads, seq, head_dim). O, and dQ, dK, dV in the backward, get
-    this layout, so the model's reshape back to (batch, seq, channels) is free, as with torch's SDPA. dtype:
-    t's by default."""
+    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is (seq-major when t is a head view
+    of a (batch, seq, channels) tensor, so model.py's reshape back is free); dtype: t's by default."""
     B, H, N, D = t.shape
     dtype = dtype or t.dtype
     if t.stride(1) < t.stride(2):
@@ -733,24 +628,16 @@ def empty_in_layout_of(t, dtype=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# THE FIX, two parts. The cure: the backward's delta reads the forward's fp32 O, before its final cast; the
-# forward kernel's epilogue stores it beside the bf16 O (KEEP_O32, one more store from the same registers, so the
-# fp32 O is never read back to be cast), and output_and_delta_o hands it to the backward. The paper's: a tied
-# row's max shifted up in the forward (_shifted_max, one small function called once per key tile). First how fix
-# wires them.
+# THE FIX, two parts. The cure: the backward's delta reads the forward's fp32 O, before its final cast (kept by
+# the forward's epilogue, KEEP_O32; handed on by output_and_delta_o). The paper's: a tied row's max shifted up
+# in the forward (_shifted_max, once per key tile). Why: docs/kernel.md, "The fix".
 
 FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
 
 
 def wire_fix(fix, numerics):
-    """fix as the forward's shift (_shifted_max) and what the backward's delta reads; the one check of fix and
-    of how it goes with the numerics (Numerics checks its own fields):
-
-        fix        the shift    delta reads
-        "off"      off          numerics.delta ("o" unless an experiment says otherwise)
-        "paper"    on           numerics.delta
-        "on"       on           "fp32-o": O before its final cast (output_and_delta_o)
-    """
+    """fix as (the forward's shift on, what the backward's delta reads): "off" (False, numerics.delta),
+    "paper" (True, numerics.delta), "on" (True, "fp32-o"); the one check of fix against the numerics."""
     if fix not in FIXES:
         raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
     if fix == "on" and numerics.delta not in ("o", "fp32-o"):
@@ -765,19 +652,9 @@ def keeps_fp32_o(stochastic, delta):
 
 
 def output_and_delta_o(o, o32, stochastic, delta):
-    """The fix's backward part, the one place that says what the backward's delta reads: from the forward's O
-    (its epilogue's cast of the fp32 O) and that fp32 O (None where keeps_fp32_o says the epilogue did not keep
-    it), the O the caller gets and the O delta reads (None: the same). The cast is what delta's one-signed error
-    comes from in our runs; with the fix the caller still gets the bf16 O, bit for bit as without it: the
-    kernel's one cast (ROUND: O), with the fix on or off.
-
-    delta "o"             O = round(o32);       delta reads O            (the paper's channel)
-    delta "fp32-o"        O = round(o32);       delta reads o32          (the complete fix, fix "on")
-    stochastic            O = stochastic(o32);  delta reads O            (or o32 with delta "fp32-o")
-    delta "stochastic-o"  O = round(o32);       delta reads an independent stochastic(o32)
-
-    The stochastic roundings (experiments only) are drawn here, on the host, from o32; with stochastic the
-    kernel's O goes unused."""
+    """The fix's backward part, the one place that says what delta reads: from the kernel's O and its fp32 O
+    (o32; None where not kept), the O the caller gets and the O delta reads (None: the same). With delta
+    "fp32-o" that is o32; the caller's O is the same bits either way (docs/kernel.md, "Half 2")."""
     if stochastic:
         o = stochastic_round(o32)                                                     # ROUND: O, stochastically
     if delta == "fp32-o":
@@ -785,48 +662,28 @@ def output_and_delta_o(o, o32, stochastic, delta):
     return o, stochastic_round(o32) if delta == "stochastic-o" else None
 
 
-# The paper's shift, in nats. exp(-x) rounds to exactly 1.0 in bf16 for x below about 2^-9, so TIE_TOL catches
-# every score whose P rounds to 1 (the official code's 1e-3 catches exact ties).
+# The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9; docs/kernel.md, "Half 1").
 TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
 BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
 SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
-# Its constants in the kernel's units: a compile-time constant of the forward kernel, None there with the shift
-# off, so that no kernel that does not shift sees them. inv is the fold's 1 / span (_fold).
+# Its constants in the kernel's units, a compile-time constant (None with the shift off); inv: _fold's 1 / span.
 Shift = namedtuple("Shift", "beta tol lo hi span inv")
 
 
 @triton.jit
 def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
     """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
-    earlier tiles), in the units of s * scale; returns it and the new raw row max max(t, r). The top-2 is taken
-    on s and scaled after: scale > 0 rounds monotonically, so that is the top-2 of s * scale exactly.
-
-    Official rule (paper, Sec. 5): if more than one score lies within tol of r, use beta * r for r > 0 and 0
-    for r < 0 instead of r. Both move the max up by d = (beta - 1) r or -r, so the tied P are exp(-d) < 1.
-    Made robust here:
-    - ties across tiles count too: r within tol of t (a tie the per-tile rule cannot see; with 64-key tiles
-      and 256 keys a row's tied pair shares one tile only a quarter of the time). Shifting this tile is
-      enough: the earlier tile's P = 1 stays in fp32 (acc and l are only rescaled by exp(m - m')), and this
-      tile's P are exp(-d) < 1, rounded both ways.
-    - when d falls outside [lo, hi) it is folded back into it by lo + fmod(d, hi - lo):
-      d < lo (a max of 0 or a tiny one): exp(-d) would round back to exactly 1; now d >= lo.
-      d >= hi (|max| above ~64 with beta 2): exp(-d) would underflow (l = 0, O = 0/0 past ~87 nats).
-    - d stays a function of the scores, so the rounding of exp(-d) changes sign from row to row; a constant
-      offset would round the same way every time and keep the bias (the paper's appendix).
-    - masked scores are -inf and never count; a fully masked tile (r = -inf) is left alone.
-    "More than one score within tol of r" is "the second-largest score r2 (r again when the max itself is
-    tied) is >= r - tol": one top-2 reduction finds r and r2 in the pass that finds the max, where counting
-    the scores within tol took a compare per score and a sum after the max (fewer instructions and registers:
-    docs/kernel.md, "Speed").
-    """
+    earlier tiles); returns it and the new raw row max max(t, r). The paper's rule (Sec. 5): a row with two
+    scores within tol of r (top-2: r2 >= r - tol), or here r within tol of t (a tie across tiles), moves its
+    max up by d = (beta - 1) r or -r, folded into [lo, hi), so tied P are exp(-d) < 1, rounded both ways.
+    Why each piece (underflow, r = 0, masked tiles, ties across tiles): docs/kernel.md, "Half 1"."""
     tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
     tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
     r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
     r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
     across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
     tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
-    # (beta - 1) r = r for r > 0 and -r below, i.e. |r|, which costs no instruction (an operand's modifier);
-    # at r = +0 it is +0 where -r is -0, and both fold to lo + 0 = lo
+    # (beta - 1) r = r for r > 0 and -r below: |r|, free (an operand modifier); r = +-0 folds to lo either way
     d = tl.abs(r)
     d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
     return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
@@ -834,25 +691,17 @@ def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
 
 @triton.jit
 def _top2(a1, a2, b1, b2):
-    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice.
-
-    The second's two maxima propagate NaN (there is none: masked scores are -inf), which makes -inf their
-    identity, so the compiler drops max(x, -inf) where a score enters with second -inf: 3 instructions per score
-    instead of 4. (The NaN-ignoring max cannot drop it: max(NaN, -inf) is -inf there, not NaN.) The second is
-    only compared, so the sign of a zero, where the two maxima may differ, does not matter either."""
+    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice. The second's
+    maxima propagate NaN (none occur), so -inf is their identity and the compiler drops a max per score."""
     ALL: tl.constexpr = tl.PropagateNan.ALL
     return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
 
 
 @triton.jit
 def _fold(d, SHIFT: tl.constexpr):
-    """lo + fmod(d, span) for 0 <= d <= |r|, the fold of _shifted_max, without a division: n = floor(d * inv)
-    and d - n * span, in float64, inv = 1 / span rounded up (reciprocal_up). The same bits as fmod's wherever
-    they can matter: exactly fmod for d < 2^27 span; beyond it r + d rounds to r with either; NaN at d = inf, as
-    fmod. The proof, and the exhaustive check for every float32 d: docs/kernel.md, "The fold without a
-    division". d % span would be an IEEE division with a slow path; this is 2 conversions, a multiply, a floor
-    and an fma.
-    """
+    """lo + fmod(d, span) for 0 <= d <= |r| without a division (d % span has a slow path): floor(d * inv) in
+    float64, inv = 1 / span rounded up. fmod's bits wherever they matter; the proof: docs/kernel.md, "The fold
+    without a division"."""
     tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
     tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
     d64 = d.to(tl.float64)
@@ -862,11 +711,8 @@ def _fold(d, SHIFT: tl.constexpr):
 
 
 def fix_constants(precision, p_bits=0):
-    """The shift's constants in the kernel's units (log2 units in "fa2"), computed once, in float64.
-
-    TIE_TOL and SHIFT_LO are set for P in bf16 (7 mantissa bits). The amplifier rounds P to fewer bits, which
-    widens the band of scores whose P rounds to exactly 1.0 by 2^(7 - bits); both widen with it, or the fix
-    would miss most of the near-ties the amplifier creates and shift some maxima by too little."""
+    """The shift's constants in the kernel's units (log2 units in "fa2"), in float64; tol and lo widen with
+    the amplifier's p_bits (widening), as the band of scores whose P rounds to 1.0 does."""
     unit = LOG2E if precision == "fa2" else 1.0
     lo = SHIFT_LO * widening(p_bits)
     span = (SHIFT_HI - lo) * unit
@@ -882,8 +728,7 @@ def reciprocal_up(span):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Appendix: the experiments. Variants of the numerics that test the mechanism, one object (flash_attention's
-# numerics), and what only they use.
+# Appendix: the experiments' variants of the numerics (flash_attention's numerics), and what only they use.
 
 def option(help, default, choices=None):
     """A field of Numerics: what it does (also its train.py flag's help), its default, the values it takes."""
@@ -892,9 +737,8 @@ def option(help, default, choices=None):
 
 @dataclass(frozen=True)
 class Numerics:
-    """How the attention rounds, for studying the failure, not for training models; the defaults are plain
-    FlashAttention-2. Each field is a flag of train.py's "experiments" group, a key of a run's config.json and
-    summary.json, and a column of runs.csv, all made from this class."""
+    """How the attention rounds, for studying the failure; the defaults are plain FlashAttention-2. Each field
+    is also a train.py flag, a config.json/summary.json key and a runs.csv column (docs/kernel.md)."""
     precision: str = option("fa2: S, m, l and acc in fp32 (production kernels); autocast: the rounding points of "
                             "the paper's PyTorch code under bf16 autocast", "fa2", ("fa2", "autocast"))
     delta: str = option("what the backward's delta reads (fp32-o with fix on): o, the O returned (the paper's "
@@ -946,10 +790,8 @@ class Numerics:
 
 
 def stochastic_round(x, generator=None):
-    """Round fp32 x to bfloat16 stochastically: up or down with probabilities that make the rounding
-    unbiased (E[result] = x), by adding 16 random bits below bf16's mantissa and truncating. Twice the error
-    variance of round-to-nearest on average; used by the stochastic-rounding experiments only (stochastic_o,
-    delta "stochastic-o")."""
+    """Round fp32 x to bfloat16 stochastically, unbiased (E[result] = x): 16 random bits added below bf16's
+    mantissa, then truncated. For the stochastic-rounding experiments only."""
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: |x| rounded up or down, to bf16
     rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
@@ -980,14 +822,12 @@ def amplified_v(v, bits):
 
 
 def widening(bits):
-    """How much wider than in bf16 the band of scores whose P rounds to 1.0 is, with P at `bits` mantissa bits
-    (0: bf16's own)."""
+    """How much wider than bf16's the band of scores whose P rounds to 1.0 is, P at `bits` bits (0: bf16)."""
     return 2.0 ** (7 - bits) if bits else 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Other launch settings, for the experiments that time and compile them (experiments/forward_split.py,
-# backward_variants.py, sass.py, tuning.py); kernels.py's tables stay as they are.
+# Other launch settings, for the experiments that time and compile them (experiments/tuning.py, sass.py, ...).
 
 _TUNED = {}   # the settings of the innermost `with tuned(...)` block
 
