@@ -17,7 +17,7 @@ not the one that ran). Prints markdown tables (results/speed/sass.md).
 
 With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix "off", "paper" and "on", at
 FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
-optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
+optionally /maxnreg=R, /block_n=N and /pipe=P), which times the same settings on a GPU
 (results/speed/forward_d128_candidates.md).
 """
 import argparse
@@ -131,8 +131,8 @@ def measure(compiled):
         Path(cubin).write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([BIN / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True, check=True)
         sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
-        # Whether ptxas serialized the wgmma for lack of registers (C7512: each HGMMA then waits for the one
-        # before it) is only in its log, which Triton does not keep: ptxas again, with the options Triton 3.6
+        # Whether ptxas serialized the wgmma (each HGMMA then waits for the one before it), and why, is only in
+        # its log, which Triton does not keep: ptxas again, with the options Triton 3.6
         # gives it (later versions add others)
         ptx = os.path.join(tmp, "k.ptx")
         Path(ptx).write_text(compiled.asm["ptx"])
@@ -150,8 +150,11 @@ def measure(compiled):
     return dict(regs=res["REG"], spills=f'{sum(op.startswith(("STL", "LDL")) for op in opcodes)} / {res["STACK"]}',
                 warps=warps, stages=compiled.metadata.num_stages, smem_kib=(dynamic + res["SHARED"]) / 1024,
                 ctas=ctas, total=len(opcodes), loop=len(loop), counts=counts, loop_opcodes=loop,
-                # "?" where this ptxas run allocated other registers than Triton's: not the same compile
-                serialized=("C7512" in log) if f"Used {res['REG']} registers" in log else "?")
+                # "?" where this ptxas run allocated other registers than Triton's: not the same compile; else
+                # the code of ptxas's "wgmma.mma_async instructions are serialized" (C7512: registers; C7514,
+                # C7515: other instructions reading or writing a wgmma's accumulator while it runs), or None
+                serialized=(next(iter(re.findall(r"\((C75\d\d)\)[^\n]*wgmma[^\n]*serialized", log)), None)
+                            if f"Used {res['REG']} registers" in log else "?"))
 
 
 def table(rows):
@@ -176,7 +179,7 @@ def print_candidates(D, configs):
         for label, launch in forward_launches(D, FIXES, config):
             m = measure(compile_launch(*launch))
             per_tile = m["loop"] * m["warps"] * 64 * 64 / (config.block_m * config.block_n)
-            serialized = {True: "yes", False: "no"}.get(m["serialized"], "?")
+            serialized = "?" if m["serialized"] == "?" else f"yes ({m['serialized']})" if m["serialized"] else "no"
             cells = [config, label, m["regs"], m["spills"], serialized, m["warps"], m["stages"], f"{m['smem_kib']:g}",
                      m["ctas"], m["ctas"] * m["warps"], m["total"], m["loop"], f"{per_tile:.0f}", *m["counts"].values()]
             print("| " + " | ".join(map(str, cells)) + " |", flush=True)
@@ -186,7 +189,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
                    help="only the forward, with FWD_TUNING and these settings: BLOCK_M/WARPS/STAGES[/maxnreg=R]"
-                        "[/block_n=N] (experiments/forward_split.py)")
+                        "[/block_n=N][/pipe=P] (experiments/forward_split.py)")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING),
                    help="the forward's head_dim with --fwd")
     options = p.parse_args()
