@@ -52,10 +52,8 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
-                FMA: tl.constexpr, KEEP_O32: tl.constexpr, PIPELINE: tl.constexpr = 0):
+                FMA: tl.constexpr, KEEP_O32: tl.constexpr):
     # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
-    # PIPELINE (0: off): a candidate schedule of the unmasked loop (_fwd_inner_pipelined), which _flash_fwd
-    # launches only inside kernels.tuned(pipeline=N) (experiments/forward_split.py's /pipe=N); the same bits.
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -81,14 +79,9 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     else:
         stop_unmasked = (N // BLOCK_N) * BLOCK_N
         stop = N
-    if PIPELINE:
-        acc, l_i, m_i, t_i = _fwd_inner_pipelined(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0,
-                                                  stop_unmasked, offs_n, offs_d, qk_scale,
-                                                  AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N, PIPELINE)
-    else:
-        acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
-                                        offs_m, offs_n, offs_d, N, qk_scale,
-                                        False, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    False, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
     acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
                                     offs_m, offs_n, offs_d, N, qk_scale,
                                     True, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
@@ -124,127 +117,45 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max here and per
         # score inside the exponent (_exp2); rounding is monotone, so rowmax(s) * scale is rowmax(S) exactly
         s = _scores(q, kT, qk_scale, AUTOCAST)
+        if AUTOCAST:
+            scale = 1.0
+        else:
+            scale = qk_scale
         if MASKED:
             valid = cols[None, :] < N
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             s = tl.where(valid, s, float("-inf"))
-        p, alpha, l_i, m_i, t_i = _fwd_softmax(s, l_i, m_i, t_i, q, qk_scale, AUTOCAST, SHIFT, P_BITS, FMA)
-        acc = _fwd_pv(acc, p, alpha, v, q, AUTOCAST, P_BITS)
+        # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
+        if SHIFT is None:
+            r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
+        else:
+            r, t_i = _shifted_max(s, scale, t_i, SHIFT)
+        if AUTOCAST:
+            m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
+            alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
+            alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
+            p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))               # ROUND: S - m'
+            p = _round_bits(p, P_BITS).to(q.dtype)                                    # ROUND: P
+            # l = exp(m - m') l + rowsum(P)
+            l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
+            l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
+            l_i = l_i.to(q.dtype).to(tl.float32)                                      # ROUND: l in bf16
+            # acc = exp(m - m') acc + P V_j
+            pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                              # ROUND: P V in bf16
+            acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                   # ROUND
+            acc = (acc + pv).to(q.dtype).to(tl.float32)                               # ROUND: acc in bf16
+        else:
+            m_new = tl.maximum(m_i, r)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = _exp2(s, qk_scale, m_new[:, None], FMA)
+            # l = exp(m - m') l + rowsum(P), from the unrounded P
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # acc = exp(m - m') acc + P V_j
+            acc = acc * alpha[:, None]
+            acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
+        m_i = m_new
     return acc, l_i, m_i, t_i
-
-
-@triton.jit
-def _fwd_softmax(s, l_i, m_i, t_i, q, qk_scale, AUTOCAST: tl.constexpr, SHIFT: tl.constexpr,
-                 P_BITS: tl.constexpr, FMA: tl.constexpr):
-    """One key tile's softmax statistics from its scores s (_scores, masked): m', P, alpha = exp(m - m') and
-    l. Returns (P as P V reads it in "autocast", else unrounded; alpha; l; m'; t_i)."""
-    if AUTOCAST:
-        scale = 1.0
-    else:
-        scale = qk_scale
-    # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
-    if SHIFT is None:
-        r = tl.max(s, 1) * scale                                                      # ROUND: as S's scale
-    else:
-        r, t_i = _shifted_max(s, scale, t_i, SHIFT)
-    if AUTOCAST:
-        m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                         # ROUND: m in bf16
-        alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                      # ROUND: m - m'
-        alpha = alpha.to(q.dtype).to(tl.float32)                                      # ROUND: exp(m - m')
-        p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))                   # ROUND: S - m'
-        p = _round_bits(p, P_BITS).to(q.dtype)                                        # ROUND: P
-        # l = exp(m - m') l + rowsum(P)
-        l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                                # ROUND
-        l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))         # ROUND: rowsum(P)
-        l_i = l_i.to(q.dtype).to(tl.float32)                                          # ROUND: l in bf16
-    else:
-        m_new = tl.maximum(m_i, r)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = _exp2(s, qk_scale, m_new[:, None], FMA)
-        # l = exp(m - m') l + rowsum(P), from the unrounded P
-        l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, l_i, m_new, t_i
-
-
-@triton.jit
-def _fwd_pv(acc, p, alpha, v, q, AUTOCAST: tl.constexpr, P_BITS: tl.constexpr):
-    """acc = exp(m - m') acc + P V_j, for _fwd_softmax's P and alpha."""
-    if AUTOCAST:
-        pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                                  # ROUND: P V in bf16
-        acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                       # ROUND
-        acc = (acc + pv).to(q.dtype).to(tl.float32)                                   # ROUND: acc in bf16
-    else:
-        acc = acc * alpha[:, None]
-        acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                      # ROUND: P to bf16
-    return acc
-
-
-@triton.jit
-def _fwd_inner_pipelined(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, offs_n, offs_d,
-                         qk_scale, AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr,
-                         FMA: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr):
-    """_fwd_inner over the key tiles [start, stop) that need no mask (start = 0: the first loop), software-
-    pipelined after FlashAttention-3's intra-warpgroup overlap (Shah et al. 2024, section 3.2): the tensor cores
-    compute one tile's matmul while the CUDA cores run another tile's softmax (its exp2 on the MUFU), where
-    _fwd_inner has each wait for the other. Only the schedule moves: every tile's S, softmax and
-    acc = exp(m - m') acc + P V_j are _fwd_inner's, in the same order, so the same bits. No branch: a branch
-    around a prologue or epilogue makes ptxas serialize every wgmma (its C7515). PIPELINE 1: S_{j+1} issued
-    before tile j's softmax, then P_j V_j. 2: P_{j-1} V_{j-1}, then S_{j+1}, then tile j's softmax. 3 (FA3's
-    Algorithm 2): S_j, then P_{j-1} V_{j-1}, then tile j's softmax. What triton 3.6 makes of each for sm_90:
-    results/speed/forward_d128_candidates.md."""
-    if PIPELINE == 1:
-        # prologue: S_0 (from K masked to zeros where the range is empty; then nothing reads it)
-        s = _scores(q, _load_kT(K, start, stop, offs_n, offs_d, stride_kn), qk_scale, AUTOCAST)
-        for start_n in range(start, stop, BLOCK_N):
-            v = tl.load(V + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :])
-            # S_{j+1} before tile j's softmax, for the tensor cores while the softmax runs (past the last tile K
-            # reads as zeros and this S is dropped)
-            s_next = _scores(q, _load_kT(K, start_n + BLOCK_N, stop, offs_n, offs_d, stride_kn), qk_scale, AUTOCAST)
-            p, alpha, l_i, m_i, t_i = _fwd_softmax(s, l_i, m_i, t_i, q, qk_scale, AUTOCAST, SHIFT, P_BITS, FMA)
-            acc = _fwd_pv(acc, p, alpha, v, q, AUTOCAST, P_BITS)
-            s = s_next
-    else:
-        # P_{j-1} V_{j-1} moved into iteration j, P (as P V reads it) and alpha carried one tile. The first
-        # iteration's P_{-1} V_{-1} is acc * 1 + 0 V_{-1} (V masked to zeros) with acc = 0 (this loop is the
-        # first: start = 0), exact, and so is the epilogue's where the range is empty
-        p = tl.zeros([q.shape[0], BLOCK_N], q.dtype)
-        alpha = tl.full([q.shape[0]], 1.0, tl.float32)
-        if PIPELINE == 2:
-            s = _scores(q, _load_kT(K, start, stop, offs_n, offs_d, stride_kn), qk_scale, AUTOCAST)
-        for start_n in range(start, stop, BLOCK_N):
-            if PIPELINE == 3:
-                # FA3's Algorithm 2: S_j, waited at once; P_{j-1} V_{j-1} runs during tile j's softmax
-                s = _scores(q, tl.load(K + offs_d[:, None] + (start_n + offs_n)[None, :] * stride_kn), qk_scale,
-                            AUTOCAST)
-            acc = _fwd_pv(acc, p, alpha, _load_v(V, start_n - BLOCK_N, start, offs_n, offs_d, stride_vn), q,
-                          AUTOCAST, 0)
-            if PIPELINE == 2:
-                # S_{j+1} after P_{j-1} V_{j-1} and before tile j's softmax (K zeros past the last tile, dropped)
-                s_next = _scores(q, _load_kT(K, start_n + BLOCK_N, stop, offs_n, offs_d, stride_kn), qk_scale,
-                                 AUTOCAST)
-            p, alpha, l_i, m_i, t_i = _fwd_softmax(s, l_i, m_i, t_i, q, qk_scale, AUTOCAST, SHIFT, P_BITS, FMA)
-            if not AUTOCAST:
-                p = _round_bits(p, P_BITS).to(q.dtype)                                # ROUND: P to bf16
-            if PIPELINE == 2:
-                s = s_next
-        # epilogue: the last tile's P V
-        acc = _fwd_pv(acc, p, alpha, _load_v(V, stop - BLOCK_N, start, offs_n, offs_d, stride_vn), q, AUTOCAST, 0)
-    return acc, l_i, m_i, t_i
-
-
-@triton.jit
-def _load_kT(K, start_n, stop, offs_n, offs_d, stride_kn):
-    """K_j^T of the key tile at start_n, zeros past stop (_fwd_inner_pipelined)."""
-    cols = start_n + offs_n
-    return tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < stop, other=0.0)
-
-
-@triton.jit
-def _load_v(V, start_n, start, offs_n, offs_d, stride_vn):
-    """V_j of the key tile at start_n, zeros before start (_fwd_inner_pipelined)."""
-    cols = start_n + offs_n
-    return tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] >= start, other=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -571,8 +482,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=_TUNED.get("block_n", TILE_N),
         CAUSAL=causal, AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if shift else None,
         P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=o32 is not None, num_warps=warps, num_stages=stages,
-        **UNFUSED, **{name: _TUNED[name] for name in ("maxnreg",) if name in _TUNED},
-        **({"PIPELINE": _TUNED["pipeline"]} if _TUNED.get("pipeline") else {}))
+        **UNFUSED, **{name: _TUNED[name] for name in ("maxnreg",) if name in _TUNED})
     o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
     return o, lse, o.new_empty(0) if o_delta is None else o_delta
 
@@ -923,16 +833,14 @@ _TUNED = {}   # the settings of the innermost `with tuned(...)` block
 
 
 @contextmanager
-def tuned(fwd=None, bwd=None, one_pass=None, block_n=None, maxnreg=None, dq_tma=None, pipeline=None):
+def tuned(fwd=None, bwd=None, one_pass=None, block_n=None, maxnreg=None, dq_tma=None):
     """The launches inside the block take these settings (None: as without). fwd, bwd, one_pass: {head_dim:
     setting} in place of FWD_TUNING's, BWD_TUNING's, ONE_PASS_TUNING's at those head_dims; block_n: the
     forward's key tile (anything but TILE_N changes the numerics: the shift looks for ties within one tile, and
     nanolp/emulate.py follows TILE_N); maxnreg: Triton's cap on the forward's registers per thread (a compile
-    option); dq_tma: in place of DQ_TMA; pipeline: 1-3 runs the forward's unmasked loop as
-    _fwd_inner_pipelined's schedule PIPELINE (a candidate, the same bits)."""
+    option); dq_tma: in place of DQ_TMA."""
     saved = dict(_TUNED)
-    given = dict(fwd=fwd, bwd=bwd, one_pass=one_pass, block_n=block_n, maxnreg=maxnreg, dq_tma=dq_tma,
-                 pipeline=pipeline)
+    given = dict(fwd=fwd, bwd=bwd, one_pass=one_pass, block_n=block_n, maxnreg=maxnreg, dq_tma=dq_tma)
     for name, value in given.items():
         if value is not None:
             _TUNED[name] = {**_TUNED.get(name, {}), **value} if isinstance(value, dict) else value

@@ -9,11 +9,9 @@ With --fwd, the forward at one head_dim (--head-dim, 128 by default) in each var
 and with each candidate setting, side by side, beside torch SDPA's cuDNN forward (which has no fix), as a markdown
 table; a candidate's column also says whether its outputs (O, lse and the fp32 O) have FWD_TUNING's bits. A candidate is
 BLOCK_M/WARPS/STAGES as in FWD_TUNING, then optionally /maxnreg=R (Triton's cap on registers per thread, a
-compile option), /block_n=N (keys per tile; anything but kernels.TILE_N changes the numerics: the shift
-looks for ties within one tile, and nanolp/emulate.py follows TILE_N) and /pipe=1, 2 or 3 (the unmasked key
-loop software-pipelined, FlashAttention-3's overlap of a tile's softmax with another tile's matmul:
-kernels.py's _fwd_inner_pipelined; the same bits). --seq sets the sequence length (4096 by default).
-experiments/sass.py --fwd compiles the same settings for sm_90 on a CPU (results/speed/forward_d128_candidates.md).
+compile option) and /block_n=N (keys per tile; anything but kernels.TILE_N changes the numerics: the shift
+looks for ties within one tile, and nanolp/emulate.py follows TILE_N). --seq sets the sequence length (4096 by
+default). experiments/sass.py --fwd compiles the same settings for sm_90 on a CPU (results/speed/forward_d128_candidates.md).
 """
 import argparse
 from typing import NamedTuple, Optional
@@ -28,24 +26,21 @@ VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"),
 
 
 class FwdConfig(NamedTuple):
-    """A forward setting: FWD_TUNING's three numbers, Triton's maxnreg (None: no cap), the key tile and whether
-    and how the unmasked key loop is software-pipelined (kernels.tuned's pipeline; 0: not)."""
+    """A forward setting: FWD_TUNING's three numbers, Triton's maxnreg (None: no cap) and the key tile."""
     block_m: int
     warps: int
     stages: int
     maxnreg: Optional[int] = None
     block_n: int = kernels.TILE_N
-    pipe: int = 0
 
     @classmethod
     def parse(cls, text):
-        """From "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/pipe=P]", the form __str__ writes."""
+        """From "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]", the form __str__ writes."""
         numbers, options, extra = text.split("/")[:3], text.split("/")[3:], {}
-        expected = f"{text}: expected BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/pipe=P]"
+        expected = f"{text}: expected BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]"
         for option in options:
             name, _, value = option.partition("=")
-            if name not in ("maxnreg", "block_n", "pipe") or not value.isdigit() \
-                    or (name == "pipe" and value not in ("0", "1", "2", "3")):
+            if name not in ("maxnreg", "block_n") or not value.isdigit():
                 raise argparse.ArgumentTypeError(expected)
             extra[name] = int(value)
         if len(numbers) != 3 or not all(n.isdigit() for n in numbers):
@@ -55,15 +50,14 @@ class FwdConfig(NamedTuple):
     def __str__(self):
         return "/".join([f"{self.block_m}/{self.warps}/{self.stages}"]
                         + ([f"maxnreg={self.maxnreg}"] if self.maxnreg else [])
-                        + ([f"block_n={self.block_n}"] if self.block_n != kernels.TILE_N else [])
-                        + ([f"pipe={self.pipe}"] if self.pipe else []))
+                        + ([f"block_n={self.block_n}"] if self.block_n != kernels.TILE_N else []))
 
 
 def forward_config(head_dim, config):
     """kernels.py's forward at head_dim launched with config inside the block, as FWD_TUNING is otherwise
     (kernels.tuned)."""
     return kernels.tuned(fwd={head_dim: (config.block_m, config.warps, config.stages)}, block_n=config.block_n,
-                         maxnreg=config.maxnreg, pipeline=config.pipe)
+                         maxnreg=config.maxnreg)
 
 
 def inputs(D, N=4096, channels=2048):
@@ -111,8 +105,7 @@ def compare(D, candidates, N=4096):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
-                   help="forward settings to time beside FWD_TUNING's: "
-                        "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/pipe=P]")
+                   help="forward settings to time beside FWD_TUNING's: BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING))
     p.add_argument("--seq", type=int, default=4096, help="sequence length with --fwd")
     args = p.parse_args()

@@ -17,7 +17,7 @@ not the one that ran). Prints markdown tables (results/speed/sass.md).
 
 With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix "off", "paper" and "on", at
 FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
-optionally /maxnreg=R, /block_n=N and /pipe=P), which times the same settings on a GPU
+optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
 (results/speed/forward_d128_candidates.md).
 """
 import argparse
@@ -189,7 +189,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
                    help="only the forward, with FWD_TUNING and these settings: BLOCK_M/WARPS/STAGES[/maxnreg=R]"
-                        "[/block_n=N][/pipe=P] (experiments/forward_split.py)")
+                        "[/block_n=N] (experiments/forward_split.py)")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING),
                    help="the forward's head_dim with --fwd")
     options = p.parse_args()

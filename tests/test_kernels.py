@@ -4,7 +4,6 @@ Runs on the CPU through Triton's interpreter (patched in conftest.py); on a GPU 
 compiled kernel (`python -m pytest tests/test_kernels.py` with CUDA and without TRITON_INTERPRET), where the
 bitwise tests are skipped: tensor cores and the GPU's exp2 differ from float64-rounded results in the last bit.
 """
-import itertools
 import math
 import os
 import re
@@ -132,27 +131,6 @@ def test_forward_candidate_settings_keep_the_bits_and_leave_the_tuning():
     assert (dict(kernels.FWD_TUNING), kernels.TILE_N, kernels._fwd_kernel) == before
     assert FwdConfig.parse("128/8/2/block_n=32/maxnreg=128") == FwdConfig(128, 8, 2, 128, 32)
     assert str(FwdConfig(128, 8, 2, 128, 32)) == "128/8/2/maxnreg=128/block_n=32"
-
-
-@requires_interpreter
-@pytest.mark.parametrize("D", [64, 128])
-def test_pipelined_forward_keeps_the_bits(D):
-    """/pipe=1-3 (kernels._fwd_inner_pipelined) move only the schedule of the unmasked key loop: O, lse and the
-    fp32 O bit for bit as without, for every fix, causal or not, at lengths around the tiles (none to several
-    unmasked tiles, ragged ends), with 128-row query tiles as on the GPU."""
-    from experiments.forward_split import FwdConfig, forward_config
-    for N in (1, 63, 64, 65, 200, 257):
-        q, k, v = rand((1, 2, N, D), scale=3.0), rand((1, 2, N, D)), rand((1, 2, N, D))
-        k[..., 5 % N, :] = k[..., 3 % N, :]                     # exact ties, so the shift has work to do
-        for fix, causal in itertools.product(("off", "paper", "on"), (True, False)):
-            with kernels.tuned(fwd={D: (128, 4, 1)}):
-                reference = kernels.forward(q, k, v, causal=causal, fix=fix, delta="fp32-o")
-            for pipe in (1, 2, 3):
-                with forward_config(D, FwdConfig(128, 4, 1, pipe=pipe)):
-                    out = kernels.forward(q, k, v, causal=causal, fix=fix, delta="fp32-o")
-                assert all(torch.equal(a, b) for a, b in zip(out, reference)), (N, fix, causal, pipe)
-    assert FwdConfig.parse("128/8/4/pipe=1") == FwdConfig(128, 8, 4, pipe=1)
-    assert str(FwdConfig(128, 8, 4, pipe=2)) == "128/8/4/pipe=2"
 
 
 @requires_interpreter
