@@ -95,7 +95,17 @@ def late(run):
             f"largest {max(v for _, v in rows):.1e}")
 
 
-if __name__ == "__main__":
-    report = {"--heads": heads, "--late": late}.get((sys.argv[1:2] or [""])[0], onset)
-    for run in sys.argv[1 + (report is not onset):]:
+def main(argv):
+    report = {"--heads": heads, "--late": late}.get((argv[:1] or [""])[0], onset)
+    runs = argv[(report is not onset):]
+    if not runs or any(a.startswith("-") for a in runs):
+        sys.exit("usage: python -m experiments.onset [--heads | --late] RUN_DIR [RUN_DIR ...]")
+    missing = [run for run in runs if not log_path(run).exists()]
+    if missing:
+        sys.exit(f"onset: no log.csv or log.csv.gz in {', '.join(missing)}")
+    for run in runs:
         print(report(run))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

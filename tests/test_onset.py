@@ -1,0 +1,38 @@
+"""experiments/onset.py: the late-stage row read from a log, and one clear line for bad input."""
+
+import csv
+import json
+
+import pytest
+
+from experiments import onset
+
+
+def write_run(tmp_path, logits, collapse_step):
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "log.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "max_logit_L0"])
+        w.writerows([(1000 * (i + 1), v) for i, v in enumerate(logits)])
+    (run / "summary.json").write_text(json.dumps({"collapse_step": collapse_step}))
+    return run
+
+
+def test_late_counts_steps_from_1e3_to_1e6_and_to_the_collapse(tmp_path):
+    run = write_run(tmp_path, [10, 500, 2e3, 5e5, 3e6, 4e8], collapse_step=5500)
+    row = onset.late(run)
+    assert ">1e3 at 3000  >1e6 at 5000  1e3->1e6 2,000  collapse 5500  1e6->collapse 500" in row
+    assert "last 4.0e+08  largest 4.0e+08" in row
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "usage: python -m experiments.onset"),
+    (["--late"], "usage: python -m experiments.onset"),
+    (["--help"], "usage: python -m experiments.onset"),
+    (["--late", "no-such-run"], "onset: no log.csv or log.csv.gz in no-such-run"),
+])
+def test_bad_input_is_one_line(argv, message):
+    with pytest.raises(SystemExit) as exit:
+        onset.main(argv)
+    assert str(exit.value).startswith(message)
