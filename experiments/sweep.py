@@ -13,8 +13,9 @@ On a fresh GPU machine (any number of GPUs), from the repository's root:
 TinyShakespeare is downloaded on first use; on a machine without internet, copy it to
 data/tinyshakespeare/input.txt first. Then commit results/STUDY/.
 
-A run is train.py with the study's common flags and the arm's, --steps MIN_STEPS, --seed SEED, --name ARM-sSEED,
---out OUT (runs/STUDY). Each invocation looks at every run's folder in OUT and in results/STUDY/runs/:
+A run is train.py with the study's common flags and the arm's, --steps MIN_STEPS (the study's or its seed's),
+--seed SEED, --name ARM-sSEED, --out OUT (runs/STUDY). Each invocation looks at every run's folder in OUT and in
+results/STUDY/runs/:
     finished  OUT's summary.json says it collapsed, or that it reached min_steps -> skipped
     collected not in OUT, but finished in results/STUDY/runs/ (run elsewhere)    -> skipped
     resumable a checkpoint in OUT's ckpt/                                        -> train.py --resume
@@ -88,15 +89,18 @@ class StudyError(ValueError):
 @dataclass
 class Study:
     name: str
-    min_steps: int
+    min_steps: object  # steps every run reaches unless it collapses: a number, or a dict seed -> number
     common: list  # train.py flags of every arm
     arms: dict    # arm name -> (train.py flags, seeds)
+
+    def steps(self, seed):
+        return self.min_steps[seed] if isinstance(self.min_steps, dict) else self.min_steps
 
     def runs(self, out, results):
         """Every run of the study, arm by arm: its name, arm, seed, min_steps, the arm's flags (with the common
         ones), train.py's flags, and its folders in `out` and in `results`/runs."""
-        return [dict(name=f"{arm}-s{seed}", arm=arm, seed=seed, min_steps=self.min_steps,
-                     arm_flags=[*self.common, *flags], flags=[*self.common, *flags, "--steps", str(self.min_steps)],
+        return [dict(name=f"{arm}-s{seed}", arm=arm, seed=seed, min_steps=self.steps(seed),
+                     arm_flags=[*self.common, *flags], flags=[*self.common, *flags, "--steps", str(self.steps(seed))],
                      dir=Path(out) / f"{arm}-s{seed}", kept=Path(results) / "runs" / f"{arm}-s{seed}")
                 for arm, (flags, seeds) in self.arms.items() for seed in seeds]
 
@@ -124,8 +128,12 @@ def load_study(path, name):
     if unknown:
         raise StudyError(f"{where}: unknown keys {sorted(unknown)} (a study has min_steps, seeds, common, arms)")
     min_steps = table.get("min_steps")
-    if not is_int(min_steps) or min_steps < 1:
-        raise StudyError(f"{where}: min_steps must be a positive whole number, got {min_steps!r}")
+    if isinstance(min_steps, dict):  # per seed: { 0 = 112_600, 1 = 181_500 } (TOML's keys are strings)
+        if not all(re.fullmatch(r"\d+", seed) for seed in min_steps):
+            raise StudyError(f"{where}: min_steps per seed is {{ SEED = STEPS, ... }}, got {min_steps!r}")
+        min_steps = {int(seed): steps for seed, steps in min_steps.items()}
+    if not all(is_int(n) and n >= 1 for n in (min_steps.values() if isinstance(min_steps, dict) else [min_steps])):
+        raise StudyError(f"{where}: min_steps must be a positive whole number, or one per seed, got {min_steps!r}")
     common = parse_flags(table.get("common", ""), f"{where}, common")
     arms = table.get("arms")
     if not isinstance(arms, dict) or not arms:
@@ -144,6 +152,8 @@ def load_study(path, name):
                 and len(set(seeds)) == len(seeds)):
             raise StudyError(f"{at}: seeds must be a list of distinct whole numbers >= 0 (in the arm or the "
                              f"study), got {seeds!r}")
+        if isinstance(min_steps, dict) and set(seeds) - set(min_steps):
+            raise StudyError(f"{at}: min_steps names no steps for seeds {sorted(set(seeds) - set(min_steps))}")
         parsed[arm] = (parse_flags(spec["flags"], at), seeds)
     return Study(name, min_steps, common, parsed)
 
@@ -229,8 +239,8 @@ def plan(study, out, results):
     runs = study.runs(out, results)
     for run in runs:
         try:
-            run["state"] = run_state(run["dir"], study.min_steps)
-            if run["state"] in ("new", "stale") and finished(run["kept"], study.min_steps):
+            run["state"] = run_state(run["dir"], run["min_steps"])
+            if run["state"] in ("new", "stale") and finished(run["kept"], run["min_steps"]):
                 run["state"] = "collected"
             for folder in [run["dir"]] + ([run["kept"]] if run["state"] == "collected" else []):
                 why = contradiction(folder, run["arm_flags"])
@@ -442,7 +452,7 @@ def collect_study(study, out, results):
         src, dst = run["dir"], run["kept"]
         try:
             # src's files read first: a summary.json (finished) or config.json that cannot be parsed is not copied
-            if (src / "log.csv").exists() and (finished(src, study.min_steps) or not finished(dst, study.min_steps)):
+            if (src / "log.csv").exists() and (finished(src, run["min_steps"]) or not finished(dst, run["min_steps"])):
                 read_json(src / "config.json")
                 shutil.rmtree(dst, ignore_errors=True)
                 dst.mkdir(parents=True)

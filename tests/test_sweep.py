@@ -129,6 +129,17 @@ def test_studies_file_format(tmp_path):
     assert runs[2]["kept"] == tmp_path / "res" / "runs" / "dfp32-s5"
 
 
+def test_min_steps_per_seed(tmp_path):
+    path = write_studies(tmp_path, "[a]\nmin_steps = { 0 = 300, 1 = 500 }\nseeds = [0, 1]\n[a.arms]\nx = '--fix off'\n")
+    runs = sweep.load_study(path, "a").runs(tmp_path / "out", tmp_path / "res")
+    assert [(run["min_steps"], run["flags"][-1]) for run in runs] == [(300, "300"), (500, "500")]
+    # finished by its own seed's steps: 400 steps finish seed 0, not seed 1 (no checkpoint: started again)
+    for run in runs:
+        write_run(tmp_path / "out", run["name"], dict(fix="off"), dict(steps=400), [dict(step=400)])
+    study = sweep.load_study(path, "a")
+    assert [run["state"] for run in sweep.plan(study, tmp_path / "out", tmp_path / "res")] == ["finished", "stale"]
+
+
 @pytest.mark.parametrize("text, study, error", [
     ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = '--fix off'", "b", "no study 'b' in .*studies: a"),
     ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = '--steps=9'", "a", "--steps=9 is set by the sweep"),
@@ -142,6 +153,9 @@ def test_studies_file_format(tmp_path):
     ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\n'x/y' = '--fix off'", "a", "an arm's name"),
     ("[a]\nmin_steps = 5\nseeds = [0]", "a", "no arms"),
     ("[a]\nmin_steps = 5\nseeds = [0\n", "a", "studies.toml: Unclosed array"),
+    ("[a]\nmin_steps = { x = 5 }\nseeds = [0]\n[a.arms]\nx = ''", "a", "min_steps per seed is"),
+    ("[a]\nmin_steps = { 0 = 0 }\nseeds = [0]\n[a.arms]\nx = ''", "a", "min_steps must be a positive"),
+    ("[a]\nmin_steps = { 0 = 5 }\nseeds = [0, 1]\n[a.arms]\nx = ''", "a", r"arm x: min_steps names no .* \[1\]"),
 ])
 def test_studies_file_errors(tmp_path, text, study, error):
     with pytest.raises(sweep.StudyError, match=error):
