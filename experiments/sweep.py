@@ -89,18 +89,16 @@ class StudyError(ValueError):
 @dataclass
 class Study:
     name: str
-    min_steps: object  # steps every run reaches unless it collapses: a number, or a dict seed -> number
+    min_steps: dict  # seed -> the steps its runs reach unless they collapse
     common: list  # train.py flags of every arm
     arms: dict    # arm name -> (train.py flags, seeds)
-
-    def steps(self, seed):
-        return self.min_steps[seed] if isinstance(self.min_steps, dict) else self.min_steps
 
     def runs(self, out, results):
         """Every run of the study, arm by arm: its name, arm, seed, min_steps, the arm's flags (with the common
         ones), train.py's flags, and its folders in `out` and in `results`/runs."""
-        return [dict(name=f"{arm}-s{seed}", arm=arm, seed=seed, min_steps=self.steps(seed),
-                     arm_flags=[*self.common, *flags], flags=[*self.common, *flags, "--steps", str(self.steps(seed))],
+        return [dict(name=f"{arm}-s{seed}", arm=arm, seed=seed, min_steps=self.min_steps[seed],
+                     arm_flags=[*self.common, *flags],
+                     flags=[*self.common, *flags, "--steps", str(self.min_steps[seed])],
                      dir=Path(out) / f"{arm}-s{seed}", kept=Path(results) / "runs" / f"{arm}-s{seed}")
                 for arm, (flags, seeds) in self.arms.items() for seed in seeds]
 
@@ -128,12 +126,12 @@ def load_study(path, name):
     if unknown:
         raise StudyError(f"{where}: unknown keys {sorted(unknown)} (a study has min_steps, seeds, common, arms)")
     min_steps = table.get("min_steps")
-    if isinstance(min_steps, dict):  # per seed: { 0 = 112_600, 1 = 181_500 } (TOML's keys are strings)
-        if not all(re.fullmatch(r"\d+", seed) for seed in min_steps):
-            raise StudyError(f"{where}: min_steps per seed is {{ SEED = STEPS, ... }}, got {min_steps!r}")
-        min_steps = {int(seed): steps for seed, steps in min_steps.items()}
-    if not all(is_int(n) and n >= 1 for n in (min_steps.values() if isinstance(min_steps, dict) else [min_steps])):
+    per_seed = isinstance(min_steps, dict)  # { 0 = 112_600, 1 = 181_500 } (TOML's keys are strings)
+    if per_seed and not all(re.fullmatch(r"\d+", seed) for seed in min_steps):
+        raise StudyError(f"{where}: min_steps per seed is {{ SEED = STEPS, ... }}, got {min_steps!r}")
+    if not all(is_int(n) and n >= 1 for n in (min_steps.values() if per_seed else [min_steps])):
         raise StudyError(f"{where}: min_steps must be a positive whole number, or one per seed, got {min_steps!r}")
+    steps = {int(seed): n for seed, n in min_steps.items()} if per_seed else {}
     common = parse_flags(table.get("common", ""), f"{where}, common")
     arms = table.get("arms")
     if not isinstance(arms, dict) or not arms:
@@ -152,10 +150,12 @@ def load_study(path, name):
                 and len(set(seeds)) == len(seeds)):
             raise StudyError(f"{at}: seeds must be a list of distinct whole numbers >= 0 (in the arm or the "
                              f"study), got {seeds!r}")
-        if isinstance(min_steps, dict) and set(seeds) - set(min_steps):
-            raise StudyError(f"{at}: min_steps names no steps for seeds {sorted(set(seeds) - set(min_steps))}")
+        if per_seed and set(seeds) - set(steps):
+            raise StudyError(f"{at}: min_steps names no steps for seeds {sorted(set(seeds) - set(steps))}")
+        if not per_seed:
+            steps.update(dict.fromkeys(seeds, min_steps))
         parsed[arm] = (parse_flags(spec["flags"], at), seeds)
-    return Study(name, min_steps, common, parsed)
+    return Study(name, steps, common, parsed)
 
 
 def is_int(value):
