@@ -615,13 +615,16 @@ def test_mechanism_report(tmp_path):
     assert "`--fix on --precision fa2`" in report
 
 
-def test_readme_table_is_the_study_table_of_its_runs_csv():
-    """README.md's table is regenerated from runs.csv (python analyze.py --table), never typed."""
+def test_readme_tables_are_the_study_tables_of_their_runs_csv():
+    """Each of README.md's study tables is regenerated from its runs.csv (python analyze.py --table), never typed."""
     root = Path(analyze.__file__).parent
-    readme, table = root / "README.md", Path("results/seed_study/runs.csv")
-    lines = analyze.study_table(read_table(root / table), root / table.parent)
-    block = readme.read_text().split(f"<!-- table: python analyze.py --table {table} -->\n")[1]
-    assert block.split("<!-- end of table -->")[0] == "\n".join(lines) + "\n"
+    text = (root / "README.md").read_text()
+    tables = re.findall(r"<!-- table: python analyze.py --table (\S+) -->\n", text)
+    assert {"results/seed_study/runs.csv", "results/stochastic_rounding/runs.csv"} <= set(tables)
+    for table in map(Path, tables):
+        lines = analyze.study_table(read_table(root / table), root / table.parent)
+        block = text.split(f"<!-- table: python analyze.py --table {table} -->\n")[1]
+        assert block.split("<!-- end of table -->")[0] == "\n".join(lines) + "\n", table
 
 
 def test_readme_promise_is_the_shipped_kernels_runs():
