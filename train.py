@@ -422,7 +422,7 @@ def train(c, run_dir, model, train_model, optimizer, state, ctx, tokens, diag, c
             if step % c["eval_interval"] == 0 or step >= stop_at:
                 row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
             if step % c["diag_interval"] == 0 or step >= stop_at or collapse:  # every row once collapsed
-                row.update(diagnose(model, diag_x, diag_y, ctx, probe))
+                row.update(diagnose(model, diag_x, diag_y, ctx, probe, seed=step))  # a fresh probe draw per row
                 logit = row[LOGIT]
         write_rows(run_dir / "log.csv", [row], columns)
         pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})

@@ -33,7 +33,9 @@ split as the curvature hypothesis splits it (delta_probe):
                   bf16 step of O_fp32), independent of e: an estimate of tr(H Sigma_e), H the loss's curvature
                   with respect to O (predicted: the mean of probe_total)
     probe_indep   rowsum(dO * e'), e' an independent stochastic rounding error of O_fp32 (predicted: zero mean)
-    each with its standard error (_se) over the probe's rows.
+    each with its standard error (_se) over the probe's rows. The noise of curv and indep is drawn from a seed that
+    train.py sets to the step, so each checkpoint draws afresh and a run's checkpoints are independent draws (its
+    rows are the same fixed batches every time: one draw for all would be one offset that no pooling averages out).
 
 The names are the column names of log.csv.
 """
@@ -189,12 +191,12 @@ def delta_probe(model, batches, ctx, layer=PROBE_LAYER, seed=0):
     return out
 
 
-def diagnose(model, x, y, ctx, probe=None):
+def diagnose(model, x, y, ctx, probe=None, seed=0):
     """Every diagnostic column for the (uncompiled) model on the batch (x, y), and delta_probe's on the batches
-    probe (default: that batch), as Python floats. ctx is the autocast context of training, so attention sees the same dtypes as in a
-    training step."""
+    probe (default: that batch) with its noise drawn from seed, as Python floats. ctx is the autocast context of
+    training, so attention sees the same dtypes as in a training step."""
     out = spectral_norms(model)
-    out.update(delta_probe(model, probe or [(x, y)], ctx))
+    out.update(delta_probe(model, probe or [(x, y)], ctx, seed=seed))
     numerics = model.config.numerics
     tol = TIE_TOL * widening(numerics.p_bits)                # the tie band: scores whose P rounds to 1.0
     for i, (q, k, v, O, dO) in enumerate(capture_attention(model, x, y, ctx)):

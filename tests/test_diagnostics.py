@@ -40,6 +40,18 @@ def test_probe_columns_are_finite_repeatable_and_leave_the_gradients_alone():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_the_seed_redraws_only_the_probes_noise():
+    """train.py seeds the probe with the step: another seed draws other noise for curv and indep, and leaves every
+    column that reads no noise as it was."""
+    model = tiny()
+    x, y = batches(1, B=2)[0]
+    a, b = diagnose(model, x, y, BF16, seed=1000), diagnose(model, x, y, BF16, seed=2000)
+    noisy = {c for c in a if c.startswith(("probe_curv", "probe_indep"))}
+    assert {c for c in a if a[c] != b[c]} <= noisy
+    assert a["probe_indep_L0"] != b["probe_indep_L0"] and a["probe_curv_L0"] != b["probe_curv_L0"]
+    assert diagnose(model, x, y, BF16, seed=1000) == a
+
+
 def test_the_clean_pass_feeds_the_fp32_o_downstream():
     """The probe's clean pass replaces the layer's O by the fp32 O and runs its output projection in fp32: the
     gradient it returns differs from the rounded pass's, and feeding the rounded O back in through the same path
