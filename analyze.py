@@ -5,7 +5,7 @@
                                                  arm: collapsed, medians) and report.md, into DIR (by default the
                                                  runs' folder's figures/: runs/figures for `python analyze.py runs`)
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
-                                                 phase of layer 0's runaway; delta_probe.png: per run
+                                                 phase of layer 0's runaway; delta_probe_ARM.png: per run
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
     python analyze.py --table STUDY/runs.csv     README.md's table of a study: per arm, how many collapsed, when
 
@@ -21,7 +21,7 @@ is one-signed where dO points along it (results/mechanism/sharp_rows.txt, tests/
 candidate, a hypothesis the data have not confirmed: dO is computed downstream of the rounded O, so it is
 correlated with the rounding error e, and the mean of rowsum(dO * e) is tr(H Sigma_e) > 0 near a minimum, H the
 loss's curvature in O. On a loss with known H that holds exactly (--mechanism's curvature.png); in the model the
-probe finds the term positive early but below the noise of delta's error, and negative later (delta_probe.png).
+probe finds the term positive early but below the noise of delta's error, and negative later (delta_probe_*.png).
 
 Runs are named by their arm: the train.py flags that set them apart from their preset.
 """

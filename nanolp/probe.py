@@ -17,6 +17,8 @@ term's sign.
 The hypothesis predicts probe_total = probe_curv > 0 and probe_lin = probe_indep = 0.
 """
 
+import re
+
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -201,11 +203,16 @@ def plot_runs(runs, labels, path):
     return save(fig, path)
 
 
+def file_word(arm):
+    """An arm's label as a file name's word: "--fix off (before --exponent)" -> "fix-off-before-exponent"."""
+    return re.sub(r"[^a-z0-9.]+", "-", arm.lower()).strip("-")
+
+
 def report(runs, arm, out):
     """probe_phases.csv (pooled_phases), probe_runs.csv (the same per run, so seeds can be compared),
-    probe_phases.png and delta_probe.png (each run's checkpoints against steps) in the folder out, for runs that
-    have the probe's columns; prints the table and returns report.md's section as markdown lines. arm(run) names
-    a run's arm."""
+    probe_phases.png and delta_probe_ARM.png (per arm: each run's checkpoints against steps) in the folder out, for
+    runs that have the probe's columns; prints the table and returns report.md's section as markdown lines.
+    arm(run) names a run's arm."""
     labels = {run.path: arm(run) for run in runs}
     rows = pooled_phases(runs, arm)
     write_csv(out / "probe_phases.csv", rows, CSV_COLUMNS)
@@ -217,7 +224,11 @@ def report(runs, arm, out):
     colours = {}
     for run in runs:   # an arm is drawn in its first run's colour
         colours.setdefault(labels[run.path], styles[run.path]["color"])
-    figures = [plot_phases(rows, colours, out / "probe_phases.png"), plot_runs(runs, labels, out / "delta_probe.png")]
+    arms = {}   # a figure per arm, in the order of its first run, so that none grows with every run committed
+    for run in runs:
+        arms.setdefault(labels[run.path], []).append(run)
+    figures = [plot_phases(rows, colours, out / "probe_phases.png")] \
+        + [plot_runs(members, labels, out / f"delta_probe_{file_word(name)}.png") for name, members in arms.items()]
     lines = ["## Delta probe", "", f"The error the backward's delta would read from O's bf16 cast in layer "
              f"{PROBE_LAYER}, split as the curvature hypothesis splits it (nanolp/diagnostics.py). Predicted: "
              "probe_total = probe_curv > 0, probe_lin = probe_indep = 0.", "",

@@ -322,8 +322,9 @@ def test_probe_pooled_per_arm_text_and_phase(tmp_path, capsys):
     assert f"- `{runs / 'on-s0'}` (`--fix on`, seed 0): probe on train batches; left out" in report
     assert "| `--fix off` | train | 2 (2-10x) | 3 (2) | 11,000-13,000 | +3.00e-10 ± 1.0e-10 (t +3.0) |" in report
     assert "| `--fix off` | validation | 1 (below 2x) | 10 (1) |" in capsys.readouterr().out
-    for figure in ("probe_phases", "delta_probe"):
-        assert (out / f"{figure}.png").stat().st_size > 0
+    figures = ["delta_probe_fix-off.png", "delta_probe_fix-on.png", "probe_phases.png"]   # a per-run figure per arm
+    assert sorted(p.name for p in out.glob("*.png")) == figures
+    assert all((out / figure).stat().st_size > 0 and f"({figure})" in report for figure in figures)
 
 
 # -----------------------------------------------------------------------------
@@ -437,7 +438,7 @@ def test_probe_report_without_phases(tmp_path):
     rng = np.random.default_rng(0)
     write_run(tmp_path / "runs", "off-s0", 0, False, rng)
     analyze.main(["--probe", str(tmp_path / "runs"), "--out", str(tmp_path / "probe")])
-    assert (tmp_path / "probe" / "delta_probe.png").stat().st_size > 0
+    assert (tmp_path / "probe" / "delta_probe_preset-tiny-fix-off.png").stat().st_size > 0
     assert (tmp_path / "probe" / "probe_phases.csv").read_text().strip() == ",".join(probe.CSV_COLUMNS)
     report = (tmp_path / "probe" / "report.md").read_text()
     assert "## Delta probe" in report and "left out: no max_logit_L0 at step 10,000" in report
