@@ -221,11 +221,9 @@ def report(runs, arm, out):
     table = phase_table(rows)
     print("\n".join(table))
     styles = run_styles(runs, labels)
-    colours = {}
-    for run in runs:   # an arm is drawn in its first run's colour
+    colours, arms = {}, {}   # an arm is drawn in its first run's colour; a per-run figure per arm, so that none
+    for run in runs:         # grows with every run committed
         colours.setdefault(labels[run.path], styles[run.path]["color"])
-    arms = {}   # a figure per arm, in the order of its first run, so that none grows with every run committed
-    for run in runs:
         arms.setdefault(labels[run.path], []).append(run)
     figures = [plot_phases(rows, colours, out / "probe_phases.png")] \
         + [plot_runs(members, labels, out / f"delta_probe_{file_word(name)}.png") for name, members in arms.items()]
