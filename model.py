@@ -1,6 +1,6 @@
 """
 A small GPT in the style of nanoGPT: learned positions, pre-LayerNorm blocks, a GELU MLP and an output
-layer tied to the token embedding. The one thing that differs is that the attention inside every block
+layer tied to the token embedding (GPT-2's block; rotary positions and QK-norm, a modern block's, are options). The one thing that differs is that the attention inside every block
 is pluggable, because the attention numerics are what this project studies:
 
     kernel      our Triton FlashAttention-2 kernel (kernels.py); on CPU tensors its PyTorch emulation
@@ -10,8 +10,8 @@ is pluggable, because the attention numerics are what this project studies:
     sdpa-cudnn  SDPA forced to its cuDNN backend
     fp32        plain softmax attention in float32: the control with no low-precision attention at all
 
-GPTConfig's second block holds the experiments (variants of our kernel's numerics, kernels.Numerics, and a
-model without position embeddings); the demo leaves them at their defaults.
+GPTConfig's second block holds the experiments (variants of our kernel's numerics, kernels.Numerics, and the
+block: positions learned, rotary or none, QK-norm); the demo leaves them at their defaults.
 """
 
 import math
@@ -25,6 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kernels import Numerics, flash_attention
 
 ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
+POSITIONS = ("learned", "rope", "none")
+ROPE_BASE = 10000.0   # rotary positions' wavelengths run from 2 pi to 2 pi * ROPE_BASE tokens (RoFormer's base)
 
 
 @dataclass
@@ -38,8 +40,10 @@ class GPTConfig:
     fix: str = "off"          # kernel/emulate: "off", "on" (the complete fix) or "paper" (the paper's rule alone)
     # ---- experiments: variants that test the mechanism; the defaults are the plain model and attention.
     numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds (kernels.Numerics)
-    pos: str = "learned"      # "learned" positions (GPT-2) or "none": then layer 0 sees only tokens, so every
-                              # repeat of a row's best-matching token ties exactly (copies, which carry no bias)
+    pos: str = "learned"      # "learned" positions (GPT-2), "rope" (rotary: q and k turned by their position, as
+                              # LLaMA, Qwen and OLMo do) or "none": then layer 0 sees only tokens, so every repeat
+                              # of a row's best-matching token ties exactly (copies, which carry no bias)
+    qk_norm: bool = False     # RMSNorm on each head's q and k, a learned gain per channel (OLMo 2, Qwen3, Gemma 3)
 
 
 def reference_attention(q, k, v):
@@ -95,14 +99,48 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # rows: W_Q, then W_K, then W_V
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.attend = Attend(config)
+        self.qk_norm, self.rope = config.qk_norm, config.pos == "rope"
+        if self.qk_norm:   # a gain per channel of q and of k, so each head has its own
+            self.q_gain, self.k_gain = (nn.Parameter(torch.ones(config.n_embd)) for _ in range(2))
+        if self.rope:      # not saved: a function of the shape
+            self.register_buffer("angles", rotary_angles(config.block_size, config.n_embd // config.n_head),
+                                 persistent=False)
 
     def forward(self, x):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v)  # (B, n_head, T, head_dim)
+        if self.qk_norm:   # normalise, then turn: a rotation keeps the norm
+            q, k = rms_norm(q, self.q_gain), rms_norm(k, self.k_gain)
+        if self.rope:
+            q, k = rotate(q, self.angles[:T]), rotate(k, self.angles[:T])
+        y = self.attend(q, k, v)  # (B, n_head, T, head_dim): the scores it forms are the logits diagnostics read
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
+
+
+def rms_norm(x, gain, eps=1e-6):
+    """QK-norm: each head's vector x (B, n_head, T, head_dim) scaled to unit root mean square, then times its
+    channels' gains (n_embd = n_head * head_dim). The logits are then at most gain_q * gain_k * sqrt(head_dim): only
+    the gains can make them grow. Computed in float32 and cast back, as autocast does for its norms."""
+    B, H, T, D = x.shape
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * gain.float().view(H, 1, D)).to(x.dtype)
+
+
+def rotary_angles(T, head_dim):
+    """Rotary positions' angles, (T, head_dim / 2): position t turns channel pair j by t * ROPE_BASE^(-2j/head_dim)."""
+    inv_freq = ROPE_BASE ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return (torch.arange(T, dtype=torch.float64)[:, None] * inv_freq).float()
+
+
+def rotate(x, angles):
+    """Rotary positions: turn each pair of channels (j, j + head_dim / 2) of x (B, n_head, T, head_dim) by its
+    position's angle, so that q_m . k_n depends on the positions only through m - n. In float32, cast back."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -136,7 +174,7 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
-        assert config.pos in ("learned", "none"), f'pos must be "learned" or "none", got {config.pos!r}'
+        assert config.pos in POSITIONS, f"pos must be one of {POSITIONS}, got {config.pos!r}"
         changed = [f.name for f in fields(Numerics) if getattr(config.numerics, f.name) != f.default]
         kernel_only = (["fix"] if config.fix != "off" else []) + changed
         if config.attn not in ("kernel", "emulate") and kernel_only:

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from kernels import FIXES, Numerics
-from model import ATTN_BACKENDS, GPT, GPTConfig, implementation
+from model import ATTN_BACKENDS, GPT, POSITIONS, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, NUMERICS
@@ -45,7 +45,7 @@ from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem,
 # arm and seed: README.md's table. Each setting is a flag (n_layer: --n-layer); --help shows a preset's values.
 DEFAULT = dict(
     # the model
-    n_layer=6, n_head=6, n_embd=384, block_size=256, pos="learned",
+    n_layer=6, n_head=6, n_embd=384, block_size=256, pos="learned", qk_norm=False,
     # the attention: our kernel, plain (--fix off, no experiment: nanolp.presets.COMMON)
     attn="kernel", **COMMON,
     # training: AdamW, the lr constant after a linear warmup, as the paper trains
@@ -171,9 +171,11 @@ def parser(preset="default"):
     for f in fields(Numerics):   # a flag per field, with the help and values it declares
         experiments.add_argument("--" + f.name.replace("_", "-"), type=f.type, choices=f.metadata["choices"],
                                  help=f.metadata["help"] + show(f.name))
-    experiments.add_argument("--pos", choices=["learned", "none"], help="position embeddings: learned (GPT-2's), "
-                             "or none, so that layer 0 sees only characters and every repeat of a row's best match "
-                             "ties exactly" + show("pos"))
+    experiments.add_argument("--pos", choices=POSITIONS, help="positions: learned (GPT-2's table), rope (rotary, "
+                             "a modern block's), or none, so that layer 0 sees only characters and every repeat of a "
+                             "row's best match ties exactly" + show("pos"))
+    experiments.add_argument("--qk-norm", action="store_true", default=None, help="RMSNorm on each head's queries "
+                             "and keys, with a learned gain per channel (a modern block's; default off)")
     return p
 
 
@@ -318,14 +320,14 @@ def run(c, data, resume):
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
                           n_embd=c["n_embd"], attn=c["attn"], fix=c["fix"],
-                          numerics=Numerics(**{k: c[k] for k in NUMERICS}), pos=c["pos"])).to(device)
+                          numerics=Numerics(**{k: c[k] for k in NUMERICS}), pos=c["pos"], qk_norm=c["qk_norm"])).to(device)
     c["vocab_size"], c["flops_per_token"] = data.vocab_size, model.flops_per_token()
     # weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": c["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(c["beta1"], c["beta2"]), fused=device.type == "cuda")
-    columns = BASE_COLUMNS + diag_columns(c["n_layer"], c["n_head"])
+    columns = BASE_COLUMNS + diag_columns(c["n_layer"], c["n_head"], c["qk_norm"])
 
     # the loop's whole state: a checkpoint of it (with model and optimizer) continues the run exactly
     state = dict(step=0, elapsed=0.0, ema=None, loss_min=math.inf)

@@ -54,12 +54,13 @@ PROBE_BATCHES = 4  # batches of the training batch size: ~4e5 rows at the defaul
 PROBE_TERMS = ("total", "lin", "curv", "indep")
 
 
-def diag_columns(n_layer, n_head):
-    """log.csv's diagnostic columns, in order: per layer seven numbers, then five per head."""
+def diag_columns(n_layer, n_head, qk_norm=False):
+    """log.csv's diagnostic columns, in order: per layer seven numbers (nine with QK-norm: its largest q and k
+    gains, which bound the logits), then five per head."""
     columns = []
     for i in range(n_layer):
         columns += [f"max_logit_L{i}", f"tie_rate_L{i}", f"sharp_rate_L{i}", f"sn_q_L{i}", f"sn_k_L{i}",
-                    f"delta_err_L{i}", f"delta_push_L{i}"]
+                    f"delta_err_L{i}", f"delta_push_L{i}"] + ([f"gain_q_L{i}", f"gain_k_L{i}"] if qk_norm else [])
         for h in range(n_head):
             columns += [f"sn_q_L{i}_H{h}", f"tie_rate_L{i}_H{h}", f"sharp_rate_L{i}_H{h}", f"delta_err_L{i}_H{h}",
                         f"delta_push_L{i}_H{h}"]
@@ -112,10 +113,14 @@ def attention_stats(q, k, v, O, dO, tol=TIE_TOL, precision="fa2"):
 
 @torch.no_grad()
 def spectral_norms(model):
-    """Largest singular value of W_Q and W_K per layer, and of each head's rows of W_Q, in float32."""
+    """Largest singular value of W_Q and W_K per layer, and of each head's rows of W_Q, in float32; with QK-norm,
+    where W_Q's scale no longer reaches the logits, also the largest |gain| of q and of k per layer."""
     n_head = model.config.n_head
     out = {}
     for i, block in enumerate(model.transformer.h):
+        if block.attn.qk_norm:
+            out[f"gain_q_L{i}"], out[f"gain_k_L{i}"] = (g.detach().float().abs().max()
+                                                        for g in (block.attn.q_gain, block.attn.k_gain))
         W_q, W_k, _ = block.attn.c_attn.weight.float().chunk(3, dim=0)  # each (n_embd out, n_embd in)
         out[f"sn_q_L{i}"] = torch.linalg.matrix_norm(W_q, ord=2)
         out[f"sn_k_L{i}"] = torch.linalg.matrix_norm(W_k, ord=2)

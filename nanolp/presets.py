@@ -15,8 +15,8 @@ COMMON = dict(fix="off", **asdict(Numerics()))
 # The arm: every setting that decides a run's numbers (its numerics and its data order). The default name spells
 # out each one that differs from the preset, --resume refuses to change any, summary.json records them all.
 # Not in it: the run's length and intervals, and --device/--compile (where and how fast the same steps run).
-ARM = ("preset", "attn", "fix", *NUMERICS, "pos", "lr", "warmup", "beta1", "beta2", "weight_decay", "grad_clip",
-       "n_layer", "n_head", "n_embd", "block_size", "batch_size", "dtype", "data", "seed")
+ARM = ("preset", "attn", "fix", *NUMERICS, "pos", "qk_norm", "lr", "warmup", "beta1", "beta2", "weight_decay",
+       "grad_clip", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "dtype", "data", "seed")
 NAMED = ("preset", "attn", "fix", "seed")  # always in the name
 # Settings that a run made before they existed did not have: it ran neither value (before Numerics.exponent the
 # kernel's exponent was fused by ptxas in some tiles only). Their tables and figures say so instead of showing the

@@ -32,6 +32,8 @@ MAX_NAME = 80
 def suffix(key, value):
     """How a run name spells one setting (LABELS)."""
     label = LABELS.get(key, key)
+    if isinstance(value, bool):   # a switch: its name when on (-qk_norm), no_ and its name when off
+        return label if value else "no_" + label
     if isinstance(value, (int, float)):
         return f"{label}{'_' if label[-1].isdigit() else ''}{value!r}"   # repr: the shortest exact spelling
     if key == "data" and value is not None:

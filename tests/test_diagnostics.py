@@ -102,6 +102,21 @@ def test_diagnostics_columns_and_values():
     assert abs(fp32["delta_err_L1"]) < 1e-3
 
 
+def test_qk_norm_logs_its_gains_and_the_logits_they_bound():
+    """With QK-norm the log gains each layer's largest q and k gain, which bound its logits: a logit is at most
+    gain_q * gain_k * sqrt(head_dim) (unit-RMS vectors of head_dim channels, the scores scaled by 1/sqrt(head_dim))."""
+    model = tiny(pos="rope", qk_norm=True)
+    with torch.no_grad():
+        model.transformer.h[1].attn.q_gain[5] = 3.0
+    x, y = batches(1, B=2)[0]
+    out = diagnose(model, x, y, BF16)
+    assert set(out) == set(diag_columns(2, 2, qk_norm=True)) == set(diag_columns(2, 2)) | {
+        "gain_q_L0", "gain_k_L0", "gain_q_L1", "gain_k_L1"}
+    assert out["gain_q_L1"] == 3.0 and out["gain_k_L1"] == out["gain_q_L0"] == 1.0
+    for i in range(2):
+        assert 0 < out[f"max_logit_L{i}"] <= out[f"gain_q_L{i}"] * out[f"gain_k_L{i}"] * math.sqrt(32) * 1.01
+
+
 def test_tie_rate_counts_near_ties_only():
     """Keys 0 and 1 equal and far above the rest: every row but the first (which sees only key 0) is tied."""
     T = 16

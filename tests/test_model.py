@@ -105,3 +105,100 @@ def test_kernel_options_need_our_kernel():
         with pytest.raises(ValueError, match=f"{name}: only our kernel"):
             GPT(GPTConfig(**SMALL, attn="sdpa", **option))
     GPT(GPTConfig(**SMALL, attn="emulate", numerics=Numerics(delta="fp32-o")))   # fine
+
+
+def test_rotary_positions_turn_channel_pairs_and_keep_relative_scores():
+    """rotate() against rotary positions written with complex numbers in float64 (channel j and j + D/2 as one
+    complex number, turned by t * base^(-2j/D)), and the property that makes them positions: a score q_m . k_n
+    depends on m and n only through m - n (the same q and k at every position give a Toeplitz score matrix)."""
+    from model import ROPE_BASE, rotary_angles, rotate
+    T, D = 50, 32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, T, D, generator=g)
+    z = torch.complex(*x.double().chunk(2, dim=-1))
+    theta = ROPE_BASE ** -(torch.arange(D // 2, dtype=torch.float64) * 2 / D)
+    turned = z * torch.polar(torch.ones(T, D // 2, dtype=torch.float64), torch.arange(T)[:, None] * theta)
+    expected = torch.cat((turned.real, turned.imag), dim=-1)
+    assert torch.allclose(rotate(x, rotary_angles(T, D)).double(), expected, atol=1e-5)
+
+    q, k = (torch.randn(D, generator=g).expand(1, 1, T, D) for _ in range(2))
+    S = rotate(q, rotary_angles(T, D))[0, 0] @ rotate(k, rotary_angles(T, D))[0, 0].T
+    for offset in range(-T + 1, T):
+        diagonal = S.diagonal(offset)
+        assert (diagonal - diagonal[0]).abs().max() < 1e-4 * S.abs().max(), offset
+    assert S.diagonal(0)[0] != S.diagonal(5)[0]   # while different offsets score differently
+
+
+def attention_inputs(model, x):
+    """The q and k that each layer's attention received in a forward pass of x."""
+    seen = []
+    hooks = [block.attn.attend.register_forward_hook(lambda module, qkv, O: seen.append(qkv[:2]))
+             for block in model.transformer.h]
+    model(x)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def test_qk_norm_gives_each_head_unit_rms_before_its_gains():
+    """With QK-norm every head's q and k reach the attention at root mean square 1 per position, times the gains of
+    their channels; the learned positions are still added to the tokens (GPT-2's table stays)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, attn="sdpa", qk_norm=True))
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.q_gain.uniform_(0.5, 2.0)
+            block.attn.k_gain.uniform_(0.5, 2.0)
+    x, _ = batch(2, 40)
+    H, D = SMALL["n_head"], SMALL["n_embd"] // SMALL["n_head"]
+    for block, (q, k) in zip(model.transformer.h, attention_inputs(model, x)):
+        for t, gain in ((q, block.attn.q_gain), (k, block.attn.k_gain)):
+            unit = t / gain.detach().view(H, 1, D)
+            assert torch.allclose(unit.pow(2).mean(-1), torch.ones(()), atol=1e-3)   # 1 - eps / mean square
+    assert isinstance(model.transformer.wpe, torch.nn.Embedding)
+    plain = GPT(GPTConfig(**SMALL, attn="sdpa"))
+    assert sum(p.numel() for p in model.parameters()) == (sum(p.numel() for p in plain.parameters())
+                                                          + 2 * SMALL["n_layer"] * SMALL["n_embd"])
+
+
+def test_rope_replaces_the_position_table_and_turns_q_and_k():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, attn="sdpa", pos="rope"))
+    assert not any(name.startswith("transformer.wpe") for name, _ in model.named_parameters())
+    assert "angles" not in str(list(model.state_dict()))   # a function of the shape, not saved
+    x, _ = batch(2, 40)
+    (q, k), _ = attention_inputs(model, x)
+    block = model.transformer.h[0]
+    h = block.ln_1(model.transformer.wte(x))   # no table added: layer 0 reads the tokens alone
+    q0, k0, _ = block.attn.c_attn(h).split(SMALL["n_embd"], dim=2)
+    q0, k0 = (t.view(2, 40, SMALL["n_head"], -1).transpose(1, 2) for t in (q0, k0))
+    from model import rotate
+    assert torch.allclose(q, rotate(q0, block.attn.angles[:40]), atol=1e-6)
+    assert torch.allclose(k, rotate(k0, block.attn.angles[:40]), atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [dict(pos="rope"), dict(qk_norm=True), dict(pos="rope", qk_norm=True)])
+def test_modern_block_kernel_equals_its_emulation(options, monkeypatch):
+    """With rotary positions and QK-norm on, our Triton kernel (here under the interpreter, on a GPU compiled) and
+    its PyTorch emulation give the same loss and gradients bit for bit, fix off and on, under bf16 autocast: the
+    options change what reaches the attention, not how it rounds. The QK-norm gains' gradients are sums over the
+    batch whose order follows the layout each attention returns dq and dk in: equal to float32's last bits."""
+    import model as model_module
+    x, y = batch(2, 64)
+    for fix in ("off", "on"):
+        results = []
+        for impl in ("kernel", "emulate"):
+            monkeypatch.setattr(model_module, "implementation", lambda attn, device_type, impl=impl: impl)
+            torch.manual_seed(0)
+            gpt = GPT(GPTConfig(**SMALL, attn="kernel", fix=fix, **options))
+            with BF16:
+                loss = gpt(x, y)[1]
+            loss.backward()
+            results.append((loss, {name: p.grad for name, p in gpt.named_parameters()}))
+        (loss_k, grads_k), (loss_e, grads_e) = results
+        assert torch.equal(loss_k, loss_e)
+        for name, grad in grads_k.items():
+            if name.endswith("_gain"):
+                assert (grad - grads_e[name]).abs().max() <= 1e-6 * grad.abs().max(), name
+            else:
+                assert torch.equal(grad, grads_e[name]), name

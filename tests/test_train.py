@@ -110,7 +110,7 @@ def test_summary_holds_the_arm(run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert config["delta"] == "fp32-o" and config["stochastic_o"] == "forward"
     arm = dict(preset="tiny", attn="emulate", fix="off", precision="fa2", delta="fp32-o",
-               stochastic_o="forward", mantissa_bits=0, amplify="p", exponent="fma", pos="learned", lr=0.002,
+               stochastic_o="forward", mantissa_bits=0, amplify="p", exponent="fma", pos="learned", qk_norm=False, lr=0.002,
                warmup=20, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0, n_layer=2, n_head=4, n_embd=64, block_size=32,
                batch_size=8, dtype="bf16", data=config["data"], seed=3)
     assert {k: summary[k] for k in train.ARM} == arm and summary["name"] == "arm"
@@ -128,13 +128,15 @@ def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
             ["--delta", "stochastic-o"], ["--mantissa-bits", "3"], ["--mantissa-bits", "3", "--amplify", "vo"],
             ["--pos", "none"], ["--lr", "3e-3"], ["--lr", "0.0030001"], ["--warmup", "50"], ["--n-layer", "4"],
             ["--n-head", "12"], ["--n-embd", "192"], ["--block-size", "128"], ["--batch-size", "32"],
-            ["--dtype", "fp32", "--attn", "sdpa"], ["--data", str(text)], ["--delta", "fp32-o", "--lr", "3e-3"]]
+            ["--dtype", "fp32", "--attn", "sdpa"], ["--data", str(text)], ["--pos", "rope"], ["--qk-norm"],
+            ["--delta", "fp32-o", "--lr", "3e-3"]]
     names = [default_name(tmp_path, *flags) for flags in arms]
     assert len(set(names)) == len(names), names
     assert names[:3] == ["default-kernel-fixoff-s0", "default-kernel-fixon-s0", "default-kernel-fixpaper-s0"]
     assert names[8] == "default-kernel-fixoff-delta_fp32-o-s0"
     assert names[-1] == "default-kernel-fixoff-delta_fp32-o-lr0.003-s0"
     assert "-bits3-" in names[11] and "-data_words-" in names[23]
+    assert names[24:26] == ["default-kernel-fixoff-pos_rope-s0", "default-kernel-fixoff-qk_norm-s0"]
     # the same settings, however spelled, and flags that do not change the arm: the same name
     assert {default_name(tmp_path, *flags) for flags in (
         [], ["--fix", "off"], ["--lr", "0.001"], ["--delta", "o"], ["--preset", "default", "--mantissa-bits", "0"],
@@ -179,7 +181,7 @@ def test_resume_reproduces_an_uninterrupted_run(run, capsys):
 ARM_CHANGES = [("--preset", "default"), ("--attn", "emulate"), ("--fix", "on"), ("--fix", "paper"), ("--seed", "1"),
                ("--precision", "autocast"), ("--delta", "p"), ("--delta", "fp32-o"), ("--stochastic-o", "forward"),
                ("--mantissa-bits", "3"), ("--amplify", "vo"), ("--exponent", "torch"), ("--pos", "none"),
-               ("--lr", "0.01"), ("--warmup", "5"), ("--n-layer", "1"), ("--n-head", "4"), ("--n-embd", "32"),
+               ("--qk-norm",), ("--lr", "0.01"), ("--warmup", "5"), ("--n-layer", "1"), ("--n-head", "4"), ("--n-embd", "32"),
                ("--block-size", "16"), ("--batch-size", "4"), ("--dtype", "fp32")]
 
 
@@ -255,7 +257,8 @@ def test_help_groups_the_flags(capsys):
             groups.setdefault(title, set()).add(flag[1])
     assert groups["the demo"] == {"--fix", "--attn", "--seed", "--steps", "--minutes", "--data", "--preset", "--out",
                                   "--name", "--resume"}
-    assert groups["experiments"] == {"--" + f.name.replace("_", "-") for f in fields(Numerics)} | {"--pos"}
+    assert groups["experiments"] == {"--" + f.name.replace("_", "-") for f in fields(Numerics)} | {"--pos",
+                                                                                                  "--qk-norm"}
     assert groups["model shape"] == {"--n-layer", "--n-head", "--n-embd", "--block-size"}
     assert groups["training"] == {"--lr", "--warmup", "--batch-size", "--dtype", "--compile", "--device",
                                   "--log-interval", "--eval-interval", "--diag-interval", "--ckpt-interval"}
