@@ -3,7 +3,7 @@ names runs by the train.py flags that set them apart). The presets' values are t
 import re
 from dataclasses import asdict, fields
 
-from kernels import Numerics, wire_fix
+from kernels import Numerics, delta_reads
 
 # The attention's numerics (kernels.Numerics): a run holds each field as a setting of its own (a flag, a key of
 # config.json and summary.json).
@@ -63,8 +63,8 @@ def check_config(c):
     elif shape_ok and ours and c["n_embd"] // c["n_head"] not in (16, 32, 64, 128):   # the kernel's tile sizes
         problems.append(f"--attn {c['attn']} needs a head size (--n-embd / --n-head) of 16, 32, 64 or 128, "
                         f"got {c['n_embd']} / {c['n_head']} = {c['n_embd'] // c['n_head']}")
-    try:   # the kernel's own rules for its options (kernels.Numerics, kernels.wire_fix), told in flags
-        wire_fix(c["fix"], Numerics(**{k: c[k] for k in NUMERICS}))
+    try:   # the kernel's own rules for its options (kernels.Numerics, kernels.delta_reads), told in flags
+        delta_reads(c["fix"], Numerics(**{k: c[k] for k in NUMERICS}))
     except ValueError as e:
         problems.append(in_flags(str(e)))
     experiments = [f"{flag(k)} {c[k]}" for k in ("fix", *NUMERICS) if c[k] != COMMON[k]]
