@@ -433,8 +433,7 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     passes, no atomics: the same bits every run).
     """
     numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, numerics)
-    return _forward(q, k, amplified_v(v, numerics.o_bits), causal, fix, numerics).o
+    return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics).o
 
 
 Forward = namedtuple("Forward", "o lse o_delta")
@@ -451,20 +450,6 @@ def forward(q, k, v, *, causal=True, fix="on", numerics=None, delta=None):
     O with fix "on"; else an empty tensor)."""
     numerics = Numerics() if numerics is None else numerics
     check_inputs(q, k, v, numerics)
-    return _forward(q, k, v, causal, fix, numerics, delta)
-
-
-def flash_forward_fp32(q, k, v, causal=True, fix="on", numerics=None):
-    """The forward's fp32 O before its final cast (no autograd): what delta reads with fix "on", and what
-    nanolp/diagnostics.py measures O's rounding against at every diagnostics interval."""
-    numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, numerics)
-    with torch.no_grad():
-        return _forward(q, k, amplified_v(v, numerics.o_bits), causal, fix, numerics, "fp32-o").o_delta
-
-
-def _forward(q, k, v, causal, fix, numerics, delta=None):
-    """The entry points' launch, after check_inputs: the device, layout and fix checks, then the op."""
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -474,6 +459,15 @@ def _forward(q, k, v, causal, fix, numerics, delta=None):
     return Forward(*flash_fwd_op(q, k, v, causal, fix, reads if delta is None else delta, numerics.precision,
                                  numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
                                  numerics.fma))
+
+
+def flash_forward_fp32(q, k, v, causal=True, fix="on", numerics=None):
+    """The forward's fp32 O before its final cast (no autograd): what delta reads with fix "on", and what
+    nanolp/diagnostics.py measures O's rounding against at every diagnostics interval."""
+    numerics = Numerics() if numerics is None else numerics
+    with torch.no_grad():
+        return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics,
+                       delta="fp32-o").o_delta
 
 
 FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
@@ -488,11 +482,6 @@ def delta_reads(fix, numerics):
         raise ValueError(f'fix="on" (delta from the fp32 O) and delta="{numerics.delta}" are different ways of '
                          "computing delta: choose one")
     return "fp32-o" if fix == "on" else numerics.delta
-
-
-def keeps_fp32_o(stochastic, delta):
-    """Whether the forward kernel keeps its fp32 O beside O (KEEP_O32): wherever output_and_delta_o reads it."""
-    return stochastic or delta in ("fp32-o", "stochastic-o")
 
 
 def output_and_delta_o(o, o32, stochastic, delta):
@@ -517,7 +506,8 @@ def flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     delta "p" is for the backward only (_setup_context)."""
     B, H, N, D = q.shape
     o = empty_in_layout_of(q)
-    o32 = empty_in_layout_of(q, torch.float32) if keeps_fp32_o(stochastic, delta) else None
+    keep_o32 = stochastic or delta in ("fp32-o", "stochastic-o")    # wherever output_and_delta_o reads it
+    o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
     assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps, stages = FWD_TUNING[D]

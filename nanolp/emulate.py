@@ -140,7 +140,7 @@ def _mask(S, col0, n_keys, causal):
 def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units), with
     the fix's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
-    (kernels.keeps_fp32_o); the mechanism tests use it to show what it carries."""
+    (kernels.flash_fwd_op's KEEP_O32); the mechanism tests use it to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
     precision, p_bits, o_bits = numerics.precision, numerics.p_bits, numerics.o_bits
