@@ -439,7 +439,7 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
 Forward = namedtuple("Forward", "o lse o_delta")
 
 
-def forward(q, k, v, *, causal=True, fix="on", numerics=None, delta=None):
+def forward(q, k, v, *, fix, causal=True, numerics=None, delta=None):
     """The forward as flash_attention runs it, for tests and experiments.
 
     causal, fix, numerics: flash_attention's. delta: what the backward's delta reads (one of Numerics.delta's
@@ -461,7 +461,7 @@ def forward(q, k, v, *, causal=True, fix="on", numerics=None, delta=None):
                                  numerics.fma))
 
 
-def flash_forward_fp32(q, k, v, causal=True, fix="on", numerics=None):
+def flash_forward_fp32(q, k, v, *, fix, causal=True, numerics=None):
     """The forward's fp32 O before its final cast (no autograd): what delta reads with fix "on", and what
     nanolp/diagnostics.py measures O's rounding against at every diagnostics interval."""
     numerics = Numerics() if numerics is None else numerics

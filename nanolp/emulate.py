@@ -281,7 +281,7 @@ def emulate_attention(q, k, v, causal=True, fix="on", numerics=Numerics(), one_p
         return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics, one_pass)
 
 
-def emulate_forward_fp32(q, k, v, causal=True, fix="on", numerics=Numerics()):
+def emulate_forward_fp32(q, k, v, *, fix, causal=True, numerics=Numerics()):
     """kernels.flash_forward_fp32's result: the forward's O before its final cast."""
     check_inputs(q, k, v, numerics)
     delta_reads(fix, numerics)   # the check of fix

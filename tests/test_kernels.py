@@ -729,7 +729,7 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
     q = torch.randn(1, 1, 8, 16).bfloat16()
     for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
         with pytest.raises(ValueError, match=r"needs CUDA tensors, got cpu; on the CPU use nanolp\.emulate"):
-            fn(q, q, q)
+            fn(q, q, q, fix="on")
 
 
 def test_stock_interpreter_is_refused(monkeypatch):
@@ -742,7 +742,7 @@ def test_stock_interpreter_is_refused(monkeypatch):
     for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
         with pytest.raises(ValueError, match=r"interpreter computes bf16 wrongly unless nanolp/interp_patch\.py "
                                              r"patches it; on the CPU use nanolp\.emulate\.emulate_attention"):
-            fn(q, q, q)
+            fn(q, q, q, fix="on")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests compile what they run")
