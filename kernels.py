@@ -661,7 +661,6 @@ def empty_in_layout_of(t, dtype=None):
     return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Appendix: the experiments' variants of the numerics (flash_attention's numerics), and what only they use.
 
