@@ -9,20 +9,7 @@
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
     python analyze.py --table STUDY/runs.csv     README.md's table of a study: per arm, how many collapsed, when
 
-With `--fix off` the backward's delta = rowsum(dO * O) reads the forward's O after its final bf16 cast. The char
-model memorises its text within ~20,000 steps and then trains on near-zero gradients; from there the error that
-cast puts into delta keeps one sign in layer 0, and it reaches W_Q through dS = P * (dP - delta) the same way at
-every step. Layer 0's W_Q grows (spectral_norm.png), its logits run away (headline.png) and the loss collapses.
-`--fix on`, the paper's shifted row max plus delta from the forward's fp32 O, keeps layer 0 flat. The paper's rule
-alone (`--fix paper`) removes the bias of rows with several tied maxima (--mechanism's tables), but ties are rare
-in layer 0 (tie_rate.png) and it does not stop the runaway.
-Why one sign, when round-to-nearest has none? On synthetic sharp rows the cast drops the other keys' pull, which
-is one-signed where dO points along it (results/mechanism/sharp_rows.txt, tests/test_mechanism.py). A second
-candidate, a hypothesis the data have not confirmed: dO is computed downstream of the rounded O, so it is
-correlated with the rounding error e, and the mean of rowsum(dO * e) is tr(H Sigma_e) > 0 near a minimum, H the
-loss's curvature in O. On a loss with known H that holds exactly (--mechanism's curvature.png); in the model the
-probe finds the term positive early but below the noise of delta's error, and negative later (delta_probe_*.png).
-
+What the runs show, and why: docs/findings.md.
 Runs are named by their arm: the train.py flags that set them apart from their preset.
 """
 
@@ -39,20 +26,20 @@ from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
-from nanolp.presets import BEFORE_OPTION, NUMERICS, changed_settings
+from nanolp.runconfig import BEFORE_OPTION, NUMERICS, changed_settings
 from train import PRESETS
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
 
-OURS = ("kernel", "emulate")  # the attentions that take --fix and the numerics (nanolp.presets.NUMERICS)
+OURS = ("kernel", "emulate")  # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 
 
 def arm(run):
     """The flags, e.g. "--fix off", "--fix on --lr 0.003", "--attn sdpa": --preset and --attn where they are not
-    the default, --fix for our attention, then nanolp.presets.changed_settings (the settings of ARM that differ from
+    the default, --fix for our attention, then nanolp.runconfig.changed_settings (the settings of ARM that differ from
     the preset), less the kernel's options for the torch attentions, which ignore them. A setting an older run
-    did not record reads as its default, but for the exponent (nanolp.presets.BEFORE_OPTION): such a run of our
+    did not record reads as its default, but for the exponent (nanolp.runconfig.BEFORE_OPTION): such a run of our
     kernel ran neither form, and reads "(before --exponent)"."""
     preset = run.setting("preset", "default")
     settings = {**PRESETS.get(preset, PRESETS["default"]), **run.config,

@@ -15,28 +15,29 @@ and in the backward, from the loss's gradient dO of O:
 The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with
 a one-signed error, which piles up in W_Q / W_K until the loss explodes. The paper blames rows with tied maxima
 (P exactly 1) and shifts their max up; in our runs the error that fails them is O's final cast as delta reads
-it. So the fix has two parts, both under THE FIX below:
+it. So the fix has two parts, each hop of them marked "THE FIX":
     1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
-    2. the backward: delta read from the forward's fp32 O, before its final cast (KEEP_O32; output_and_delta_o).
+    2. the cure: delta reads the forward's fp32 O, before its final cast (stored by the forward's epilogue,
+       chosen by delta_reads, saved for the backward by _setup_context, read by _bwd_delta_kernel).
 fix="on" is both (the default); fix="paper" the first alone (an ablation); fix="off" neither. Each is exact in
 real arithmetic. Why, and the evidence: docs/kernel.md, "The fix".
 
 Every rounding point is marked "ROUND", in both precision modes ("fa2", as production kernels; "autocast", as
 the paper's PyTorch code), and nanolp/emulate.py computes the same bits (docs/kernel.md, "Two precision modes, ...").
-Reading order: forward; backward; host code; THE FIX; appendix (Numerics). Speed: docs/kernel.md, "Speed".
+Reading order: forward (the fix's forward part after the loop it changes); backward; host code; appendix (the
+experiments' switches, Numerics). Speed: docs/kernel.md, "Speed".
 """
+import inspect
 import math
 import os
 import struct
 from collections import namedtuple
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = math.log2(math.e)
 TILE_N = 64                    # keys per tile (fixed: the fix looks for ties within one tile)
@@ -54,6 +55,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
                 FMA: tl.constexpr, KEEP_O32: tl.constexpr):
     # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
+    # SHIFT: THE FIX's shift constants (fix_constants; None with the shift off). P_BITS, O_BITS, FMA: appendix.
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -90,8 +92,8 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
              mask=offs_m[:, None] < N)
     if KEEP_O32:
-        # THE FIX (the cure's forward half): the fp32 o the cast above rounded, stored beside O for the
-        # backward's delta (output_and_delta_o). O32 is laid out as O, so O's (element) strides serve it.
+        # THE FIX (the cure, 1: the store): the fp32 o the cast above rounded, stored beside O for the
+        # backward's delta (delta_reads, output_and_delta_o). O32 is laid out as O: O's strides serve it.
         O32 += b * stride_ob + h * stride_oh
         tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
@@ -117,10 +119,10 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max here and per
         # score inside the exponent (_exp2); rounding is monotone, so rowmax(s) * scale is rowmax(S) exactly
         s = _scores(q, kT, qk_scale, AUTOCAST)
-        if AUTOCAST:
-            scale = 1.0
-        else:
+        if not AUTOCAST:
             scale = qk_scale
+        else:
+            scale = 1.0
         if MASKED:
             valid = cols[None, :] < N
             if CAUSAL:
@@ -130,8 +132,17 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         if SHIFT is None:
             r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
         else:
-            r, t_i = _shifted_max(s, scale, t_i, SHIFT)
-        if AUTOCAST:
+            r, t_i = _shifted_max(s, scale, t_i, SHIFT)      # THE FIX (the forward part): a tied max shifted up
+        if not AUTOCAST:
+            m_new = tl.maximum(m_i, r)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = _exp2(s, qk_scale, m_new[:, None], FMA)
+            # l = exp(m - m') l + rowsum(P), from the unrounded P
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # acc = exp(m - m') acc + P V_j
+            acc = acc * alpha[:, None]
+            acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
+        else:
             m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
             alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
             alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
@@ -145,522 +156,14 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
             pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                              # ROUND: P V in bf16
             acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                   # ROUND
             acc = (acc + pv).to(q.dtype).to(tl.float32)                               # ROUND: acc in bf16
-        else:
-            m_new = tl.maximum(m_i, r)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = _exp2(s, qk_scale, m_new[:, None], FMA)
-            # l = exp(m - m') l + rowsum(P), from the unrounded P
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # acc = exp(m - m') acc + P V_j
-            acc = acc * alpha[:, None]
-            acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
         m_i = m_new
     return acc, l_i, m_i, t_i
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward did.
-
-@triton.jit
-def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
-    """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
-    "autocast" scaled and rounded as the paper's PyTorch code does under bf16 autocast."""
-    s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
-    if AUTOCAST:
-        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
-        s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
-    return s
-
-
-@triton.jit
-def _exp2(s, qk_scale, m, FMA: tl.constexpr):
-    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
-    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md)."""
-    if FMA:
-        x = tl.fma(s, qk_scale, -m)                              # ROUND: once
-    else:
-        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
-    return tl.math.exp2(x)
-
-
-@triton.jit
-def _round_bits(x, BITS: tl.constexpr):
-    """The amplifier (Numerics.mantissa_bits): fp32 x rounded to BITS mantissa bits, ties to even (P before
-    P V, as FP8 attention does, or O before its store with amplify="vo"). BITS = 0: no-op."""
-    if BITS > 0:
-        tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
-        DROP: tl.constexpr = 23 - BITS
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
-        x = b.to(tl.float32, bitcast=True)
-    return x
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Backward, FA2 style, in two passes: delta first, then dK/dV (one program per key tile, looping over queries)
-# and dQ (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
-#     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
-#     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
-# 7 matrix products per tile pair (the one-pass backward: 5). The paper's control, delta from P:
-# docs/kernel.md, "Experiment options".
-
-@triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-    # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
-    bh = tl.program_id(1).to(tl.int64)
-    O += (bh // H) * stride_ob + (bh % H) * stride_oh
-    DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
-    DELTA += bh * N
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
-    o = tl.load(O + offs, mask=rows[:, None] < N, other=0.0)
-    do = tl.load(DO + offs, mask=rows[:, None] < N, other=0.0)
-    tl.store(DELTA + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
-
-
-@triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
-                     qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr, ONE_PASS: tl.constexpr,
-                     DQ_TMA: tl.constexpr = False):
-    # One program per (key tile, batch * head), looping over query tiles. ONE_PASS: it also adds dQ_i += dS_ij K_j
-    # into DQ, an fp32 buffer in O's layout (DQ_TMA: its descriptor). Key-major: P^T and dS^T feed dV and dK
-    # from registers, untransposed (docs/kernel.md, "The kernel").
-    tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
-    if ONE_PASS:
-        # the shares of dQ are summed in fp32
-        tl.static_assert((DQ.dtype if DQ_TMA else DQ.dtype.element_ty) == tl.float32)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_ob + h * stride_oh           # dO, dK, dV and the dQ buffer are in O's layout
-    DK += b * stride_ob + h * stride_oh
-    DV += b * stride_ob + h * stride_oh
-    if not DQ_TMA:
-        DQ += b * stride_ob + h * stride_oh
-    LSE += bh * N
-    DELTA += bh * N
-    start_n = tl.program_id(0) * BLOCK_N
-    cols = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    start = start_n if CAUSAL else 0              # queries above the diagonal see no key here
-    for start_m in range(start, N, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
-        doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
-        lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
-        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
-        # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
-        pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, AUTOCAST, FMA)
-        # dV += P^T dO
-        dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
-        # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
-        dpT = tl.dot(v, doT)
-        dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
-        # dK += dS^T Q (times the scale once, at the store)
-        dk += tl.dot(dsT, tl.trans(qT))
-        if ONE_PASS and DQ_TMA:
-            # The same share as one TMA reduction (FA3's way; rows past N dropped by the descriptor's bounds)
-            DQ.atomic_add([b.to(tl.int32), h.to(tl.int32), start_m, 0],
-                          tl.reshape(tl.dot(tl.trans(dsT), k), [1, 1, BLOCK_M, HEAD_DIM]))
-        elif ONE_PASS:
-            # dQ_i += dS_ij K_j into the fp32 buffer (relaxed: nothing reads it before this kernel ends)
-            tl.atomic_add(DQ + rows[:, None] * stride_om + offs_d[None, :], tl.dot(tl.trans(dsT), k),
-                          mask=rows[:, None] < N, sem="relaxed")
-    out = cols[:, None] * stride_om + offs_d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
-
-
-@triton.jit
-def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr,
-               FMA: tl.constexpr):
-    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
-    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
-    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
-    s = _scores(a, bT, qk_scale, AUTOCAST)
-    valid = (queries < N) & (keys < N)
-    if CAUSAL:
-        valid = valid & (queries >= keys)
-    s = tl.where(valid, s, float("-inf"))
-    if AUTOCAST:
-        return tl.exp(s - lse)
-    return _exp2(s, qk_scale, lse, FMA)
-
-
-@triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
-    # One program per (query tile, batch * head), looping over the keys. DELTA_FROM_P: the paper's control
-    # instead, delta = rowsum(dP * P) (over rowsum(P) in "autocast"), stored; run before dK/dV and dQ.
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_ob + h * stride_oh           # dO and dQ are in O's layout
-    DQ += b * stride_ob + h * stride_oh
-    LSE += bh * N
-    DELTA += bh * N
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M     # heaviest first, as in the forward
-    rows = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-    do = tl.load(DO + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
-    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
-    if DELTA_FROM_P:
-        delta = tl.zeros([BLOCK_M], tl.float32)
-        p_sum = tl.zeros([BLOCK_M], tl.float32)
-    else:
-        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
-    for start_n in range(0, stop, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
-        vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
-        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, AUTOCAST, FMA)
-        dp = tl.dot(do, vT)
-        if DELTA_FROM_P:
-            delta += tl.sum(p * dp, 1)
-            p_sum += tl.sum(p, 1)
-        else:
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
-    if DELTA_FROM_P:
-        if AUTOCAST:                # (rows past N, never stored, have no keys: p_sum = 0)
-            delta = delta / tl.where(rows < N, p_sum, 1.0)
-        tl.store(DELTA + rows, delta, mask=rows < N)
-    else:
-        tl.store(DQ + rows[:, None] * stride_om + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                 mask=rows[:, None] < N)                                                    # ROUND: dQ
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The one-pass backward (deterministic=False): _bwd_dkdv_kernel with ONE_PASS sums dQ in an fp32 buffer, which
-# this kernel scales and casts; dQ's last bits follow the GPU's order of programs (docs/kernel.md, "The kernel").
-
-@triton.jit
-def _bwd_dq_cast_kernel(DQ_SUM, DQ, stride_ob, stride_oh, stride_om, H, N, sm_scale, HEAD_DIM: tl.constexpr,
-                        BLOCK_M: tl.constexpr):
-    # dQ = (sum over key tiles of dS K) * scale, cast once; DQ_SUM (fp32) and DQ are both in O's layout.
-    bh = tl.program_id(1).to(tl.int64)
-    DQ_SUM += (bh // H) * stride_ob + (bh % H) * stride_oh
-    DQ += (bh // H) * stride_ob + (bh % H) * stride_oh
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
-    dq = tl.load(DQ_SUM + offs, mask=rows[:, None] < N, other=0.0)
-    tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)   # ROUND: dQ
-
-
-# Tuning, as BWD_TUNING's (docs/kernel.md, "Speed", "kernels.py's settings").
-ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
-# dQ's shares: False, fp32 atomics; True, TMA reductions; None, TMA on sm_90 and later (docs/kernel.md, "Speed").
-DQ_TMA = None
-
-
-def dq_by_tma(device):
-    """Whether the one-pass backward adds dQ by TMA reductions here: DQ_TMA (or tuned's), else if sm_90+."""
-    setting = _TUNED.get("dq_tma", DQ_TMA)
-    if setting is not None:
-        return setting
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def dq_sum_target(dq_sum, block_m, tma):
-    """What the one-pass dK/dV kernel adds dQ's shares into: the fp32 buffer (atomics), or with tma a TMA
-    descriptor of it in tiles of block_m rows (it needs 16-byte aligned strides but the last: O's, in fp32)."""
-    if not tma:
-        return dq_sum
-    return TensorDescriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, block_m, dq_sum.shape[-1]])
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Host side: the entry points, their custom ops and launches, the checks.
-
-# Tuning per head_dim, fixed (no autotune: the summation order never depends on a timing). Forward: (BLOCK_M,
-# warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (docs/kernel.md,
-# "Speed", "kernels.py's settings").
-FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
-BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
-SHORT_SEQ = 512
-# No floating-point contraction: each operation rounds where the ROUND marks say, and the only fma is _exp2's
-# tl.fma (ptxas once fused some tiles and not others: docs/kernel.md, "Correctness evidence").
-UNFUSED = dict(enable_fp_fusion=False)
-if INTERPRET:
-    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
-
-
-def flash_attention(q, k, v, causal=True, fix="on", numerics=None, deterministic=True):
-    """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
-
-    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
-        the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
-    fix: "on" (the default), the complete fix: the paper's row-max shift plus delta read from the forward's
-            fp32 O (costs forward time and that fp32 O's memory until the backward).
-        "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
-        "paper": the shift alone, an ablation (it leaves O's final cast's error, which fails our runs).
-        The returned O is the fix-off O up to the shift's rounding (docs/kernel.md, "The fix").
-    numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
-    deterministic: True (the default), a two-pass backward with no atomics, the same bits every run. False,
-        the one-pass backward: dQ summed with fp32 atomics, last bits vary from run to run, at most 8-10%
-        faster (docs/kernel.md, "Which backward is the default").
-    Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward.
-    """
-    numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, numerics)
-    return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics,
-                   deterministic=deterministic).o
-
-
-Forward = namedtuple("Forward", "o lse o_delta")
-
-
-def forward(q, k, v, *, causal=True, fix="on", numerics=None, delta=None, deterministic=True):
-    """The forward as flash_attention runs it, for tests and experiments.
-
-    causal, fix, numerics, deterministic: flash_attention's. delta: what the backward's delta reads (one of
-    Numerics.delta's values) in place of wire_fix's; the shift stays fix's. v is read as given (the "vo"
-    amplifier's rounding, amplified_v, is the caller's).
-    Returns Forward(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
-    each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O delta reads where it is not o (the fp32
-    O with fix "on"; else an empty tensor)."""
-    numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, numerics)
-    check_device(q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
-                             "call .contiguous()")
-    shift, wired = wire_fix(fix, numerics)
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
-    return Forward(*_flash_fwd(q, k, v, causal, shift, wired if delta is None else delta, numerics.precision,
-                               numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
-                               deterministic, numerics.fma))
-
-
-def flash_forward_fp32(q, k, v, causal=True, fix="on", numerics=None):
-    """The forward's fp32 O before its final cast (no autograd), what delta reads with fix "on"; for tests."""
-    numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, numerics)
-    check_device(q)
-    shift, _ = wire_fix(fix, numerics)
-    with torch.no_grad():
-        v = amplified_v(v, numerics.o_bits)
-        return _flash_fwd(q, k, v, causal, shift, "fp32-o", numerics.precision, numerics.p_bits,
-                          numerics.o_bits, False, True, numerics.fma)[2]
-
-
-# The custom ops take plain values (a schema has no dataclass): wire_fix's shift and delta, Numerics' parts.
-@torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
-def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, shift: bool, delta: str,
-               precision: str, p_bits: int, o_bits: int, stochastic: bool, deterministic: bool = True,
-               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
-    delta "p" is for the backward only (_setup_context)."""
-    B, H, N, D = q.shape
-    o = empty_in_layout_of(q)
-    o32 = empty_in_layout_of(q, torch.float32) if keeps_fp32_o(stochastic, delta) else None
-    assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
-    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    block_m, warps, stages = launch_setting("fwd", D)
-    _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=_TUNED.get("block_n", TILE_N),
-        CAUSAL=causal, AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if shift else None,
-        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=o32 is not None, num_warps=warps, num_stages=stages,
-        **UNFUSED, **{name: _TUNED[name] for name in ("maxnreg",) if name in _TUNED})
-    o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
-    return o, lse, o.new_empty(0) if o_delta is None else o_delta
-
-
-@_flash_fwd.register_fake
-def _(q, k, v, causal, shift, delta, precision, p_bits, o_bits, stochastic, deterministic=True, fma=True):
-    o = empty_in_layout_of(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if delta in ("fp32-o", "stochastic-o"):
-        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32-o" else None)
-    return o, lse, o.new_empty(0)
-
-
-def _bwd_launch(q, k, v, o, causal, precision, deterministic=True, fma=True):
-    """What every backward kernel is launched with: the grids per query tile and per key tile, the strides (O's
-    for dO, dQ, dK, dV too) and qk_scale, the meta-parameters (the one-pass backward's if not deterministic)."""
-    B, H, N, D = q.shape
-    block_m, block_n, warps, stages = launch_setting("bwd" if deterministic else "one_pass", D)
-    if N <= SHORT_SEQ:
-        stages = 1
-    grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
-               qk_scale(D, precision))
-    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, AUTOCAST=precision == "autocast",
-                FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
-    return grids, strides, meta
-
-
-def _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma=True):
-    """delta = rowsum(dO * O), or with from_p the paper's control (no O read), with the two-pass tiles either
-    way so both backwards read the same delta. do must be in O's layout."""
-    (per_query, _), strides, meta = _bwd_launch(q, k, v, o, causal, precision, fma=fma)
-    delta = torch.empty_like(lse)
-    if from_p:
-        # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
-        _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
-    else:
-        _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
-                                     BLOCK_M=meta["BLOCK_M"], **UNFUSED)
-    return delta
-
-
-@torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
-def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, precision: str, from_p: bool, deterministic: bool = True,
-               fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """deterministic: dK/dV and dQ in two passes; else in one, dQ summed with atomics or TMA reductions
-    (DQ_TMA), its last bits depending on the order the GPU runs the programs in."""
-    if do.stride() != o.stride() or do.dtype != q.dtype:   # the kernels read dO with O's strides and dtype
-        do = torch.empty_like(o, dtype=q.dtype).copy_(do)   # (exact: an fp32 dO from the cast holds bf16)
-    (per_query, per_key), strides, meta = _bwd_launch(q, k, v, o, causal, precision, deterministic, fma)
-    args = (q, k, v, do, lse, _bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma))
-    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
-    sm_scale = q.shape[-1] ** -0.5
-    if deterministic:
-        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq, *strides, sm_scale, ONE_PASS=False, **meta)  # dq unused
-        _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
-    else:
-        dq_sum = torch.zeros_like(o, dtype=torch.float32)                  # the atomics' buffer, O's strides
-        tma = dq_by_tma(o.device)
-        _bwd_dkdv_kernel[per_key](*args, dk, dv, dq_sum_target(dq_sum, meta["BLOCK_M"], tma), *strides, sm_scale,
-                                  ONE_PASS=True, DQ_TMA=tma, **meta)
-        _bwd_dq_cast_kernel[per_query](dq_sum, dq, *o.stride()[:3], *q.shape[1:3], sm_scale,
-                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=meta["BLOCK_M"], **UNFUSED)
-    return dq, dk, dv
-
-
-@_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, precision, from_p, deterministic=True, fma=True):
-    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, _, delta, precision, _, _, _, *rest = inputs
-    o, lse, o_delta = output
-    ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
-    ctx.causal, ctx.precision, ctx.from_p = causal, precision, delta == "p"
-    ctx.deterministic, ctx.fma = (*rest, True, True)[:2]   # (their defaults where the call left them out)
-
-
-def _backward(ctx, do, _dlse, _do_delta):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.deterministic,
-                            ctx.fma)
-    return dq, dk, dv, *[None] * 9
-
-
-_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def check_device(q):
-    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once nanolp/interp_patch.py
-    has patched it: the stock interpreter computes bf16 wrongly, finite and silent."""
-    if INTERPRET:
-        from triton.runtime import interpreter
-        if getattr(interpreter, "nanolp_bf16_patch", False):
-            return
-        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
-    elif q.device.type == "cuda":
-        return
-    else:
-        problem = f"the kernel needs CUDA tensors, got {q.device}"
-    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
-                     "PyTorch (the same numbers)")
-
-
-def check_inputs(q, k, v, numerics):
-    """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[-1] not in (16, 32, 64, 128):
-        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
-    if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
-        raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
-    if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
-        raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
-
-
-def qk_scale(head_dim, precision):
-    return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
-
-
-def empty_in_layout_of(t, dtype=None):
-    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is (seq-major when t is a head view
-    of a (batch, seq, channels) tensor, so model.py's reshape back is free); dtype: t's by default."""
-    B, H, N, D = t.shape
-    dtype = dtype or t.dtype
-    if t.stride(1) < t.stride(2):
-        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
-    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# THE FIX, two parts. The cure: the backward's delta reads the forward's fp32 O, before its final cast (kept by
-# the forward's epilogue, KEEP_O32; handed on by output_and_delta_o). The paper's: a tied row's max shifted up
-# in the forward (_shifted_max, once per key tile). Why: docs/kernel.md, "The fix".
-
-FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
-
-
-def wire_fix(fix, numerics):
-    """fix as (the forward's shift on, what the backward's delta reads): "off" (False, numerics.delta),
-    "paper" (True, numerics.delta), "on" (True, "fp32-o"); the one check of fix against the numerics."""
-    if fix not in FIXES:
-        raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
-    if fix == "on" and numerics.delta not in ("o", "fp32-o"):
-        raise ValueError(f'fix="on" (delta from the fp32 O) and delta="{numerics.delta}" are different ways of '
-                         "computing delta: choose one")
-    return fix != "off", "fp32-o" if fix == "on" else numerics.delta
-
-
-def keeps_fp32_o(stochastic, delta):
-    """Whether the forward kernel keeps its fp32 O beside O (KEEP_O32): wherever output_and_delta_o reads it."""
-    return stochastic or delta in ("fp32-o", "stochastic-o")
-
-
-def output_and_delta_o(o, o32, stochastic, delta):
-    """The fix's backward part, the one place that says what delta reads: from the kernel's O and its fp32 O
-    (o32; None where not kept), the O the caller gets and the O delta reads (None: the same). With delta
-    "fp32-o" that is o32; the caller's O is the same bits either way (docs/kernel.md, "Half 2")."""
-    if stochastic:
-        o = stochastic_round(o32)                                                     # ROUND: O, stochastically
-    if delta == "fp32-o":
-        return o, o32
-    return o, stochastic_round(o32) if delta == "stochastic-o" else None
-
+# THE FIX, the forward part: the paper's shift of a tied row's max, once per key tile (_fwd_inner above). The
+# cure, delta read from the fp32 O, is the forward's last store (_fwd_kernel) and the host's choice
+# (delta_reads). Why: docs/kernel.md, "The fix".
 
 # The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9; docs/kernel.md, "Half 1").
 TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
@@ -728,7 +231,451 @@ def reciprocal_up(span):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward did.
+
+@triton.jit
+def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
+    """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
+    "autocast" scaled and rounded as the paper's PyTorch code does under bf16 autocast."""
+    s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
+    if AUTOCAST:
+        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
+        s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
+    return s
+
+
+@triton.jit
+def _exp2(s, qk_scale, m, FMA: tl.constexpr):
+    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
+    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md)."""
+    if FMA:
+        x = tl.fma(s, qk_scale, -m)                              # ROUND: once
+    else:
+        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
+    return tl.math.exp2(x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backward, FA2 style, in two passes: delta first, then dK/dV (one program per key tile, looping over queries)
+# and dQ (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
+#     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
+#     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
+# 7 matrix products per tile pair. The paper's control, delta from P: docs/kernel.md, "Experiment options".
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
+    # THE FIX (the cure, 4: the read): with fix "on" this O is the forward's fp32 O (_setup_context saved it).
+    bh = tl.program_id(1).to(tl.int64)
+    O += (bh // H) * stride_ob + (bh % H) * stride_oh
+    DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
+    DELTA += bh * N
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = rows[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(O + offs, mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + offs, mask=rows[:, None] < N, other=0.0)
+    tl.store(DELTA + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
+                     qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr):
+    # One program per (key tile, batch * head), looping over query tiles. Key-major: P^T and dS^T feed dV and dK
+    # from registers, untransposed (docs/kernel.md, "The kernel").
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_ob + h * stride_oh           # dO, dK and dV are in O's layout
+    DK += b * stride_ob + h * stride_oh
+    DV += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    DELTA += bh * N
+    start_n = tl.program_id(0) * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    start = start_n if CAUSAL else 0              # queries above the diagonal see no key here
+    for start_m in range(start, N, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows, cols, offs_d, stride_qm, stride_om, N,
+                                   qk_scale, CAUSAL, AUTOCAST, FMA)
+    out = cols[:, None] * stride_om + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
+
+
+@triton.jit
+def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows, cols, offs_d, stride_qm, stride_om, N, qk_scale,
+                   CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr):
+    """One query tile's share of a key tile's dK and dV; returns them and dS^T (in the input dtype)."""
+    qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
+    doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
+    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
+    delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
+    # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
+    pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, AUTOCAST, FMA)
+    # dV += P^T dO
+    dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
+    # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
+    dpT = tl.dot(v, doT)
+    dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
+    # dK += dS^T Q (times the scale once, at the store)
+    dk += tl.dot(dsT, tl.trans(qT))
+    return dk, dv, dsT
+
+
+@triton.jit
+def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr,
+               FMA: tl.constexpr):
+    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
+    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
+    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
+    s = _scores(a, bT, qk_scale, AUTOCAST)
+    valid = (queries < N) & (keys < N)
+    if CAUSAL:
+        valid = valid & (queries >= keys)
+    s = tl.where(valid, s, float("-inf"))
+    if not AUTOCAST:
+        return _exp2(s, qk_scale, lse, FMA)
+    return tl.exp(s - lse)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr, DELTA_FROM_P: tl.constexpr):
+    # One program per (query tile, batch * head), looping over the keys. DELTA_FROM_P: the paper's control
+    # instead, delta = rowsum(dP * P) (over rowsum(P) in "autocast"), stored; run before dK/dV and dQ.
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_ob + h * stride_oh           # dO and dQ are in O's layout
+    DQ += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    DELTA += bh * N
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M     # heaviest first, as in the forward
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_om + offs_d[None, :], mask=rows[:, None] < N, other=0.0)
+    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
+    if DELTA_FROM_P:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        p_sum = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    stop = tl.minimum(start_m + BLOCK_M, N) if CAUSAL else N
+    for start_n in range(0, stop, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(K + offs_d[:, None] + cols[None, :] * stride_kn, mask=cols[None, :] < N, other=0.0)
+        vT = tl.load(V + offs_d[:, None] + cols[None, :] * stride_vn, mask=cols[None, :] < N, other=0.0)
+        p = _bwd_probs(q, kT, lse[:, None], rows[:, None], cols[None, :], N, qk_scale, CAUSAL, AUTOCAST, FMA)
+        dp = tl.dot(do, vT)
+        if DELTA_FROM_P:
+            delta += tl.sum(p * dp, 1)
+            p_sum += tl.sum(p, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(q.dtype), tl.trans(kT))           # ROUND: dS to bf16
+    if DELTA_FROM_P:
+        if AUTOCAST:                # (rows past N, never stored, have no keys: p_sum = 0)
+            delta = delta / tl.where(rows < N, p_sum, 1.0)
+        tl.store(DELTA + rows, delta, mask=rows < N)
+    else:
+        tl.store(DQ + rows[:, None] * stride_om + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=rows[:, None] < N)                                                    # ROUND: dQ
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: the entry points, THE FIX's choice of the O that delta reads, the custom ops and their launches,
+# the checks. (Numerics, flash_attention's switches for the experiments: the appendix.)
+
+# Tuning per head_dim, fixed (no autotune: the summation order never depends on a timing). Forward: (BLOCK_M,
+# warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (docs/kernel.md,
+# "Speed", "kernels.py's settings").
+FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
+BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
+SHORT_SEQ = 512
+# No floating-point contraction: each operation rounds where the ROUND marks say, and the only fma is _exp2's
+# tl.fma (ptxas once fused some tiles and not others: docs/kernel.md, "Correctness evidence").
+UNFUSED = dict(enable_fp_fusion=False)
+if INTERPRET:
+    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
+
+
+def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
+    """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
+
+    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
+        the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
+    fix: "on" (the default), the complete fix: the paper's row-max shift plus delta read from the forward's
+            fp32 O (costs forward time and that fp32 O's memory until the backward).
+        "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
+        "paper": the shift alone, an ablation (it leaves O's final cast's error, which fails our runs).
+        The returned O is the fix-off O up to the shift's rounding (docs/kernel.md, "The fix").
+    numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
+    Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward (two
+    passes, no atomics: the same bits every run).
+    """
+    numerics = Numerics() if numerics is None else numerics
+    return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics).o
+
+
+Forward = namedtuple("Forward", "o lse o_delta")
+
+
+def forward(q, k, v, *, fix, causal=True, numerics=None, delta=None):
+    """The forward as flash_attention runs it, for tests and experiments.
+
+    causal, fix, numerics: flash_attention's. delta: what the backward's delta reads (one of Numerics.delta's
+    values) in place of delta_reads'; the shift stays fix's. v is read as given (the "vo" amplifier's rounding,
+    amplified_v, is the caller's).
+    Returns Forward(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
+    each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O delta reads where it is not o (the fp32
+    O with fix "on"; else an empty tensor)."""
+    numerics = Numerics() if numerics is None else numerics
+    check_inputs(q, k, v, numerics)
+    check_device(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
+                             "call .contiguous()")
+    reads = delta_reads(fix, numerics)
+    return Forward(*flash_fwd_op(q, k, v, causal, fix, reads if delta is None else delta, numerics.precision,
+                                 numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
+                                 numerics.fma))
+
+
+def flash_forward_fp32(q, k, v, *, fix, causal=True, numerics=None):
+    """The forward's fp32 O before its final cast (no autograd): what delta reads with fix "on", and what
+    nanolp/diagnostics.py measures O's rounding against at every diagnostics interval."""
+    numerics = Numerics() if numerics is None else numerics
+    with torch.no_grad():
+        return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics,
+                       delta="fp32-o").o_delta
+
+
+FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
+
+
+def delta_reads(fix, numerics):
+    """THE FIX (the cure, 2: the choice): the O the backward's delta reads, the forward's fp32 O ("fp32-o")
+    with fix "on", else numerics.delta (Numerics); the one check of fix and of fix against the numerics."""
+    if fix not in FIXES:
+        raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
+    if fix == "on" and numerics.delta not in ("o", "fp32-o"):
+        raise ValueError(f'fix="on" (delta from the fp32 O) and delta="{numerics.delta}" are different ways of '
+                         "computing delta: choose one")
+    return "fp32-o" if fix == "on" else numerics.delta
+
+
+def output_and_delta_o(o, o32, stochastic, delta):
+    """From the kernel's O and its fp32 O (o32; None where not kept), the O the caller gets and the O delta
+    reads (None: the same). THE FIX: with delta "fp32-o" that is o32; the caller's O is the same bits either
+    way (docs/kernel.md, "Half 2"). The other cases are the stochastic-rounding experiments' (appendix)."""
+    if stochastic:
+        o = stochastic_round(o32)                                                     # ROUND: O, stochastically
+    if delta == "fp32-o":
+        return o, o32
+    return o, stochastic_round(o32) if delta == "stochastic-o" else None
+
+
+# The custom ops take plain values (a schema has no dataclass): fix, what delta reads (delta_reads), Numerics'
+# parts. They check nothing: the entry points above do. Tools that record their launches on CPU tensors call
+# them directly (nanolp/compile_sm90.py, experiments/sass.py).
+@torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
+def flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: str, delta: str,
+                 precision: str, p_bits: int, o_bits: int, stochastic: bool,
+                 fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
+    delta "p" is for the backward only (_setup_context)."""
+    B, H, N, D = q.shape
+    o = empty_in_layout_of(q)
+    keep_o32 = stochastic or delta in ("fp32-o", "stochastic-o")    # wherever output_and_delta_o reads it
+    o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
+    assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    block_m, warps, stages = FWD_TUNING[D]
+    _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
+        q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
+        AUTOCAST=precision == "autocast", SHIFT=None if fix == "off" else fix_constants(precision, p_bits),
+        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=o32 is not None, num_warps=warps, num_stages=stages,
+        **UNFUSED)
+    o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
+    return o, lse, o.new_empty(0) if o_delta is None else o_delta
+
+
+@flash_fwd_op.register_fake
+def _(q, k, v, causal, fix, delta, precision, p_bits, o_bits, stochastic, fma):
+    o = empty_in_layout_of(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    if delta in ("fp32-o", "stochastic-o"):
+        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32-o" else None)
+    return o, lse, o.new_empty(0)
+
+
+def bwd_launch(q, k, v, o, causal, precision, fma):
+    """What every backward kernel is launched with: the grids per query tile and per key tile, the strides (O's
+    for dO, dQ, dK, dV too) and qk_scale, the meta-parameters (BWD_TUNING's)."""
+    B, H, N, D = q.shape
+    block_m, block_n, warps, stages = BWD_TUNING[D]
+    if N <= SHORT_SEQ:
+        stages = 1
+    grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
+               qk_scale(D, precision))
+    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, AUTOCAST=precision == "autocast",
+                FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
+    return grids, strides, meta
+
+
+def bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma):
+    """delta = rowsum(dO * O), or with from_p the paper's control (no O read). do must be in O's layout."""
+    (per_query, _), strides, meta = bwd_launch(q, k, v, o, causal, precision, fma)
+    delta = torch.empty_like(lse)
+    if from_p:
+        # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
+        _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
+    else:
+        _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
+                                     BLOCK_M=meta["BLOCK_M"], **UNFUSED)
+    return delta
+
+
+def dense_do(do, q, o):
+    """dO as the kernels read it: with O's strides and q's dtype (exact: an fp32 dO from the cast holds bf16)."""
+    if do.stride() != o.stride() or do.dtype != q.dtype:
+        do = torch.empty_like(o, dtype=q.dtype).copy_(do)
+    return do
+
+
+@torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
+def flash_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, precision: str, from_p: bool,
+                 fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV, from o the O that delta reads: dK/dV and dQ in two passes, no atomics."""
+    do = dense_do(do, q, o)
+    (per_query, per_key), strides, meta = bwd_launch(q, k, v, o, causal, precision, fma)
+    args = (q, k, v, do, lse, bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma))
+    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
+    sm_scale = q.shape[-1] ** -0.5
+    _bwd_dkdv_kernel[per_key](*args, dk, dv, *strides, sm_scale, **meta)
+    _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
+    return dq, dk, dv
+
+
+@flash_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, precision, from_p, fma):
+    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
+
+
+# flash_fwd_op's inputs by name (autograd hands them over as a tuple), each one's gradient None but q's, k's, v's
+FwdInputs = namedtuple("FwdInputs", "q k v causal fix delta precision p_bits o_bits stochastic fma",
+                       defaults=(None,) * 8)
+
+
+def _setup_context(ctx, inputs, output):
+    inputs = FwdInputs(*inputs)
+    o, lse, o_delta = output
+    # THE FIX (the cure, 3: the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
+    ctx.save_for_backward(inputs.q, inputs.k, inputs.v, o_delta if o_delta.numel() else o, lse)
+    ctx.causal, ctx.precision, ctx.fma = inputs.causal, inputs.precision, inputs.fma
+    ctx.from_p = inputs.delta == "p"
+
+
+def _backward(ctx, do, _dlse, _do_delta):
+    q, k, v, o, lse = ctx.saved_tensors
+    return tuple(FwdInputs(*flash_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.fma)))
+
+
+flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_device(q):
+    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once nanolp/interp_patch.py
+    has patched it: the stock interpreter computes bf16 wrongly, finite and silent."""
+    if INTERPRET:
+        from triton.runtime import interpreter
+        if getattr(interpreter, "nanolp_bf16_patch", False):
+            return
+        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
+    elif q.device.type == "cuda":
+        return
+    else:
+        problem = f"the kernel needs CUDA tensors, got {q.device}"
+    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
+                     "PyTorch (the same numbers)")
+
+
+def check_inputs(q, k, v, numerics):
+    """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
+    if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
+    if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
+        raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
+
+
+def qk_scale(head_dim, precision):
+    return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
+
+
+def empty_in_layout_of(t, dtype=None):
+    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is (seq-major when t is a head view
+    of a (batch, seq, channels) tensor, so model.py's reshape back is free); dtype: t's by default."""
+    B, H, N, D = t.shape
+    dtype = dtype or t.dtype
+    if t.stride(1) < t.stride(2):
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Appendix: the experiments' variants of the numerics (flash_attention's numerics), and what only they use.
+
+@triton.jit
+def _round_bits(x, BITS: tl.constexpr):
+    """The amplifier (Numerics.mantissa_bits): fp32 x rounded to BITS mantissa bits, ties to even (P before
+    P V, as FP8 attention does, or O before its store with amplify="vo"). BITS = 0: no-op."""
+    if BITS > 0:
+        tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
+        DROP: tl.constexpr = 23 - BITS
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
+        x = b.to(tl.float32, bitcast=True)
+    return x
+
 
 def option(help, default, choices=None):
     """A field of Numerics: what it does (also its train.py flag's help), its default, the values it takes."""
@@ -824,35 +771,3 @@ def amplified_v(v, bits):
 def widening(bits):
     """How much wider than bf16's the band of scores whose P rounds to 1.0 is, P at `bits` bits (0: bf16)."""
     return 2.0 ** (7 - bits) if bits else 1.0
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Other launch settings, for the experiments that time and compile them (experiments/tuning.py, sass.py, ...).
-
-_TUNED = {}   # the settings of the innermost `with tuned(...)` block
-
-
-@contextmanager
-def tuned(fwd=None, bwd=None, one_pass=None, block_n=None, maxnreg=None, dq_tma=None):
-    """The launches inside the block take these settings (None: as without). fwd, bwd, one_pass: {head_dim:
-    setting} in place of FWD_TUNING's, BWD_TUNING's, ONE_PASS_TUNING's at those head_dims; block_n: the
-    forward's key tile (anything but TILE_N changes the numerics: the shift looks for ties within one tile, and
-    nanolp/emulate.py follows TILE_N); maxnreg: Triton's cap on the forward's registers per thread (a compile
-    option); dq_tma: in place of DQ_TMA."""
-    saved = dict(_TUNED)
-    given = dict(fwd=fwd, bwd=bwd, one_pass=one_pass, block_n=block_n, maxnreg=maxnreg, dq_tma=dq_tma)
-    for name, value in given.items():
-        if value is not None:
-            _TUNED[name] = {**_TUNED.get(name, {}), **value} if isinstance(value, dict) else value
-    try:
-        yield
-    finally:
-        _TUNED.clear()
-        _TUNED.update(saved)
-
-
-def launch_setting(name, head_dim):
-    """The setting a launch takes at head_dim: tuned's inside its block, else FWD_TUNING's ("fwd"),
-    BWD_TUNING's ("bwd") or ONE_PASS_TUNING's ("one_pass")."""
-    table = {"fwd": FWD_TUNING, "bwd": BWD_TUNING, "one_pass": ONE_PASS_TUNING}[name]
-    return _TUNED.get(name, {}).get(head_dim, table[head_dim])

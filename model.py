@@ -67,7 +67,7 @@ def attention(q, k, v, config):
         if implementation(config.attn, q.device.type) == "kernel":
             fn = flash_attention
         else:  # the emulation has the kernel's numerics and runs anywhere
-            from nanolp.emulate import emulate_attention   # only where it runs: a GPU run never loads it
+            from nanolp.emulate import emulate_attention   # imported here: model.py alone needs no nanolp
             fn = emulate_attention
         return fn(q, k, v, causal=True, fix=config.fix, numerics=config.numerics)
     if config.attn == "fp32":

@@ -32,8 +32,7 @@ from kernels import FIXES, Numerics
 from model import ATTN_BACKENDS, GPT, POSITIONS, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
-from nanolp.presets import ARM, COMMON, NUMERICS
-from nanolp.runconfig import claim_folder, describe, nothing_to_resume, resolve_config
+from nanolp.runconfig import ARM, NUMERICS, PLAIN_NUMERICS, claim_folder, describe, nothing_to_resume, resolve_config
 from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
                          read_log, set_aside, write_checksum, write_json)
 
@@ -46,8 +45,8 @@ from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem,
 DEFAULT = dict(
     # the model
     n_layer=6, n_head=6, n_embd=384, block_size=256, pos="learned", qk_norm=False,
-    # the attention: our kernel, plain (--fix off, no experiment: nanolp.presets.COMMON)
-    attn="kernel", **COMMON,
+    # the attention: our kernel, plain (the fix off, no experiment: nanolp.runconfig.PLAIN_NUMERICS)
+    attn="kernel", fix="off", **PLAIN_NUMERICS,
     # training: AdamW, the lr constant after a linear warmup, as the paper trains
     dtype="bf16", seed=0, batch_size=64, steps=200_000, minutes=None,
     lr=1e-3, warmup=100, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0,

@@ -1,9 +1,9 @@
 """kernels.py's dK/dV kernel (`_bwd_dkdv_kernel`, key-major: S^T = K Q^T and dP^T = V dO^T, so that dV += P^T dO
 and dK += dS^T Q take their A operand as computed) compiled for the H200 (sm_90) on a machine without a GPU, at
-kernels.py's settings (BWD_TUNING for the two-pass backward, deterministic=True; ONE_PASS_TUNING for the one-pass
-backward, deterministic=False, whose dK/dV program also adds dQ through fp32 atomics) and at the other tile
-shapes, warps and stages still candidates; each one-pass row also with dQ added through TMA reductions instead
-(kernels.DQ_TMA, "TMA dQ" rows: results/speed/backward_tma_dq.md). Prints a markdown table: registers, spills,
+kernels.py's settings (BWD_TUNING) and the one-pass backward's (experiments/launch_variants.py, ONE_PASS_TUNING;
+its dK/dV program also adds dQ through fp32 atomics) and at the other tile shapes, warps and stages still
+candidates; each one-pass row also with dQ added through TMA reductions instead (launch_variants.DQ_TMA, "TMA
+dQ" rows: results/speed/backward_tma_dq.md). Prints a markdown table: registers, spills,
 shared memory, programs per SM and the SASS of the loop over the query tiles.
 
     pip install --no-deps --target /tmp/triton36 triton==3.6.0      # the H200's triton
@@ -23,6 +23,7 @@ import triton
 
 from experiments import sass  # first: it asserts no TRITON_INTERPRET
 import kernels  # noqa: E402
+from experiments.launch_variants import ONE_PASS_TUNING, one_pass_backward, tuned  # noqa: E402
 
 # The rows after kernels.py's own settings, all for the one-pass backward: head_dim: [(BLOCK_M queries,
 # BLOCK_N keys, warps, stages), ...]
@@ -43,26 +44,31 @@ def variants():
     the one-pass one with TMA dQ, then the candidates, each with atomics and with TMA dQ."""
     for D, candidates in ONE_PASS_CANDIDATES.items():
         yield "two-pass dK/dV (BWD_TUNING)", D, False, kernels.BWD_TUNING[D], False
-        yield "one-pass (ONE_PASS_TUNING)", D, True, kernels.ONE_PASS_TUNING[D], False
-        yield "one-pass, TMA dQ (ONE_PASS_TUNING)", D, True, kernels.ONE_PASS_TUNING[D], True
+        yield "one-pass (ONE_PASS_TUNING)", D, True, ONE_PASS_TUNING[D], False
+        yield "one-pass, TMA dQ (ONE_PASS_TUNING)", D, True, ONE_PASS_TUNING[D], True
         for tuning in candidates:
             yield "one-pass", D, True, tuning, False
             yield "one-pass, TMA dQ", D, True, tuning, True
 
 
-def setting(D, one_pass, tuning, tma):
-    """kernels.py's backward at head_dim D launched inside the block with a row's tiles, warps and stages (in
-    BWD_TUNING or ONE_PASS_TUNING) and its dQ (DQ_TMA), so that the host builds the launch, the TMA
-    descriptor's query tile included, as it would with these settings in place."""
-    return kernels.tuned(**{"one_pass" if one_pass else "bwd": {D: tuning}}, dq_tma=tma)
+def backward(D, one_pass, tuning, tma):
+    """The backward at head_dim D with a row's tiles, warps and stages and its dQ (TMA or atomics), as a function
+    of (do, q, k, v, o, lse), so that the host builds the launch, the TMA descriptor's query tile included, as it
+    would with these settings in place."""
+    if one_pass:
+        return lambda *tensors: one_pass_backward(*tensors, True, "fa2", False, True, tuning=tuning, tma=tma)
+
+    def two_pass(*tensors):
+        with tuned(bwd={D: tuning}):
+            return kernels.flash_bwd_op(*tensors, True, "fa2", False, True)
+    return two_pass
 
 
 def launch(D, one_pass, tuning, tma):
     """The dK/dV launch the host makes at the benchmark's seq-4096 shape, with this row's settings."""
     q = torch.empty(sass.BATCH, sass.CHANNELS // D, sass.SEQ, D, dtype=torch.bfloat16)
     lse = torch.empty(q.shape[:3])
-    with setting(D, one_pass, tuning, tma):
-        _, dkdv, _ = sass.record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False, not one_pass))
+    _, dkdv, _ = sass.record(lambda: backward(D, one_pass, tuning, tma)(q, q, q, q, q, lse))
     return dkdv
 
 
@@ -84,9 +90,8 @@ def time_variants(seqs=(4096, 16384)):
             q, k, v, do = (torch.randn(16384 // N, 2048 // D, N, D, device="cuda", dtype=torch.bfloat16,
                                        generator=g) for _ in range(4))
             o, lse, _ = kernels.forward(q, k, v, fix="off")
-            with setting(D, one_pass, tuning, tma):
-                delta, (kernel, args, meta), last = sass.record(
-                    lambda: kernels._flash_bwd(do, q, k, v, o, lse, True, "fa2", False, not one_pass))
+            run_backward = backward(D, one_pass, tuning, tma)
+            delta, (kernel, args, meta), last = sass.record(lambda: run_backward(do, q, k, v, o, lse))
             grid = lambda block: (triton.cdiv(N, block), q.shape[0] * q.shape[1])  # noqa: E731
             delta[0][grid(delta[2]["BLOCK_M"])](*delta[1], **delta[2])             # delta, for real values
             dq_sum = getattr(args[8], "base", args[8])          # the one-pass's fp32 buffer (unused otherwise)

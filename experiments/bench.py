@@ -1,5 +1,6 @@
 """Benchmark: our kernel (fix off, the complete fix, the paper's rule alone, delta from P; the first two also with
-the one-pass backward, deterministic=False) against torch SDPA's flash and cuDNN backends, side by side in one run.
+the one-pass backward, experiments/launch_variants.py) against torch SDPA's flash and cuDNN backends, side by
+side in one run.
 
     python -m experiments.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
     python -m experiments.bench --table results/speed/bench.csv    # README's speed table, from the CSV (CPU)
@@ -19,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from kernels import Numerics, flash_attention
+from experiments.launch_variants import one_pass_attention
 
 TOKENS, CHANNELS = 16384, 2048
 
@@ -42,8 +44,8 @@ IMPLS = {
     # the paper's control, delta = rowsum(dP * P): one more pass over the keys in the backward
     "ours_dp": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="off", numerics=Numerics(delta="p")),
     # the one-pass backward: dQ through fp32 atomics in the dK/dV pass (5 matrix products per tile pair, not 7)
-    "ours_1pass": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="off", deterministic=False),
-    "ours_fix_1pass": lambda q, k, v: flash_attention(q, k, v, causal=True, fix="on", deterministic=False),
+    "ours_1pass": lambda q, k, v: one_pass_attention(q, k, v, causal=True, fix="off"),
+    "ours_fix_1pass": lambda q, k, v: one_pass_attention(q, k, v, causal=True, fix="on"),
     "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }

@@ -20,6 +20,7 @@ import torch
 
 import kernels
 from kernels import Numerics, flash_attention
+from experiments.launch_variants import tuned
 
 VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"),
             "o32": dict(fix="off", numerics=Numerics(delta="fp32-o")), "both": dict(fix="on")}
@@ -55,8 +56,8 @@ class FwdConfig(NamedTuple):
 
 def forward_config(head_dim, config):
     """kernels.py's forward at head_dim launched with config inside the block, as FWD_TUNING is otherwise
-    (kernels.tuned)."""
-    return kernels.tuned(fwd={head_dim: (config.block_m, config.warps, config.stages)}, block_n=config.block_n,
+    (experiments/launch_variants.py)."""
+    return tuned(fwd={head_dim: (config.block_m, config.warps, config.stages)}, block_n=config.block_n,
                          maxnreg=config.maxnreg)
 
 

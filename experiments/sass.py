@@ -34,6 +34,7 @@ from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
 from nanolp.compile_sm90 import TARGET, Recorder, specialize  # first: it asserts no TRITON_INTERPRET
 import kernels  # after the check: TRITON_INTERPRET is read at import
+from experiments import launch_variants
 from experiments.forward_split import FwdConfig, forward_config
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -54,38 +55,41 @@ CLASSES = {
 }
 
 
+# The kernels record() records: kernels.py's and the one-pass backward's
+RECORDED = ((kernels, ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
+            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel")))
+
+
 def record(run):
     """The launches run() makes, recorded instead of run."""
-    launches, saved = [], {name: getattr(kernels, name) for name in
-                           ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",
-                            "_bwd_dq_cast_kernel")}
-    for name, kernel in saved.items():
-        setattr(kernels, name, Recorder(kernel, launches))
+    launches = []
+    saved = [(module, name, getattr(module, name)) for module, names in RECORDED for name in names]
+    for module, name, kernel in saved:
+        setattr(module, name, Recorder(kernel, launches))
     try:
         run()
     finally:
-        for name, kernel in saved.items():
-            setattr(kernels, name, kernel)
+        for module, name, kernel in saved:
+            setattr(module, name, kernel)
     return launches
 
 
-# The forward's variants: label: (shift, what delta reads). fix="off" is the first, fix="paper" the third,
-# fix="on" the fourth, delta="fp32-o" (with fix "off") the second.
-FORWARD = {"shift off, O bf16": (False, "o"), "shift off, O bf16 + fp32": (False, "fp32-o"),
-           "shift on, O bf16": (True, "o"), "shift on, O bf16 + fp32": (True, "fp32-o")}
-FIXES = {'fix="off"': (False, "o"), 'fix="paper"': (True, "o"), 'fix="on"': (True, "fp32-o")}
+# The forward's variants: label: (fix, what delta reads). fix="off" is the first, fix="paper" the third,
+# fix="on" the fourth (the shift and the fp32 O), delta="fp32-o" (with fix "off") the second.
+FORWARD = {"shift off, O bf16": ("off", "o"), "shift off, O bf16 + fp32": ("off", "fp32-o"),
+           "shift on, O bf16": ("paper", "o"), "shift on, O bf16 + fp32": ("paper", "fp32-o")}
+FIXES = {'fix="off"': ("off", "o"), 'fix="paper"': ("paper", "o"), 'fix="on"': ("on", "fp32-o")}
 
 
 def forward_launches(D, variants, config=None):
     """(label, launch) of the forward at head_dim D in each variant, with FWD_TUNING or a FwdConfig."""
     q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
 
-    def run(shift, delta):
+    def run(fix, delta):
         # the op itself, not kernels.forward, whose device check would refuse CPU tensors (nothing runs here)
         with forward_config(D, config) if config else nullcontext():
-            kernels._flash_fwd(q, q, q, causal=True, shift=shift, delta=delta, precision="fa2", p_bits=0, o_bits=0,
-                               stochastic=False)
-    return [(label, *record(lambda: run(shift, delta))) for label, (shift, delta) in variants.items()]
+            kernels.flash_fwd_op(q, q, q, True, fix, delta, "fa2", 0, 0, False, True)
+    return [(label, *record(lambda: run(fix, delta))) for label, (fix, delta) in variants.items()]
 
 
 def launches():
@@ -95,13 +99,14 @@ def launches():
         out += [(f"fwd d{D} {label}", *launch) for label, launch in forward_launches(D, FORWARD)]
         q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
         lse = torch.empty(q.shape[:3])
-        delta, dkdv, dq = record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False))
+        delta, dkdv, dq = record(lambda: kernels.flash_bwd_op(q, q, q, q, q, lse, True, "fa2", False, True))
         # with fix "on" delta reads the forward's fp32 O; the other backward kernels never read O
-        (delta_o32, _, _) = record(lambda: kernels._flash_bwd(q, q, q, q, q.float(), lse, True, "fa2", False))
+        (delta_o32, _, _) = record(lambda: kernels.flash_bwd_op(q, q, q, q, q.float(), lse, True, "fa2", False, True))
         out += [(f"bwd delta d{D}, O bf16", *delta), (f"bwd delta d{D}, O fp32", *delta_o32),
                 (f"bwd dkdv d{D}", *dkdv), (f"bwd dq d{D}", *dq)]
-        # the one-pass backward (deterministic=False): dK/dV with dQ through atomics, then dQ's scale and cast
-        (_, one_pass, cast) = record(lambda: kernels._flash_bwd(q, q, q, q, q, lse, True, "fa2", False, False))
+        # the one-pass backward (experiments/launch_variants.py): dK/dV with dQ through atomics, then dQ's cast
+        (_, one_pass, cast) = record(lambda: launch_variants.one_pass_backward(q, q, q, q, q, lse, True, "fa2", False,
+                                                                              True, tma=False))
         out += [(f"bwd one-pass dkdv+dq d{D}", *one_pass), (f"bwd one-pass dq cast d{D}", *cast)]
     return out
 

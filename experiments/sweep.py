@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanolp.presets import BEFORE_OPTION, COMMON, NUMERICS
+from nanolp.runconfig import BEFORE_OPTION, NUMERICS, PLAIN_NUMERICS
 from nanolp.runs import (DamagedFile, as_current, find_runs, latest_checkpoint, load_run, load_runs, log_path,
                          read_json, thin_log, write_csv)
 
@@ -420,7 +420,7 @@ def collect_row(run, arm=None, flags=""):
         name=run.name, arm=arm or run.arm, flags=flags, seed=run.setting("seed"),
         **{key: run.setting(key) for key in ("attn", "fix")},
         # a run older than an option ran without it, as its default, but for those of BEFORE_OPTION: left blank
-        **{key: run.setting(key, None if key in BEFORE_OPTION else COMMON[key]) for key in NUMERICS},
+        **{key: run.setting(key, None if key in BEFORE_OPTION else PLAIN_NUMERICS[key]) for key in NUMERICS},
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
         steps=o["steps"], minutes=o["minutes"],
         **{key: s.get(key) for key in ("collapsed", "collapse_step", "collapse_minute", "reason")},

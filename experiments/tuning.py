@@ -24,6 +24,7 @@ import torch
 from triton.testing import do_bench
 
 import kernels
+from experiments.launch_variants import tuned
 from model import GPT, GPTConfig
 
 FWD_GRID = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (128, 8, 4)]
@@ -39,12 +40,12 @@ def grid(out):
         q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         for cfg in FWD_GRID:
-            with kernels.tuned(fwd={D: cfg}):
+            with tuned(fwd={D: cfg}):
                 ms = do_bench(lambda: kernels.flash_attention(q, k, v, fix="off"), return_mode="median")
             rows.append(dict(B=B, H=H, N=N, D=D, part="fwd", cfg="/".join(map(str, cfg)), ms=ms))
         o = kernels.flash_attention(q, k, v, fix="off")
         for cfg in BWD_GRID:
-            with kernels.tuned(bwd={D: cfg}):
+            with tuned(bwd={D: cfg}):
                 ms = do_bench(lambda: o.backward(do, retain_graph=True), return_mode="median",
                               grad_to_none=[q, k, v])
             rows.append(dict(B=B, H=H, N=N, D=D, part="bwd", cfg="/".join(map(str, cfg)), ms=ms))
@@ -120,7 +121,7 @@ def main():
         for attn, tuning in arms:
             fwd, bwd = (tuning["fwd"], tuning["bwd"]) if tuning else (kernels.FWD_TUNING[64], kernels.BWD_TUNING[64])
             name = attn + ("-tuned" if tuning else "") + ("" if mode == "default" else "-" + mode)
-            with kernels.tuned(fwd={64: fwd}, bwd={64: bwd}):
+            with tuned(fwd={64: fwd}, bwd={64: bwd}):
                 ms, tps = train_speed(attn, mode, profile_to=(out / "profiles.txt", name))
             rows.append(dict(attn=name, mode=mode, fwd=fwd, bwd=bwd, step_ms=ms, tokens_per_s=tps))
             print(f"{name:<14} step {ms:.2f} ms  {tps / 1e6:.3f}M tokens/s", flush=True)

@@ -5,17 +5,17 @@ compiler (to PTX and a cubin through the ptxas bundled with Triton), on a machin
 
 The CPU interpreter the tests use accepts code the compiler rejects (a loop-carried value changing dtype,
 a block shape the layouts cannot take) and runs no constexpr branch it is not given, so without this a kernel
-change would meet the compiler only on the next GPU run. The host functions (_flash_fwd, _flash_bwd) run on
+change would meet the compiler only on the next GPU run. The custom ops (kernels.flash_fwd_op, flash_bwd_op) run on
 CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled
 as the GPU's JIT specializes it (specialize): the code that runs, not a generic version with scalar loads and
 other pipelining. At head_dim 64 the forward in every combination of causal, shift, precision and amplifier
 (causal only with an amplifier), both forms of the exponent (kernels._exp2), with and without the fp32 O kept
 beside O (KEEP_O32; causal only), and the backward in both precisions with delta from O and from P and both
 exponents; at every head_dim the plain forward, fix "on"'s forward (the shift and KEEP_O32) and the plain
-backward, the backward at a short and a long (pipelined) sequence, each backward in two passes (deterministic)
-and in one (dQ through atomics, and through TMA reductions: kernels.DQ_TMA). Each must compile to the exponent it
-says, which the interpreter would never show: a kernel that computes "fa2"'s exponent as one fused multiply-add
+backward, the backward at a short and a long (pipelined) sequence. Each must compile to the exponent it says,
+which the interpreter would never show: a kernel that computes "fa2"'s exponent as one fused multiply-add
 (FMA) has fma.rn in its PTX, and no other kernel has any (kernels.UNFUSED: the compiler contracts nothing itself).
+The experiments' one-pass backward: experiments/sass.py and backward_variants.py compile it.
 Compilation only: the numbers are the GPU tests' job.
 """
 import itertools
@@ -34,7 +34,7 @@ import kernels  # noqa: E402  (after the check: TRITON_INTERPRET is read at impo
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
-KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dq_cast_kernel")
+KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
 # specialize() runs the JIT's own binder and _pack_args (triton/runtime/jit.py), internals that take and return
 # the same in triton 3.6, 3.8 and 3.9; another version may have changed them
 if not (3, 6) <= tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 10):
@@ -59,32 +59,25 @@ def record_launches():
     for D in (16, 32, 64, 128):
         q = k = v = torch.zeros(1, 2, kernels.SHORT_SEQ, D, dtype=torch.bfloat16)
         # the plain forward and fix "on"'s (the shift, and the fp32 O kept beside O: KEEP_O32)
-        forward = [(True, False, "fa2", (0, 0), True, "o"), (True, True, "fa2", (0, 0), True, "fp32-o")]
+        forward = [(True, "off", "fa2", (0, 0), True, "o"), (True, "on", "fa2", (0, 0), True, "fp32-o")]
         if D == 64:  # every constexpr combination: the amplifiers (P_BITS, O_BITS) with causal masking only,
             amplifiers = ((0, 0), (3, 0), (0, 2))   # the unfused exponent without them ("autocast" has its own),
-            combinations = itertools.product((True, False), (False, True), ("fa2", "autocast"), amplifiers,
+            combinations = itertools.product((True, False), ("off", "paper"), ("fa2", "autocast"), amplifiers,
                                              (True, False), ("o", "fp32-o"))   # the fp32 O kept (causal only)
-            forward = [(causal, shift, precision, bits, fma, delta)
-                       for causal, shift, precision, bits, fma, delta in combinations
+            forward = [(causal, fix, precision, bits, fma, delta)
+                       for causal, fix, precision, bits, fma, delta in combinations
                        if (causal or (bits == (0, 0) and delta == "o"))
                        and (fma or (precision == "fa2" and bits == (0, 0)))]
-        for causal, shift, precision, bits, fma, delta in forward:
-            p_bits, o_bits = bits
-            kernels._flash_fwd(q, k, v, causal=causal, shift=shift, delta=delta, precision=precision, p_bits=p_bits,
-                               o_bits=o_bits, stochastic=False, fma=fma)
-        # unpipelined, pipelined; two-pass (deterministic), one-pass with dQ by atomics and by TMA (DQ_TMA)
-        backward = [(N, "fa2", False, deterministic, tma, True) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)
-                    for deterministic, tma in ((True, False), (False, False), (False, True))]
+        for causal, fix, precision, (p_bits, o_bits), fma, delta in forward:
+            kernels.flash_fwd_op(q, k, v, causal, fix, delta, precision, p_bits, o_bits, False, fma)
+        # unpipelined, pipelined
+        backward = [(N, "fa2", False, True) for N in (kernels.SHORT_SEQ, kernels.SHORT_SEQ + 1)]
         if D == 64:
-            backward += [(kernels.SHORT_SEQ, precision, from_p, deterministic, False, fma)
-                         for precision, from_p, deterministic, fma in itertools.product(
-                             ("fa2", "autocast"), (False, True), (True, False), (True, False))
-                         if fma or precision == "fa2"]
-        for N, precision, from_p, deterministic, tma, fma in backward:
+            backward += [(kernels.SHORT_SEQ, precision, from_p, fma) for precision, from_p, fma in itertools.product(
+                ("fa2", "autocast"), (False, True), (True, False)) if fma or precision == "fa2"]
+        for N, precision, from_p, fma in backward:
             q = k = v = o = torch.zeros(1, 2, N, D, dtype=torch.bfloat16)
-            with kernels.tuned(dq_tma=tma):
-                kernels._flash_bwd(o, q, k, v, o, torch.zeros(1, 2, N), causal=True, precision=precision,
-                                   from_p=from_p, deterministic=deterministic, fma=fma)
+            kernels.flash_bwd_op(o, q, k, v, o, torch.zeros(1, 2, N), True, precision, from_p, fma)
     return launches
 
 

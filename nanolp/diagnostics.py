@@ -1,43 +1,28 @@
 """
-What the paper's mechanism says to watch, measured on one fixed batch every --diag-interval steps (never per step):
+What the paper's mechanism says to watch, measured on one fixed batch every --diag-interval steps (never per step);
+the names are log.csv's columns, and why each is watched: docs/findings.md, section 9.
 
-    max_logit   largest scaled score q.k/sqrt(d) in a layer: the logits grow before a collapse
+    max_logit   largest scaled score q.k/sqrt(d) in a layer
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0
                 (TIE_TOL widened like the fix's when the amplifier rounds P to fewer bits; the scores rounded
-                to bf16 as the kernel rounds them in the "autocast" precision); also per head,
-                since the paper's failure starts in a few heads
+                to bf16 as the kernel rounds them in the "autocast" precision); also per head
     sharp_rate  fraction of causal rows (the first query, with its one key, left out) whose largest probability
-                exceeds 1 - SHARP_EPS: where O's bf16 cast rounds O back to that key's V and delta's error
-                becomes a copy of the dominant logit's gradient;
-                per layer and per head
-    sn_q, sn_k  spectral norms of W_Q and W_K (and of each head's slice of W_Q): the direction the biased
-                gradient grows
+                exceeds 1 - SHARP_EPS; per layer and per head
+    sn_q, sn_k  spectral norms of W_Q and W_K (and of each head's slice of W_Q)
     delta_err   mean of rowsum(dO * O) - rowsum(dO * O_fp32): the signed error that reaches dQ and dK
                 (O is what the configured attention returned, O_fp32 is float32 attention on the same q, k, v)
     delta_push  mean of that error times the row's attention-weighted logit E_P[S] = sum_j P_j S_j: how fast
-                the error grows W_Q and W_K. The error changes dS by -P * err, so the gradients of q and of k
-                each change by vectors whose summed inner product with q (with k) is -sum(err * E_P[S]); a
-                plain gradient step then grows |W_Q|^2 and |W_K|^2 (biases included) in proportion to
-                +delta_push (Adam rescales each coordinate: for it, read the sign, not the rate).
-                It is the paper's cycle in one number: positive and steady over steps means the error piles up
-                along the weights' own direction. (delta_err weighs every row alike, on 16 rows; in the
-                long bf16 runs it showed no trend before the take-off: too few rows, see the probe below.)
+                the error grows W_Q and W_K
 
 and, on more rows (PROBE_BATCHES batches of the training batch size, layer PROBE_LAYER), the error delta reads,
-split as the curvature hypothesis splits it (delta_probe):
+split as the curvature hypothesis splits it (delta_probe; docs/findings.md, section 4):
     probe_total   rowsum(dO * e), e = O - O_fp32 the error of O's final cast, dO from the model as it runs
-                  (downstream of the rounded O): what delta = rowsum(dO * O) reads beyond the fp32 O's delta
-    probe_lin     rowsum(dO_clean * e), dO_clean from a forward in which O stays in fp32 downstream of the
-                  layer: the part of the error that is not correlated with e (predicted: zero mean)
+    probe_lin     rowsum(dO_clean * e), dO_clean from a forward in which O stays in fp32 downstream of the layer
     probe_curv    rowsum((dO_z - dO_clean) * z) for noise z of round-to-nearest's size (uniform within half a
-                  bf16 step of O_fp32), independent of e: an estimate of tr(H Sigma_e), H the loss's curvature
-                  with respect to O (predicted: the mean of probe_total)
-    probe_indep   rowsum(dO * e'), e' an independent stochastic rounding error of O_fp32 (predicted: zero mean)
-    each with its standard error (_se) over the probe's rows. The noise of curv and indep is drawn from a seed that
-    train.py sets to the step, so each checkpoint draws afresh and a run's checkpoints are independent draws (its
-    rows are the same fixed batches every time: one draw for all would be one offset that no pooling averages out).
-
-The names are the column names of log.csv.
+                  bf16 step of O_fp32), independent of e: an estimate of tr(H Sigma_e)
+    probe_indep   rowsum(dO * e'), e' an independent stochastic rounding error of O_fp32
+    each with its standard error (_se) over the probe's rows; the noise of curv and indep drawn from a seed that
+    train.py sets to the step.
 """
 
 import math

@@ -3,7 +3,7 @@
 emulate_attention() runs the same algorithm as kernels.flash_attention: the same 64-key tiles, the same
 running max / row sum / accumulator, the same rounding points in both precision modes, and the same fix; the
 backward accumulates over the backward kernels' tiles in their order, that of the two-pass backward or of the
-one-pass one (deterministic=False). It runs on any device, slowly (one Python iteration per tile).
+one-pass one (one_pass, experiments/launch_variants.py). It runs on any device, slowly (one Python iteration per tile).
 
 How "the same" is made exact. The only operations whose result depends on an implementation's internal
 order are the tile matrix products, the row sums and the transcendental functions (exp2, exp, log2, log).
@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import (BWD_TUNING, ONE_PASS_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants,
-                     output_and_delta_o, qk_scale, round_mantissa, wire_fix)
+from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, delta_reads, fix_constants,
+                     output_and_delta_o, qk_scale, round_mantissa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def _mask(S, col0, n_keys, causal):
 def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units), with
     the fix's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
-    (kernels.keeps_fp32_o); the mechanism tests use it to show what it carries."""
+    (kernels.flash_fwd_op's KEEP_O32); the mechanism tests use it to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
     precision, p_bits, o_bits = numerics.precision, numerics.p_bits, numerics.o_bits
@@ -179,11 +179,11 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
 
 # ---------------------------------------------------------------------------------------------------------
 # Backward: the same S, P recomputed from the saved lse, in the tiles of the backward kernels (BWD_TUNING, or
-# ONE_PASS_TUNING for the one-pass backward): dK and dV summed over query tiles of BLOCK_M rows, dQ over key
+# the one-pass backward's, one_pass): dK and dV summed over query tiles of BLOCK_M rows, dQ over key
 # tiles of BLOCK_N. A kernel's loop adds exactly rounded tile products in fp32, in order, from zero: Python's
 # sum() over the tiles does the same. (The tiles a causal kernel skips add exact zeros here, which changes
 # nothing.) The one-pass backward's dQ is summed in the order its programs add to the fp32 buffer
-# (_dq_one_pass). delta is the two-pass backward's in both (kernels._bwd_delta).
+# (_dq_one_pass). delta is the two-pass backward's in both (kernels.bwd_delta).
 
 def _tiles(n, block):
     """The tiles of `block` queries or keys, in the order a kernel's loop or the interpreter's grid runs them."""
@@ -222,7 +222,7 @@ def delta(q, k, v, o, lse, do, causal, precision, from_p=False, fma=True):
 
 
 def _dq_one_pass(dS, k, block_m, block_n):
-    """dQ before its scale as the one-pass backward sums it (kernels._bwd_dkdv_kernel with ONE_PASS): each
+    """dQ before its scale as the one-pass backward sums it (experiments/launch_variants.py): each
     key tile's program adds dS_ij K_j into the fp32 buffer (zeros) for each query tile i in turn, by
     atomics, and the CPU interpreter runs the programs in launch order, key tile 0 first. (On a GPU the order
     of the key tiles' additions varies from run to run.) Per query tile that is the key tiles in ascending
@@ -236,15 +236,16 @@ def _dq_one_pass(dS, k, block_m, block_n):
     return dq
 
 
-def backward(q, k, v, o, lse, do, causal, precision, from_p=False, deterministic=True, fma=True):
+def backward(q, k, v, o, lse, do, causal, precision, from_p=False, fma=True, one_pass=None):
+    """dQ, dK, dV of the two-pass backward; one_pass (block_m, block_n): of the one-pass backward at those tiles."""
     dtype = q.dtype
     N, D = q.shape[-2:]
     scale = D ** -0.5
     P, dP = _probs_and_dp(q, k, v, lse, do, causal, precision, fma)
     dS = _round(P * (dP - delta(q, k, v, o, lse, do, causal, precision, from_p, fma).unsqueeze(-1)), dtype)
     P = _round(P, dtype)
-    block_m, block_n = (BWD_TUNING if deterministic else ONE_PASS_TUNING)[D][:2]
-    if deterministic:
+    block_m, block_n = one_pass or BWD_TUNING[D][:2]
+    if not one_pass:
         dq = sum(_dot(dS[..., cols], k[..., cols, :]) for cols in _tiles(N, block_n)) * scale   # over key tiles
     else:
         dq = _dq_one_pass(dS, k, block_m, block_n) * scale
@@ -256,11 +257,11 @@ def backward(q, k, v, o, lse, do, causal, precision, from_p=False, deterministic
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, shift, delta, numerics, deterministic):
+    def forward(ctx, q, k, v, causal, shift, delta, numerics, one_pass):
         o, o32, lse = forward(q, k, v, causal, shift, numerics)
         o, o_delta = output_and_delta_o(o, o32, numerics.stochastic_o == "forward", delta)   # as the kernel
         ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
-        ctx.args = (causal, numerics.precision, delta == "p", deterministic, numerics.fma)
+        ctx.args = (causal, numerics.precision, delta == "p", numerics.fma, one_pass)
         return o
 
     @staticmethod
@@ -270,22 +271,22 @@ class _EmulatedAttention(torch.autograd.Function):
             return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 5)
 
 
-def emulate_attention(q, k, v, causal=True, fix="on", numerics=Numerics(), deterministic=True):
-    """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch (with
-    deterministic=False, the one-pass backward's dQ as the CPU interpreter sums it)."""
+def emulate_attention(q, k, v, causal=True, fix="on", numerics=Numerics(), one_pass=None):
+    """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch (with one_pass,
+    (block_m, block_n), the one-pass backward's at those tiles, dQ as the CPU interpreter sums it)."""
     check_inputs(q, k, v, numerics)
-    shift, delta = wire_fix(fix, numerics)
+    shift, delta = fix != "off", delta_reads(fix, numerics)
     v = amplified_v(v, numerics.o_bits)
     with torch.autocast(q.device.type, enabled=False):
-        return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics, deterministic)
+        return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics, one_pass)
 
 
-def emulate_forward_fp32(q, k, v, causal=True, fix="on", numerics=Numerics()):
+def emulate_forward_fp32(q, k, v, *, fix, causal=True, numerics=Numerics()):
     """kernels.flash_forward_fp32's result: the forward's O before its final cast."""
     check_inputs(q, k, v, numerics)
-    shift, _ = wire_fix(fix, numerics)
+    delta_reads(fix, numerics)   # the check of fix
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        return forward(q, k, amplified_v(v, numerics.o_bits), causal, shift, numerics)[1]
+        return forward(q, k, amplified_v(v, numerics.o_bits), causal, fix != "off", numerics)[1]
 
 
 # The float reference the kernel approximates: the scores of fp32 attention (model.py) and of the diagnostics

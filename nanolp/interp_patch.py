@@ -4,7 +4,7 @@ Stock Triton 3.8/3.9 interpreters store bf16 as raw uint16 bits and
   * cast fp32 -> bf16 by truncation instead of round-to-nearest-even,
   * feed the raw bit patterns of bf16 operands to np.matmul in tl.dot (results around 1e10),
   * run bf16 elementwise ops and sums on the bit patterns.
-Without this patch a CPU test of a bf16 kernel proves nothing (../shared/docs/cpu-ci.md has the measurements).
+Without this patch a CPU test of a bf16 kernel proves nothing (self_test checks the casts and the dots).
 
 Second, so the kernel can be compared bit for bit with nanolp/emulate.py, the operations whose float32 result
 depends on an implementation's internal order or approximation (tl.dot, tl.sum, exp, exp2, log, log2) are

@@ -1,19 +1,15 @@
-"""analyze.py on small synthetic run folders, and the --mechanism demonstration on tiny inputs."""
+"""analyze.py on small synthetic run folders."""
 
 import csv
 import json
-import math
 import os
-import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-import torch
 
 import analyze
-from experiments import mechanism
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
@@ -562,102 +558,6 @@ def test_step_labels_read_as_steps(last, labels):
     fig.canvas.draw()
     assert [t.get_text() for t in ax.get_xticklabels()] == labels
     plt.close(fig)
-
-
-# -----------------------------------------------------------------------------
-# --mechanism
-
-
-def test_mechanism_worked_example():
-    example = mechanism.worked_example()
-    assert example["bf16"] == -4.71875  # bit-exact: the fp32 sum rounds away from zero
-    assert example["error"] == pytest.approx(-0.01476, abs=1e-5)
-
-
-def test_mechanism_tied_rows_bias():
-    results = mechanism.tied_rows_experiment(mechanism.emulate_attention, mechanism.emulate_forward_fp32, "cpu",
-                                             ties=(2,), rows=1024)
-    (off, se_off), (shifted, _) = (mechanism.stats(results["autocast", fix, 2][0]) for fix in ("off", "paper"))
-    # experiments.tied's rows, as in tests/test_mechanism.py: with the fix off the two tied P entries are exactly 1,
-    # so the bf16 sums of P V sit on rounding midpoints and the tiny, mostly negative terms from the other keys
-    # (V ~ N(-1, 0.5)) tip them away from zero: O is pushed negative, by many standard errors, and the shift
-    # removes most of it (measured with seed 0: -1.04e-3, s.e. 6.7e-6, off; -7.1e-5 with the shift).
-    assert off < -5 * se_off
-    assert abs(shifted) * 3 < abs(off)
-    assert np.array_equal(results["fa2", "on", 2][0], results["fa2", "paper", 2][0])  # the same forward
-
-
-def test_mechanism_fix_on_reads_the_fp32_o():
-    g = torch.Generator().manual_seed(0)
-    q, k, v = mechanism.tied_rows(128, 2, generator=g)
-    do = mechanism.grad_out(v.shape, generator=g)
-    o32 = mechanism.emulate_forward_fp32(q, k, v, causal=False, fix="on")
-    by_hand = (do.float() * o32).sum(-1).double() - (do.double() * mechanism.reference(q, k, v)).sum(-1)
-    for fix, same in (("on", True), ("paper", False)):
-        _, err = mechanism.delta_errors(mechanism.emulate_attention, mechanism.emulate_forward_fp32, q, k, v, do,
-                                        "fa2", fix)
-        assert torch.equal(err, by_hand) == same, fix
-
-
-def test_mechanism_report(tmp_path):
-    """The whole --mechanism section on few rows: the three parts, the curvature table and its figure."""
-    lines = mechanism.demonstrate(tmp_path, curvature_rows=4000, ties=(2,), rows=1024)
-    report = "\n".join(lines)
-    for name in ("mechanism_error_hist", "mechanism_error_vs_k", "curvature"):
-        assert (tmp_path / f"{name}.png").stat().st_size > 0 and f"![{name}]({name}.png)" in report
-    rows = {(r[1].strip(), r[2].strip()): r[3:] for r in (line.split("|") for line in lines)
-            if len(r) == 8 and r[1].strip() in mechanism.ROUNDINGS}
-    assert sorted(rows) == sorted((r, f"{c:g}") for r in mechanism.ROUNDINGS for c in mechanism.CURVATURES)
-    predicted = {key: float(cells[0]) for key, cells in rows.items()}
-    # each point draws its own H (eigenvalues uniform in [0.5, 1.5] x the scale): tr(H) varies by a few per cent
-    assert predicted["stochastic", "1"] == pytest.approx(2 * predicted["nearest", "1"], rel=0.15)
-    assert predicted["nearest", "4"] == pytest.approx(4 * predicted["nearest", "1"], rel=0.15)
-    assert predicted["independent", "1"] == 0
-    assert "`--fix on --precision fa2`" in report
-
-
-def test_readme_tables_are_the_study_tables_of_their_runs_csv():
-    """Each of README.md's study tables is regenerated from its runs.csv (python analyze.py --table), never typed."""
-    root = Path(analyze.__file__).parent
-    text = (root / "README.md").read_text()
-    tables = re.findall(r"<!-- table: python analyze.py --table (\S+) -->\n", text)
-    assert {"results/seed_study/runs.csv", "results/stochastic_rounding/runs.csv"} <= set(tables)
-    for table in map(Path, tables):
-        lines = analyze.study_table(read_table(root / table), root / table.parent)
-        block = text.split(f"<!-- table: python analyze.py --table {table} -->\n")[1]
-        assert block.split("<!-- end of table -->")[0] == "\n".join(lines) + "\n", table
-
-
-def test_readme_promise_is_the_shipped_kernels_runs():
-    """The quick start's promise for `--fix off` (steps to the collapse, minutes alone) is what runs.csv says of the
-    fix-off runs of the kernel as it ships (arm off-fma) and README's table line on their pace."""
-    root = Path(analyze.__file__).parent
-    readme = (root / "README.md").read_text()
-    rows = [row for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] == "off-fma"]
-    steps = sorted(row["collapse_step"] for row in rows if row["collapsed"])
-    assert len(steps) == len(rows) >= 2
-    promise = next(line for line in readme.splitlines() if "python train.py --fix off    #" in line)
-    assert f"collapses: steps {steps[0]:,}-{steps[-1]:,}" in promise
-    minutes = re.search(r"the kernel as it ships \(`off-fma`\).* after ([\d.]+) \(([\d.]+)-([\d.]+)\) minutes", readme)
-    low, high = float(minutes[2]), float(minutes[3])
-    assert f"{math.floor(low)}-{math.ceil(high)} min alone" in promise
-
-
-def test_readme_ranges_are_the_runs():
-    """README's "what you will see": the fix-off runs' layer 0 passing 100 (their kept logs) and the fix-on runs'
-    final val loss (runs.csv) are what the committed runs say."""
-    root = Path(analyze.__file__).parent
-    readme = " ".join((root / "README.md").read_text().split())
-    study = root / "results/seed_study"
-    rows = read_table(study / "runs.csv")
-    passes = []
-    for row in rows:
-        if row["log_kept"] and row["fix"] == "off" and row["attn"] == "kernel":
-            steps, logits = load_run(study / "runs" / row["name"]).series(analyze.LOGIT)
-            passes.append(int(steps[np.argmax(logits > 100)]))
-    assert len(passes) >= 4 and f"passes 100 at {min(passes):,}-{max(passes):,} steps" in readme
-    val = [row["final_val_loss"] for row in rows if row["arm"] == "on"]
-    assert f"val loss rising to {min(val):.1f}-{max(val):.1f} nats at the end of the fix-on runs" in readme
 
 
 def test_study_table_counts_collapses_per_arm(tmp_path):

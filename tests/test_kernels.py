@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from experiments.launch_variants import tuned
 from kernels import Numerics
 from nanolp import emulate
 
@@ -109,7 +110,7 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     """With 128-row query tiles (the GPU's) some rows meet key tiles that are fully masked for them."""
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in ("off", "on"):
-        with kernels.tuned(fwd={64: (128, 4, 1)}):
+        with tuned(fwd={64: (128, 4, 1)}):
             o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=Numerics(precision=precision), delta="o")
         o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix != "off", Numerics(precision=precision))
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
@@ -178,7 +179,7 @@ def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from,
     if delta_from == "fp32-o":
         assert torch.equal(o32, o32_want)                 # delta "fp32-o" keeps O before its cast for delta
         o = o32
-    delta = kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from == "p")
+    delta = kernels.bwd_delta(do, q, k, v, o, lse, causal, precision, delta_from == "p", True)
     assert torch.equal(delta, emulate.delta(q, k, v, o, lse, do, causal, precision, delta_from == "p"))
     ours = grads(kernels.flash_attention, q, k, v, do, causal=causal, fix="off", numerics=numerics)
     want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, fix="off", numerics=numerics)
@@ -207,140 +208,30 @@ def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through()
     assert not torch.equal(ours[0], plain[0]), "O rounded to 3 bits must change delta and so dQ"
 
 
-# -------------------------------------------------------------------------------------------------------
-# The one-pass backward (deterministic=False): dQ summed over key tiles by fp32 atomics in the dK/dV pass, or
-# by TMA reductions (kernels.DQ_TMA, the interpreter's through nanolp/interp_patch.py): the same bits
-
-@pytest.fixture(params=[False, True], ids=["atomics", "tma"])
-def dq_tma(request, monkeypatch):
-    """The one-pass backward's dQ added by fp32 atomics, then by TMA reductions (kernels.DQ_TMA)."""
-    monkeypatch.setattr(kernels, "DQ_TMA", request.param)
-    return request.param
-
-
-def test_dq_by_tma_where_the_gpu_has_it(monkeypatch):
-    """By default (DQ_TMA None) the one-pass backward adds dQ by TMA only on a GPU of compute capability 9.0
-    or later, by atomics elsewhere (the CPU here, older GPUs); a set DQ_TMA holds on any device."""
-    monkeypatch.setattr(kernels, "DQ_TMA", None)
-    assert kernels.dq_by_tma(torch.device("cpu")) is False
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
-    assert kernels.dq_by_tma(torch.device("cuda", 0)) is False
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-    assert kernels.dq_by_tma(torch.device("cuda", 0)) is True
-    for setting in (False, True):
-        monkeypatch.setattr(kernels, "DQ_TMA", setting)
-        assert kernels.dq_by_tma(torch.device("cuda", 0)) is setting
-        assert kernels.dq_by_tma(torch.device("cpu")) is setting
-
-
 @requires_interpreter
-@pytest.mark.parametrize("shape", [(1, 2, 130, 64), (2, 1, 77, 32)])
-@pytest.mark.parametrize("precision", ["fa2", "autocast"])
-@pytest.mark.parametrize("fix", ["off", "on"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_one_pass_gradients_bitwise_equal_emulation(shape, precision, fix, causal, dq_tma, poisoned):
-    """dQ, dK, dV of the one-pass backward, bit for bit against the emulation of its summation order
-    (emulate._dq_one_pass), at lengths that leave a ragged last tile, with the fix on and off, with dQ by
-    atomics and by TMA reductions."""
-    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    k[..., 5, :] = k[..., 3, :]                                   # exact ties, so the shift has work to do
-    numerics = Numerics(precision=precision)
-    ours = grads(kernels.flash_attention, q, k, v, do, causal=causal, fix=fix, numerics=numerics,
-                 deterministic=False)
-    want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, fix=fix, numerics=numerics,
-                 deterministic=False)
-    for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
-        assert a.dtype == q.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
-            f"{name} differs from the emulation"
-
-
-@requires_interpreter
-@pytest.mark.parametrize("deterministic, tma", [(True, False), (False, False), (False, True)],
-                         ids=["two-pass", "one-pass", "one-pass-tma"])
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
-def test_gradients_bitwise_equal_emulation_at_every_tuning(D, deterministic, tma, monkeypatch, poisoned):
-    """Each head_dim's backward tiles as the GPU runs them (BWD_TUNING, ONE_PASS_TUNING; the interpreter keeps
-    them: 64 queries x 128 keys in the one-pass backward at d128), bit for bit against the emulation in both
-    precisions, at a length with three key tiles of 128, the last one ragged; the one-pass backward with dQ by
-    atomics and by TMA reductions."""
-    monkeypatch.setattr(kernels, "DQ_TMA", tma)
+def test_gradients_bitwise_equal_emulation_at_every_tuning(D, poisoned):
+    """Each head_dim's backward tiles as the GPU runs them (BWD_TUNING), bit for bit against the emulation in
+    both precisions, at a length with three key tiles of 128, the last one ragged."""
     shape = (1, 2, 300, D)
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
     for precision in ("fa2", "autocast"):
         numerics = Numerics(precision=precision)
-        ours = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=numerics, deterministic=deterministic)
-        want = grads(emulate.emulate_attention, q, k, v, do, fix="off", numerics=numerics,
-                     deterministic=deterministic)
+        ours = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=numerics)
+        want = grads(emulate.emulate_attention, q, k, v, do, fix="off", numerics=numerics)
         for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{precision}: {name} differs"
-
-
-@requires_interpreter
-@pytest.mark.parametrize("delta_from", list(DELTAS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_one_pass_equals_two_pass_under_the_interpreter(delta_from, dtype, poisoned):
-    """The interpreter runs the programs in launch order, key tile 0 first, so the atomics add each dQ_i's
-    key-tile shares in ascending order from zero: the dQ kernel's order. So there, at a head_dim where the two
-    backwards have the same tiles, the one-pass backward gives the two-pass one's bits, with delta from O, from
-    P and from the fp32 O, in bf16 and fp16."""
-    shape = (1, 2, 200, 64)                                       # 4 key tiles, the last one ragged
-    assert kernels.ONE_PASS_TUNING[64][:2] == kernels.BWD_TUNING[64][:2]
-    q, k, v, do = rand(shape, dtype, 2.0), rand(shape, dtype), rand(shape, dtype), rand(shape, dtype)
-    one = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=DELTAS[delta_from], deterministic=False)
-    two = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=DELTAS[delta_from])
-    for name, a, b in zip(("dQ", "dK", "dV"), one, two):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name}: one pass differs from two"
-
-
-@requires_interpreter
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("precision", ["fa2", "autocast"])
-@pytest.mark.parametrize("D", [64, 128])
-def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision, dq_tma):
-    """The fp32 buffer the atomics (or TMA reductions) fill, before its cast (where a difference of order is
-    seen at all: it rarely tips dQ's rounding to bf16), bit for bit against emulate._dq_one_pass and the sum
-    over the key tiles in ascending order (the dQ kernel's order, at the one-pass backward's tiles: 128 keys at
-    d128); and the order decides those bits: the same shares summed from the last key tile down differ."""
-    shape = (1, 2, 300, D)                                        # at least 3 key tiles, the last one ragged
-    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    o, lse, _ = kernels.forward(q, k, v, causal=causal, fix="off", numerics=Numerics(precision=precision))
-    (_, per_key), strides, meta = kernels._bwd_launch(q, k, v, o, causal, precision, deterministic=False)
-    args = (q, k, v, do, lse, kernels._bwd_delta(do, q, k, v, o, lse, causal, precision, False))
-    dq_sum, dk, dv = torch.zeros_like(o, dtype=torch.float32), torch.empty_like(o), torch.empty_like(o)
-    target = kernels.dq_sum_target(dq_sum, meta["BLOCK_M"], dq_tma)
-    kernels._bwd_dkdv_kernel[per_key](*args, dk, dv, target, *strides, 1.0, ONE_PASS=True, DQ_TMA=dq_tma, **meta)
-    P, dP = emulate._probs_and_dp(q, k, v, lse, do, causal, precision)
-    delta = emulate.delta(q, k, v, o, lse, do, causal, precision)
-    dS = emulate._round(P * (dP - delta.unsqueeze(-1)), q.dtype)
-    tiles = emulate._tiles(shape[-2], meta["BLOCK_N"])
-    assert torch.equal(dq_sum, emulate._dq_one_pass(dS, k, meta["BLOCK_M"], meta["BLOCK_N"]))
-    assert torch.equal(dq_sum, sum(emulate._dot(dS[..., c], k[..., c, :]) for c in tiles))
-    assert not torch.equal(dq_sum, sum(emulate._dot(dS[..., c], k[..., c, :]) for c in reversed(tiles)))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_one_pass_gradients_against_float64(seed, dq_tma, poisoned):
-    """Within twice plain bf16 attention's error of float64, at every head_dim, in bf16 and fp16, causal or
-    not, with the fix on and off, dQ by atomics and by TMA reductions; on a GPU this is the one-pass
-    backward's correctness test."""
-    g = torch.Generator().manual_seed(100 + seed)
-    B, H = (int(x) for x in torch.randint(1, 3, (2,), generator=g))
-    N = int(torch.randint(60, 200, (1,), generator=g))
-    D = [16, 32, 64, 128][seed % 4]
-    dtype = [torch.bfloat16, torch.float16][seed % 2]
-    q, k, v = (rand((B, H, N, D), dtype, seed=seed * 3 + i) for i in range(3))
-    check_against_float64(q, k, v, seed % 3 != 0, fix="on" if seed % 2 == 0 else "off", deterministic=False)
 
 
 # -------------------------------------------------------------------------------------------------------
 # Forward and gradients against float64, within twice the error of plain bf16 attention
 
 def check_against_float64(q, k, v, causal, numerics=Numerics(), fix="off", attention=kernels.flash_attention,
-                          factor=2.0, autocast=False, deterministic=True):
+                          factor=2.0, autocast=False):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     do = rand(q.shape, q.dtype)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-        o = attention(q, k, v, causal=causal, fix=fix, numerics=numerics, deterministic=deterministic)
+        o = attention(q, k, v, causal=causal, fix=fix, numerics=numerics)
     o.backward(do)
     ours = (o, q.grad, k.grad, v.grad)
     ref, leaves = reference(q, k, v, causal)
@@ -369,17 +260,12 @@ def test_gradients_random_shapes(seed, poisoned):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs every setting unpipelined; this is for the GPU's")
-@pytest.mark.parametrize("deterministic, tma", [(True, False), (False, False), (False, True)],
-                         ids=["two-pass", "one-pass", "one-pass-tma"])
 @pytest.mark.parametrize("N", [kernels.SHORT_SEQ, kernels.SHORT_SEQ + 77])
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
-def test_gradients_every_tuning_setting(N, D, deterministic, tma, monkeypatch, poisoned):
-    """Each head_dim's forward and backward settings (stages differ per head_dim and across SHORT_SEQ), with
-    the two-pass backward (BWD_TUNING) and the one-pass one (ONE_PASS_TUNING), its dQ by atomics and by TMA
-    reductions (DQ_TMA)."""
-    monkeypatch.setattr(kernels, "DQ_TMA", tma)
+def test_gradients_every_tuning_setting(N, D, poisoned):
+    """Each head_dim's forward and backward settings (stages differ per head_dim and across SHORT_SEQ)."""
     q, k, v = (rand((1, 2, N, D), seed=D + i) for i in range(3))
-    check_against_float64(q, k, v, True, deterministic=deterministic)
+    check_against_float64(q, k, v, True)
 
 
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
@@ -828,8 +714,6 @@ def test_bad_input():
     for fix in (True, False, 1, None, "yes"):
         with pytest.raises(ValueError, match=re.escape(f'fix must be "off", "on" or "paper", got {fix!r}')):
             kernels.flash_attention(q, q, q, fix=fix)
-    with pytest.raises(ValueError, match="deterministic must be"):
-        kernels.flash_attention(q, q, q, deterministic="no")
     for stochastic_o in ("up", "delta"):   # ("delta": delta="stochastic-o")
         with pytest.raises(ValueError, match="stochastic_o"):
             Numerics(stochastic_o=stochastic_o)
@@ -845,7 +729,7 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
     q = torch.randn(1, 1, 8, 16).bfloat16()
     for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
         with pytest.raises(ValueError, match=r"needs CUDA tensors, got cpu; on the CPU use nanolp\.emulate"):
-            fn(q, q, q)
+            fn(q, q, q, fix="on")
 
 
 def test_stock_interpreter_is_refused(monkeypatch):
@@ -858,7 +742,7 @@ def test_stock_interpreter_is_refused(monkeypatch):
     for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
         with pytest.raises(ValueError, match=r"interpreter computes bf16 wrongly unless nanolp/interp_patch\.py "
                                              r"patches it; on the CPU use nanolp\.emulate\.emulate_attention"):
-            fn(q, q, q)
+            fn(q, q, q, fix="on")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests compile what they run")
@@ -873,20 +757,21 @@ def test_every_specialization_compiles_for_sm90():
     assert "compile for sm_90" in done.stdout
 
 
-@pytest.mark.parametrize("deterministic, tma", [(True, False), (False, False), (False, True)],
-                         ids=["two-pass", "one-pass", "one-pass-tma"])
 @pytest.mark.parametrize("seq_major", [True, False])
-def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, tma, monkeypatch, poisoned):
+def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, poisoned):
+    check_keeps_layout(seq_major, kernels.flash_attention)
+
+
+def check_keeps_layout(seq_major, attention):
     """q, k, v viewed from (B, T, H, D) storage, as a GPT produces them, or plain (B, H, T, D): O, dQ, dK, dV come
     back in the same layout (so the model's reshape to (B, T, C) is free) with the right values, also for a dO
-    in another layout and for an expanded one (the gradient of a sum); the one-pass backward's TMA descriptor
-    of its dQ buffer too (seq-major, its strides are not in descending order)."""
-    monkeypatch.setattr(kernels, "DQ_TMA", tma)
+    in another layout and for an expanded one (the gradient of a sum). attention: the one-pass backward's test
+    passes its own (tests/test_launch_variants.py)."""
     def inputs(seed):
         t = rand((2, 70, 3, 32), seed=seed).transpose(1, 2) if seq_major else rand((2, 3, 70, 32), seed=seed)
         return t.requires_grad_()
     q, k, v = inputs(0), inputs(1), inputs(2)
-    o = kernels.flash_attention(q, k, v, fix="off", deterministic=deterministic)
+    o = attention(q, k, v, fix="off")
     assert o.transpose(1, 2).is_contiguous() == seq_major and o.is_contiguous() == (not seq_major)
     do = rand((2, 3, 70, 32), seed=3)
     o.backward(do if seq_major else do.transpose(1, 2).contiguous().transpose(1, 2))  # dO in the other layout
@@ -896,7 +781,7 @@ def test_outputs_and_gradients_keep_the_inputs_layout(seq_major, deterministic, 
     for t, r in zip((q, k, v), leaves):
         assert t.grad.stride() == o.stride() and rel(t.grad, r.grad) < 1e-2
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    kernels.flash_attention(q2, k2, v2, fix="off", deterministic=deterministic).float().sum().backward()  # dO: stride 0
+    attention(q2, k2, v2, fix="off").float().sum().backward()  # dO: stride 0
     ref2, leaves2 = reference(q2, k2, v2, True)
     ref2.sum().backward()
     for t, r in zip((q2, k2, v2), leaves2):
@@ -911,17 +796,14 @@ def test_custom_ops_pass_torch_opcheck(seq_major, delta, stochastic):
     strides and dtypes match the real ones, which torch.compile relies on."""
     q, k, v = (rand((1, 20, 2, 16), seed=s).transpose(1, 2) if seq_major else rand((1, 2, 20, 16), seed=s)
                for s in range(3))
-    fwd_args = (q, k, v, True, True, delta, "fa2", 0, 0, stochastic)
+    fwd_args = (q, k, v, True, "paper", delta, "fa2", 0, 0, stochastic, True)
     if stochastic or delta == "stochastic-o":   # opcheck compares two calls: the same draws each time
-        torch.library.opcheck(kernels._flash_fwd, fwd_args, test_utils=("test_schema", "test_faketensor",
-                                                                        "test_autograd_registration"))
+        torch.library.opcheck(kernels.flash_fwd_op, fwd_args, test_utils=("test_schema", "test_faketensor",
+                                                                          "test_autograd_registration"))
         return
-    torch.library.opcheck(kernels._flash_fwd, fwd_args)
-    torch.library.opcheck(kernels._flash_fwd, fwd_args + (False,))       # deterministic=False: the one pass
-    o, lse, _ = kernels._flash_fwd(*fwd_args)
-    for deterministic in (True, False):
-        torch.library.opcheck(kernels._flash_bwd, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False,
-                                                   deterministic))
+    torch.library.opcheck(kernels.flash_fwd_op, fwd_args)
+    o, lse, _ = kernels.flash_fwd_op(*fwd_args)
+    torch.library.opcheck(kernels.flash_bwd_op, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False, True))
 
 
 @pytest.mark.parametrize("amplify, delta", [("p", "o"), ("vo", "o"), ("p", "fp32-o")])

@@ -49,10 +49,12 @@ autocast mode is then biased for k = 1 as well and the fix does not reduce it.
 """
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 import kernels
+from experiments import mechanism
 from experiments.tied import grad_out, mean_error, reference, tied_rows
 from kernels import Numerics
 from nanolp import emulate
@@ -374,3 +376,55 @@ def test_rounding_p_to_b_bits_is_low_by_a_quarter_per_bit():
     for bits in (2, 3, 4, 5):
         rel = ((emulate.round_mantissa(P.float(), bits).double() - P) / P).mean().item()
         assert 0.8 < rel / (-(2.0 ** -bits) ** 2 / 24) < 1.3, (bits, rel)
+
+
+# -----------------------------------------------------------------------------
+# experiments/mechanism.py, analyze.py --mechanism's demonstration, on tiny inputs
+
+
+def test_mechanism_worked_example():
+    example = mechanism.worked_example()
+    assert example["bf16"] == -4.71875  # bit-exact: the fp32 sum rounds away from zero
+    assert example["error"] == pytest.approx(-0.01476, abs=1e-5)
+
+
+def test_mechanism_tied_rows_bias():
+    results = mechanism.tied_rows_experiment(mechanism.emulate_attention, mechanism.emulate_forward_fp32, "cpu",
+                                             ties=(2,), rows=1024)
+    (off, se_off), (shifted, _) = (mechanism.stats(results["autocast", fix, 2][0]) for fix in ("off", "paper"))
+    # experiments.tied's rows, as in tests/test_mechanism.py: with the fix off the two tied P entries are exactly 1,
+    # so the bf16 sums of P V sit on rounding midpoints and the tiny, mostly negative terms from the other keys
+    # (V ~ N(-1, 0.5)) tip them away from zero: O is pushed negative, by many standard errors, and the shift
+    # removes most of it (measured with seed 0: -1.04e-3, s.e. 6.7e-6, off; -7.1e-5 with the shift).
+    assert off < -5 * se_off
+    assert abs(shifted) * 3 < abs(off)
+    assert np.array_equal(results["fa2", "on", 2][0], results["fa2", "paper", 2][0])  # the same forward
+
+
+def test_mechanism_fix_on_reads_the_fp32_o():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = mechanism.tied_rows(128, 2, generator=g)
+    do = mechanism.grad_out(v.shape, generator=g)
+    o32 = mechanism.emulate_forward_fp32(q, k, v, causal=False, fix="on")
+    by_hand = (do.float() * o32).sum(-1).double() - (do.double() * mechanism.reference(q, k, v)).sum(-1)
+    for fix, same in (("on", True), ("paper", False)):
+        _, err = mechanism.delta_errors(mechanism.emulate_attention, mechanism.emulate_forward_fp32, q, k, v, do,
+                                        "fa2", fix)
+        assert torch.equal(err, by_hand) == same, fix
+
+
+def test_mechanism_report(tmp_path):
+    """The whole --mechanism section on few rows: the three parts, the curvature table and its figure."""
+    lines = mechanism.demonstrate(tmp_path, curvature_rows=4000, ties=(2,), rows=1024)
+    report = "\n".join(lines)
+    for name in ("mechanism_error_hist", "mechanism_error_vs_k", "curvature"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0 and f"![{name}]({name}.png)" in report
+    rows = {(r[1].strip(), r[2].strip()): r[3:] for r in (line.split("|") for line in lines)
+            if len(r) == 8 and r[1].strip() in mechanism.ROUNDINGS}
+    assert sorted(rows) == sorted((r, f"{c:g}") for r in mechanism.ROUNDINGS for c in mechanism.CURVATURES)
+    predicted = {key: float(cells[0]) for key, cells in rows.items()}
+    # each point draws its own H (eigenvalues uniform in [0.5, 1.5] x the scale): tr(H) varies by a few per cent
+    assert predicted["stochastic", "1"] == pytest.approx(2 * predicted["nearest", "1"], rel=0.15)
+    assert predicted["nearest", "4"] == pytest.approx(4 * predicted["nearest", "1"], rel=0.15)
+    assert predicted["independent", "1"] == 0
+    assert "`--fix on --precision fa2`" in report
