@@ -1,0 +1,252 @@
+"""The forward of kernels.py in Gluon for Hopper (sm_90): the same algorithm, the same fix, written with the
+pieces Triton's compiler does not let kernels.py place itself (shared memory, warpgroup MMAs, TMA, mbarriers).
+
+    from kernels_gluon import forward
+    o, lse, o32 = forward(q, k, v, causal=True, fix="on")      # CUDA sm_90; head_dim 64 or 128; bf16/fp16
+
+kernels.py is the specification: each stage below names the piece of kernels.py it implements. Outputs are
+kernels.forward's: O in q's dtype and layout, lse in fp32 (log2 units: m + log2 l, "fa2" precision), and with
+fix="on" the fp32 O before its final cast (THE FIX's forward half, KEEP_O32); "fa2" numerics only (the
+production rounding: the exponent one fma, no amplifier).
+
+Two variants (VARIANTS):
+    "sync":  one program per 128 query rows, two warpgroups of 64 rows; K and V read by plain loads into shared
+             memory; each warpgroup MMA waited on at once. The likely-correct baseline.
+    "tma":   the same loop with K/V tiles brought by TMA into a two-slot ring guarded by mbarriers, the next
+             tile's copy in flight while this one is computed; the S MMA issued asynchronously and waited on
+             explicitly.
+Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels import Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, wire_fix
+
+BLOCK_N = gl.constexpr(64)    # keys per tile: kernels.TILE_N (the shift looks for ties within one tile)
+VARIANTS = {"sync": (128, 8)}     # (BLOCK_M, warps): two warpgroups of 64 query rows
+NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
+UNFUSED = dict(enable_fp_fusion=False)             # as kernels.UNFUSED: the only fma is the exponent's
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layouts: S and O accumulate in the wgmma register layout, one 64-row slab per warpgroup; P is fed to the
+# second MMA from registers; Q, K, V sit in shared memory in the swizzled layout wgmma and TMA read.
+
+@gluon.constexpr_function
+def mma_layout(num_warps, n):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def load_layout(num_warps, head_dim):
+    # 16 bytes per thread along head_dim, rows across the rest of the warp and the warps
+    return gl.BlockedLayout([1, 8], [32 * 8 // head_dim, head_dim // 8], [num_warps, 1], [1, 0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-tile softmax: kernels._fwd_inner's "fa2" branch, and THE FIX's _shifted_max (with _top2 and _fold).
+
+@gluon.jit
+def _top2(a1, a2, b1, b2):
+    """kernels._top2: (largest, second largest) of a row, an equal value counted twice."""
+    return gl.maximum(a1, b1), gl.maximum(gl.minimum(a1, b1), gl.maximum(a2, b2, NAN_ALL), NAN_ALL)
+
+
+@gluon.jit
+def _fold(d, SHIFT: gl.constexpr):
+    """kernels._fold: lo + fmod(d, span) without a division (the same float64 steps, the same bits)."""
+    d64 = d.to(gl.float64)
+    n = gl.floor(d64 * gl.full([], SHIFT.inv, gl.float64))
+    rem = d64 - n * gl.full([], SHIFT.span, gl.float32).to(gl.float64)
+    return SHIFT.lo + rem.to(gl.float32)                                  # ROUND: lo + fmod(d, span)
+
+
+@gluon.jit
+def _shifted_max(s, scale, t, SHIFT: gl.constexpr):
+    """kernels._shifted_max: the row max to subtract, a tied row's moved up by d = |r| folded into [lo, hi)."""
+    r, r2 = gl.reduce((s, gl.full(s.shape, float("-inf"), gl.float32, s.type.layout)), 1, _top2)
+    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
+    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
+    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
+    d = gl.abs(r)
+    d = gl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
+    return gl.where(tied, r + d, r), gl.maximum(t, r)                                  # ROUND: r + d
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT: gl.constexpr):
+    """From S = Q K^T of one tile (fp32, masked): m' = max(m, rowmax(S)) (shifted with the fix), P = 2^(S scale
+    - m') with one fma (kernels._exp2), alpha = 2^(m - m'), l = alpha l + rowsum(P)."""
+    if SHIFT is None:
+        r = gl.max(s, 1) * qk_scale                                                    # ROUND: as S's scale
+    else:
+        r, t_i = _shifted_max(s, qk_scale, t_i, SHIFT)
+    m_new = gl.maximum(m_i, r)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))                                  # ROUND: once
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i, t_i
+
+
+@gluon.jit
+def _mask(s, offs_m, cols, N, CAUSAL: gl.constexpr):
+    """kernels._fwd_inner's MASKED tiles: keys past N and, causal, keys right of the diagonal, to -inf."""
+    valid = cols[None, :] < N
+    if CAUSAL:
+        valid = valid & (offs_m[:, None] >= cols[None, :])
+    return gl.where(valid, s, float("-inf"))
+
+
+@gluon.jit
+def _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM: gl.constexpr,
+              o_layout: gl.constexpr, KEEP_O32: gl.constexpr):
+    """kernels._fwd_kernel's end: O = acc / l cast to the input dtype, the fp32 O beside it (KEEP_O32, THE FIX),
+    lse = m + log2 l."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / l_o[:, None]
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = offs_m_o[:, None] * stride_om + offs_d[None, :]
+    rows = offs_m_o[:, None] < N
+    gl.store(O + ptrs, o.to(O.dtype.element_ty), mask=rows)                            # ROUND: O
+    if KEEP_O32:
+        gl.store(O32 + ptrs, o, mask=rows)
+    gl.store(LSE + offs_m, m_i + gl.log2(l_i), mask=offs_m < N)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Variant "sync": kernels._fwd_kernel with plain loads into shared memory and each MMA waited on at once.
+
+@gluon.jit
+def _load_tile(smem, base, rows, stride, N, MASKED: gl.constexpr, HEAD_DIM: gl.constexpr,
+               layout: gl.constexpr):
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    if MASKED:
+        x = gl.load(ptrs, mask=rows[:, None] < N, other=0.0)
+    else:
+        x = gl.load(ptrs)
+    smem.store(x)
+
+
+@gluon.jit
+def _sync_inner(acc, l_i, m_i, t_i, q_smem, k_smem, v_smem, K, V, stride_kn, stride_vn, start, stop, offs_m,
+                N, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """kernels._fwd_inner over key tiles [start, stop)."""
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
+    ld: gl.constexpr = load_layout(num_warps, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    for start_n in range(start, stop, BLOCK_N):
+        gl.thread_barrier()                      # both warpgroups are done reading the last tile
+        rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+        _load_tile(k_smem, K, rows, stride_kn, N, MASKED, HEAD_DIM, ld)
+        _load_tile(v_smem, V, rows, stride_vn, N, MASKED, HEAD_DIM, ld)
+        fence_async_shared()
+        gl.thread_barrier()
+        # S = Q_i K_j^T (fp32 accumulate of bf16 products; kernels._scores)
+        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False)
+        if MASKED:
+            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = _mask(s, offs_m, cols, N, CAUSAL)
+        p, alpha, m_i, l_i, t_i = _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT)
+        # acc = exp(m - m') acc + P V_j
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p.to(K.dtype.element_ty), p_layout)                        # ROUND: P to bf16
+        acc = warpgroup_mma(p, v_smem, acc)
+    return acc, l_i, m_i, t_i
+
+
+@gluon.jit
+def _fwd_sync(Q, K, V, O, O32, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+              KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
+    # kernels._fwd_kernel: one program per (query tile, batch * head), heaviest query tiles first
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
+    ld: gl.constexpr = load_layout(num_warps, HEAD_DIM)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    bh = gl.program_id(1).to(gl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
+    O32 += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    _load_tile(q_smem, Q, start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld)), stride_qm, N, True,
+               HEAD_DIM, ld)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    t_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    if CAUSAL:
+        stop_unmasked = start_m
+        stop = gl.minimum(start_m + BLOCK_M, N)
+    else:
+        stop_unmasked = (N // BLOCK_N) * BLOCK_N
+        stop = N
+    acc, l_i, m_i, t_i = _sync_inner(acc, l_i, m_i, t_i, q_smem, k_smem, v_smem, K, V, stride_kn, stride_vn,
+                                     0, stop_unmasked, offs_m, N, qk_scale, False, CAUSAL, SHIFT, HEAD_DIM,
+                                     BLOCK_M, num_warps)
+    acc, l_i, m_i, t_i = _sync_inner(acc, l_i, m_i, t_i, q_smem, k_smem, v_smem, K, V, stride_kn, stride_vn,
+                                     stop_unmasked, stop, offs_m, N, qk_scale, True, CAUSAL, SHIFT, HEAD_DIM,
+                                     BLOCK_M, num_warps)
+    offs_m_o = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM, o_layout, KEEP_O32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side
+
+def check(q, k, v, causal, fix, variant):
+    """kernels.check_inputs' checks, then what this file adds; one clear error each."""
+    check_inputs(q, k, v, Numerics())
+    if q.shape[-1] not in (64, 128):
+        raise ValueError(f"the Gluon forward takes head_dim 64 or 128, got {q.shape[-1]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    shift, delta = wire_fix(fix, Numerics())
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
+    return shift, delta == "fp32-o"
+
+
+def forward(q, k, v, causal=True, fix="on", variant="sync"):
+    """kernels.forward's outputs for "fa2" numerics: (O, lse, the fp32 O with fix "on", else an empty tensor)."""
+    shift, keep_o32 = check(q, k, v, causal, fix, variant)
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError(f"the Gluon forward runs on an sm_90 GPU (H100/H200), got {q.device}")
+    return launch(q, k, v, causal, shift, keep_o32, variant)
+
+
+def launch(q, k, v, causal, shift, keep_o32, variant):
+    B, H, N, D = q.shape
+    o = empty_in_layout_of(q)
+    o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else o.new_empty(0, dtype=torch.float32)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    block_m, warps = VARIANTS[variant]
+    kernel = globals()[f"_fwd_{variant}"]
+    kernel[(triton.cdiv(N, block_m), B * H)](
+        q, k, v, o, o32 if keep_o32 else o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *o.stride()[:3], H, N, qk_scale(D, "fa2"), HEAD_DIM=D, BLOCK_M=block_m, CAUSAL=causal,
+        SHIFT=fix_constants("fa2") if shift else None, KEEP_O32=keep_o32, num_warps=warps, **UNFUSED)
+    return o, lse, o32
