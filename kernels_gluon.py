@@ -31,6 +31,8 @@ from kernels import Numerics, check_inputs, empty_in_layout_of, fix_constants, q
 BLOCK_N = gl.constexpr(64)    # keys per tile: kernels.TILE_N (the shift looks for ties within one tile)
 VARIANTS = {"sync": (128, 8)}     # (BLOCK_M, warps): two warpgroups of 64 query rows
 NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
+# a barrier across the CTA's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 UNFUSED = dict(enable_fp_fusion=False)             # as kernels.UNFUSED: the only fma is the exponent's
 
 
@@ -144,12 +146,12 @@ def _sync_inner(acc, l_i, m_i, t_i, q_smem, k_smem, v_smem, K, V, stride_kn, str
     ld: gl.constexpr = load_layout(num_warps, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     for start_n in range(start, stop, BLOCK_N):
-        gl.thread_barrier()                      # both warpgroups are done reading the last tile
+        cta_barrier()                      # both warpgroups are done reading the last tile
         rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
         _load_tile(k_smem, K, rows, stride_kn, N, MASKED, HEAD_DIM, ld)
         _load_tile(v_smem, V, rows, stride_vn, N, MASKED, HEAD_DIM, ld)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         # S = Q_i K_j^T (fp32 accumulate of bf16 products; kernels._scores)
         s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                           use_acc=False)

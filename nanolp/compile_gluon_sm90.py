@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -69,7 +70,6 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", choices=list(kernels_gluon.VARIANTS))
     p.add_argument("--sass", metavar="DIR", help="write each launch's SASS here")
     args = p.parse_args(argv)
-    import tempfile
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         for variant, D, causal, fix, kernel, largs, meta in launches(args.variants):
@@ -77,8 +77,10 @@ def main(argv=None):
             try:
                 compiled = compile_launch(kernel, largs, meta)
             except Exception as error:
+                while error.__cause__ is not None or error.__context__ is not None:   # the compiler's own
+                    error = error.__cause__ or error.__context__
                 failed.append(label)
-                print(f"{label}: does not compile for sm_90: {str(error).strip().splitlines()[-1][:300]}")
+                print(f"{label}: does not compile for sm_90: {error!r}"[:400])
                 continue
             regs, stack, local, sass = resources(compiled.asm["cubin"], tmp)
             fused = len(re.findall(r"\bfma\.rn\.f(?:32|64)\b", compiled.asm["ptx"]))
@@ -86,7 +88,10 @@ def main(argv=None):
             problems = [f"{local} local loads/stores, stack {stack} B (spills)"] if local or stack else []
             if regs > MAX_REGS:
                 problems.append(f"{regs} registers")
-            # one fma per score (BLOCK_M x BLOCK_N per tile, two loops: masked and not) and no other
+            # one fma per score of a thread's share of a tile, in each of the two loops (masked and not), no other
+            block_m, warps = kernels_gluon.VARIANTS[variant]
+            if fused != 2 * block_m * kernels_gluon.BLOCK_N.value // (32 * warps):
+                problems.append(f"{fused} fma.rn where the exponent has {2 * block_m * kernels_gluon.BLOCK_N.value // (32 * warps)}")
             smem = compiled.metadata.shared
             print(f"{label}: {regs} registers, {stack} B stack, {local} STL/LDL, {smem // 1024} KiB shared, "
                   f"{fused} fma.rn and {exps} ex2 in the PTX, {compiled.metadata.num_warps} warps"
