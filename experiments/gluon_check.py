@@ -1,0 +1,213 @@
+"""kernels_gluon.py's forward on an H100/H200: correct against kernels.py's forward and float64, then timed.
+
+    python -m experiments.gluon_check --out DIR        # CUDA sm_90; ~2-3 minutes on an H200
+
+Correctness, per variant, head_dim 64/128, causal or not, fix "off"/"on", sequence lengths 1, 63, 1000, 4096, q, k,
+v laid out (batch, heads, seq, head_dim) or as head views of (batch, seq, channels): O, lse and (fix "on") the fp32
+O against kernels.forward's, bit for bit ("bitwise") or not (the mismatching elements and the largest difference),
+and against float64 attention: O within twice plain bf16 attention's error (tests/test_kernels.py's bound), lse
+within twice kernels.py's error. Verdict: "bitwise", "within" or "FAIL".
+Speed: bf16, causal, experiments/bench.py's shapes (batch x heads holding 16k tokens x 2048 channels), seq 1024,
+4096, 16384, head_dim 64/128, the forward alone (median ms, triton.testing.do_bench): each Gluon variant and
+kernels.py's forward at fix "off" and "on", torch SDPA's cuDNN and flash backends; ratios to kernels.py's forward
+at the same fix and to cuDNN's forward.
+Writes DIR/correctness.csv, DIR/speed.csv and DIR/gluon_check.md (both tables), and prints the tables. A variant
+that fails to compile or run is reported in its rows and the run goes on.
+"""
+import argparse
+import csv
+import math
+import os
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import kernels
+import kernels_gluon
+
+LOG2E = math.log2(math.e)
+SEQS = (1, 63, 1000, 4096)
+SPEED_SEQS = (1024, 4096, 16384)
+TOKENS, CHANNELS = 16384, 2048          # experiments/bench.py's
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def reference(q, k, v, causal):
+    """float64 attention on the same inputs: O and lse in log2 units (kernels.py's "fa2" lse)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1) * LOG2E
+
+
+def plain(q, k, v, causal):
+    """PyTorch's attention in bf16 without flash attention (tests/test_kernels.py's plain_attention)."""
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def inputs(B, H, N, D, layout, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (B, H, N, D) if layout == "bhnd" else (B, N, H, D)
+    qkv = [torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+    return [t if layout == "bhnd" else t.transpose(1, 2) for t in qkv]
+
+
+def compare(a, b):
+    """'bitwise', or the number of differing elements and the largest absolute difference."""
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}", math.inf
+    diff = a.double() - b.double()
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    if bool(same.all()):
+        return "bitwise", 0.0
+    return f"{int((~same).sum())}/{a.numel()} differ", float(diff.abs().max())
+
+
+def check_case(variant, D, causal, fix, N, layout):
+    B, H = (2, 3) if N <= 1000 else (1, 2)
+    q, k, v = inputs(B, H, N, D, layout, seed=N + D)
+    o, lse, o32 = kernels_gluon.forward(q, k, v, causal=causal, fix=fix, variant=variant)
+    want = kernels.forward(q, k, v, causal=causal, fix=fix)
+    o_ref, lse_ref = reference(q, k, v, causal)
+    row = dict(variant=variant, head_dim=D, causal=causal, fix=fix, seq=N, batch=B, heads=H, layout=layout)
+    row["o_vs_kernels"], row["o_maxdiff"] = compare(o, want.o)
+    row["lse_vs_kernels"], row["lse_maxdiff"] = compare(lse, want.lse)
+    if fix == "on":
+        row["o32_vs_kernels"], row["o32_maxdiff"] = compare(o32, want.o_delta)
+    row["o_rel_err"], row["plain_rel_err"] = rel(o, o_ref), rel(plain(q, k, v, causal), o_ref)
+    row["lse_err"] = float((lse.double() - lse_ref).abs().max())
+    row["kernels_lse_err"] = float((want.lse.double() - lse_ref).abs().max())
+    bitwise = all(row.get(key, "bitwise") == "bitwise" for key in ("o_vs_kernels", "lse_vs_kernels", "o32_vs_kernels"))
+    within = (torch.isfinite(o.float()).all() and row["o_rel_err"] <= 2 * row["plain_rel_err"] + 1e-5
+              and row["lse_err"] <= 2 * row["kernels_lse_err"] + 1e-6)
+    row["verdict"] = "bitwise" if bitwise and within else "within" if within else "FAIL"
+    return row
+
+
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1][:200] if lines else ''}"
+
+
+def correctness(variants):
+    rows = []
+    for variant in variants:
+        for D in (64, 128):
+            for causal in (True, False):
+                for fix in ("off", "on"):
+                    for N in SEQS:
+                        for layout in ("bhnd", "bnhd") if N == 1000 else ("bhnd",):
+                            try:
+                                rows.append(check_case(variant, D, causal, fix, N, layout))
+                            except Exception as error:   # one variant's failure must not end the run
+                                traceback.print_exc()
+                                rows.append(dict(variant=variant, head_dim=D, causal=causal, fix=fix, seq=N,
+                                                 layout=layout, verdict=f"ERROR {first_line(error)}"))
+    return rows
+
+
+def speed(variants):
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return run
+
+    impls = {f"kernels fix={fix}": (lambda fix: lambda q, k, v: kernels.forward(q, k, v, causal=True, fix=fix))(fix)
+             for fix in ("off", "on")}
+    for variant in variants:
+        for fix in ("off", "on"):
+            impls[f"gluon-{variant} fix={fix}"] = (lambda variant, fix: lambda q, k, v: kernels_gluon.forward(
+                q, k, v, causal=True, fix=fix, variant=variant))(variant, fix)
+    impls["sdpa cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    impls["sdpa flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    rows = []
+    for D in (64, 128):
+        for N in SPEED_SEQS:
+            B, H = max(1, TOKENS // N), CHANNELS // D
+            q, k, v = inputs(B, H, N, D, "bhnd", seed=0)
+            flops = 4 * B * H * N * N * D / 2
+            times = {}
+            for name, fn in impls.items():
+                try:
+                    with torch.no_grad():
+                        times[name] = do_bench(lambda: fn(q, k, v), return_mode="median")
+                except Exception as error:
+                    print(f"{name} D={D} N={N}: {first_line(error)}")
+            for name, ms in times.items():
+                fix = name.rsplit("fix=", 1)[1] if "fix=" in name else None
+                base = times.get(f"kernels fix={fix}")
+                rows.append(dict(impl=name, head_dim=D, seq=N, batch=B, heads=H, fwd_ms=ms, fwd_tflops=flops / ms * 1e-9,
+                                 vs_kernels_same_fix=base / ms if base else float("nan"),
+                                 vs_cudnn=times["sdpa cudnn"] / ms if "sdpa cudnn" in times else float("nan")))
+    return rows
+
+
+def fmt(value):
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.3g}"
+    return str(value)
+
+
+def markdown(rows, columns):
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return lines
+
+
+CORRECTNESS_COLUMNS = ["variant", "head_dim", "causal", "fix", "seq", "layout", "verdict", "o_vs_kernels", "o_maxdiff",
+                       "lse_vs_kernels", "lse_maxdiff", "o32_vs_kernels", "o32_maxdiff", "o_rel_err", "plain_rel_err",
+                       "lse_err", "kernels_lse_err"]
+SPEED_COLUMNS = ["impl", "head_dim", "seq", "batch", "heads", "fwd_ms", "fwd_tflops", "vs_kernels_same_fix", "vs_cudnn"]
+
+
+def write(out, correct, timed, header):
+    os.makedirs(out, exist_ok=True)
+    for name, rows, columns in (("correctness.csv", correct, CORRECTNESS_COLUMNS), ("speed.csv", timed, SPEED_COLUMNS)):
+        with open(os.path.join(out, name), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    text = [f"# Gluon forward check\n\n{header}\n\n## Correctness\n", *markdown(correct, CORRECTNESS_COLUMNS),
+            "\n## Forward speed (bf16, causal, 16k tokens x 2048 channels)\n", *markdown(timed, SPEED_COLUMNS)]
+    with open(os.path.join(out, "gluon_check.md"), "w") as f:
+        f.write("\n".join(text) + "\n")
+    return "\n".join(text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for correctness.csv, speed.csv, gluon_check.md")
+    p.add_argument("--variants", nargs="+", help="kernels_gluon.VARIANTS' names (default: all)")
+    p.add_argument("--no-speed", action="store_true", help="correctness only")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (sm_90); CPU machines compile the kernels with python -m nanolp.compile_gluon_sm90")
+    variants = args.variants or list(kernels_gluon.VARIANTS)
+    unknown = [v for v in variants if v not in kernels_gluon.VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(kernels_gluon.VARIANTS)}")
+    start = time.time()
+    correct = correctness(variants)
+    timed = [] if args.no_speed else speed(variants)
+    header = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"{time.time() - start:.0f} s")
+    print(write(args.out, correct, timed, header))
+
+
+if __name__ == "__main__":
+    main()
