@@ -29,10 +29,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels import Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, wire_fix
 
 BLOCK_N = gl.constexpr(64)    # keys per tile: kernels.TILE_N (the shift looks for ties within one tile)
-VARIANTS = {"sync": (128, 8)}     # (BLOCK_M, warps): two warpgroups of 64 query rows
+VARIANTS = {"sync": (128, 8), "tma": (128, 8)}     # (BLOCK_M, warps): two warpgroups of 64 query rows
 NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
 # a barrier across the CTA's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# a TMA copy of a tile into shared memory: tma.async_copy_global_to_shared in 3.6, tma.async_load from 3.7 on
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 UNFUSED = dict(enable_fp_fusion=False)             # as kernels.UNFUSED: the only fma is the exponent's
 
 
@@ -214,6 +216,103 @@ def _fwd_sync(Q, K, V, O, O32, LSE, stride_qb, stride_qh, stride_qm, stride_kb, 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Variant "tma": K/V tiles by TMA into a two-slot ring (mbarriers say a slot has landed), the copy of tile j + 2
+# in flight while tile j + 1 is computed; Q by TMA; the MMAs issued asynchronously, each waited on explicitly.
+
+@gluon.jit
+def _tma_inner(acc, l_i, m_i, t_i, it, q_smem, k_ring, v_ring, bars, k_desc, v_desc, b, h, start, stop, n_tiles,
+               offs_m, N, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """kernels._fwd_inner over key tiles [start, stop); it counts the tiles of both loops (the ring's position)."""
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    for start_n in range(start, stop, BLOCK_N):
+        slot = it % 2
+        mbarrier.wait(bars.index(slot), (it // 2) & 1)
+        k_smem = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        v_smem = v_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s, _, _ = warpgroup_mma_wait(0, deps=[s, q_smem, k_smem])
+        if MASKED:
+            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = _mask(s, offs_m, cols, N, CAUSAL)
+        p, alpha, m_i, l_i, t_i = _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p.to(k_desc.dtype), p_layout)                               # ROUND: P to bf16
+        acc = warpgroup_mma(p, v_smem, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
+        # the slot is free once both warpgroups are done with it: refill it with tile it + 2
+        cta_barrier()
+        _tma_kv(k_desc, v_desc, k_ring, v_ring, bars, slot, b, h, (it + 2) * BLOCK_N, it + 2 < n_tiles)
+        it += 1
+    return acc, l_i, m_i, t_i, it
+
+
+@gluon.jit
+def _tma_kv(k_desc, v_desc, k_ring, v_ring, bars, slot, b, h, start_n, pred):
+    bar = bars.index(slot)
+    mbarrier.expect(bar, 2 * k_desc.block_type.nbytes, pred=pred)
+    tma_load(k_desc, [b, h, start_n, 0], bar, k_ring.index(slot), pred=pred)
+    tma_load(v_desc, [b, h, start_n, 0], bar, v_ring.index(slot), pred=pred)
+
+
+@gluon.jit
+def _fwd_tma(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+             KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
+    # kernels._fwd_kernel: one program per (query tile, batch * head), heaviest query tiles first
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
+    dtype: gl.constexpr = q_desc.dtype
+    pid_bh = gl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    bh = pid_bh.to(gl.int64)
+    O += b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    O32 += b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    LSE += bh * N
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    # shared memory in the descriptors' 4-d tiles (1, 1, rows, head_dim), viewed 2-d by the MMAs
+    q_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
+    k_ring = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(bars.index(i), count=1)
+    if CAUSAL:
+        stop_unmasked = start_m
+        stop = gl.minimum(start_m + BLOCK_M, N)
+    else:
+        stop_unmasked = (N // BLOCK_N) * BLOCK_N
+        stop = N
+    n_tiles = gl.cdiv(stop, BLOCK_N)
+    q_bar = bars.index(2)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [b, h, start_m, 0], q_bar, q_tile)
+    _tma_kv(k_desc, v_desc, k_ring, v_ring, bars, 0, b, h, 0, n_tiles > 0)
+    _tma_kv(k_desc, v_desc, k_ring, v_ring, bars, 1, b, h, BLOCK_N, n_tiles > 1)
+    mbarrier.wait(q_bar, 0)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    t_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    it = 0
+    acc, l_i, m_i, t_i, it = _tma_inner(acc, l_i, m_i, t_i, it, q_smem, k_ring, v_ring, bars, k_desc, v_desc, b, h,
+                                        0, stop_unmasked, n_tiles, offs_m, N, qk_scale, False, CAUSAL, SHIFT,
+                                        HEAD_DIM, BLOCK_M, num_warps)
+    acc, l_i, m_i, t_i, it = _tma_inner(acc, l_i, m_i, t_i, it, q_smem, k_ring, v_ring, bars, k_desc, v_desc, b, h,
+                                        stop_unmasked, stop, n_tiles, offs_m, N, qk_scale, True, CAUSAL, SHIFT,
+                                        HEAD_DIM, BLOCK_M, num_warps)
+    for i in gl.static_range(3):
+        mbarrier.invalidate(bars.index(i))
+    offs_m_o = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM, o_layout, KEEP_O32)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Host side
 
 def check(q, k, v, causal, fix, variant):
@@ -229,6 +328,11 @@ def check(q, k, v, causal, fix, variant):
     shift, delta = wire_fix(fix, Numerics())
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
+    if variant == "tma":   # TMA reads 16-byte aligned rows
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
+                raise ValueError(f'variant "tma" needs {name} 16-byte aligned with strides of multiples of 16 '
+                                 f"bytes, got strides {t.stride()}; call .contiguous() or use variant \"sync\"")
     return shift, delta == "fp32-o"
 
 
@@ -240,6 +344,14 @@ def forward(q, k, v, causal=True, fix="on", variant="sync"):
     return launch(q, k, v, causal, shift, keep_o32, variant)
 
 
+def descriptor(t, rows):
+    """A TMA descriptor of a (batch, heads, seq, head_dim) tensor in tiles of rows x head_dim (rows past seq read as
+    zeros): any strides with head_dim contiguous and the others 16-byte aligned."""
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def launch(q, k, v, causal, shift, keep_o32, variant):
     B, H, N, D = q.shape
     o = empty_in_layout_of(q)
@@ -247,8 +359,12 @@ def launch(q, k, v, causal, shift, keep_o32, variant):
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps = VARIANTS[variant]
     kernel = globals()[f"_fwd_{variant}"]
+    out = (o, o32 if keep_o32 else o, lse)
+    if variant == "tma":
+        args = [*(descriptor(t, rows) for t, rows in ((q, block_m), (k, BLOCK_N.value), (v, BLOCK_N.value))), *out]
+    else:
+        args = [q, k, v, *out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]]
     kernel[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, o, o32 if keep_o32 else o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *o.stride()[:3], H, N, qk_scale(D, "fa2"), HEAD_DIM=D, BLOCK_M=block_m, CAUSAL=causal,
+        *args, *o.stride()[:3], H, N, qk_scale(D, "fa2"), HEAD_DIM=D, BLOCK_M=block_m, CAUSAL=causal,
         SHIFT=fix_constants("fa2") if shift else None, KEEP_O32=keep_o32, num_warps=warps, **UNFUSED)
     return o, lse, o32

@@ -54,6 +54,13 @@ def test_host_checks(args, error, message):
         kernels_gluon.forward(q, k, v, **args)
 
 
+def test_tma_needs_aligned_strides():
+    q = torch.zeros(1, 2, 100, 72, dtype=torch.bfloat16)[..., :64]    # rows of 144 bytes: TMA cannot read them
+    kernels_gluon.check(q, q, q, True, "on", "sync")
+    with pytest.raises(ValueError, match='variant "tma" needs q 16-byte aligned'):
+        kernels_gluon.check(q, q, q, True, "on", "tma")
+
+
 def test_cpu_tensors_are_refused():
     q = q_of()
     with pytest.raises(ValueError, match="sm_90 GPU"):
