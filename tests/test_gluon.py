@@ -55,7 +55,7 @@ def test_host_checks(args, error, message):
 
 
 def test_tma_needs_aligned_strides():
-    q = torch.zeros(1, 2, 100, 72, dtype=torch.bfloat16)[..., :64]    # rows of 144 bytes: TMA cannot read them
+    q = torch.zeros(1, 2, 100, 68, dtype=torch.bfloat16)[..., :64]    # rows of 136 bytes: TMA cannot read them
     kernels_gluon.check(q, q, q, True, "on", "sync")
     with pytest.raises(ValueError, match='variant "tma" needs q 16-byte aligned'):
         kernels_gluon.check(q, q, q, True, "on", "tma")
