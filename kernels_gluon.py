@@ -29,7 +29,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels import Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, wire_fix
 
 BLOCK_N = gl.constexpr(64)    # keys per tile: kernels.TILE_N (the shift looks for ties within one tile)
-VARIANTS = {"sync": (128, 8), "tma": (128, 8)}     # (BLOCK_M, warps): two warpgroups of 64 query rows
+VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4)}   # "ws": 4 warps + 4 + a loader warp     # (BLOCK_M, warps): two warpgroups of 64 query rows
 NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
 # a barrier across the CTA's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -313,6 +313,123 @@ def _fwd_tma(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_o
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Variant "ws": warp specialization, FlashAttention-3's structure. A loader warp brings K/V tiles by TMA into a
+# two-slot ring; two consumer warpgroups (partitions of 4 warps), 64 query rows each of a 128-row tile, run the
+# loop of kernels._fwd_inner on their rows, each handing a slot back (kv_empty) once its P V MMA is done. The
+# warp schedulers interleave the two warpgroups' MMAs and softmaxes (no explicit ping-pong order yet).
+
+WS_STAGES = gl.constexpr(2)
+
+
+@gluon.jit
+def _ws_loader(k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles):
+    for it in range(n_tiles):
+        slot = it % WS_STAGES
+        # the slot's previous tile (it - STAGES) must be released by both consumers
+        mbarrier.wait(kv_empty.index(slot), ((it // WS_STAGES) & 1) ^ 1, pred=it >= WS_STAGES)
+        bar = kv_ready.index(slot)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [b, h, it * BLOCK_N, 0], bar, k_ring.index(slot))
+        tma_load(v_desc, [b, h, it * BLOCK_N, 0], bar, v_ring.index(slot))
+
+
+@gluon.jit
+def _ws_inner(acc, l_i, m_i, t_i, it, q_smem, k_ring, v_ring, kv_ready, kv_empty, start, stop, offs_m, N, qk_scale,
+              MASKED: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """kernels._fwd_inner over key tiles [start, stop), for one warpgroup's 64 rows."""
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    for start_n in range(start, stop, BLOCK_N):
+        slot = it % WS_STAGES
+        mbarrier.wait(kv_ready.index(slot), (it // WS_STAGES) & 1)
+        k_smem = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        v_smem = v_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s, _, _ = warpgroup_mma_wait(0, deps=[s, q_smem, k_smem])
+        if MASKED:
+            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = _mask(s, offs_m, cols, N, CAUSAL)
+        p, alpha, m_i, l_i, t_i = _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)                                # ROUND: P to bf16
+        acc = warpgroup_mma(p, v_smem, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
+        cta_barrier()                            # the warpgroup's four warps are done with the slot
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+        it += 1
+    return acc, l_i, m_i, t_i, it
+
+
+@gluon.jit
+def _ws_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
+                 start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                 SHIFT: gl.constexpr, KEEP_O32: gl.constexpr):
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    rows0 = start_m + WG * 64
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [b, h, rows0, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
+    q2d = q_smem.reshape([64, HEAD_DIM])
+    offs_m = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    t_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    it = 0
+    acc, l_i, m_i, t_i, it = _ws_inner(acc, l_i, m_i, t_i, it, q2d, k_ring, v_ring, kv_ready, kv_empty, 0,
+                                       stop_unmasked, offs_m, N, qk_scale, False, CAUSAL, SHIFT, HEAD_DIM)
+    acc, l_i, m_i, t_i, it = _ws_inner(acc, l_i, m_i, t_i, it, q2d, k_ring, v_ring, kv_ready, kv_empty,
+                                       stop_unmasked, stop, offs_m, N, qk_scale, True, CAUSAL, SHIFT, HEAD_DIM)
+    offs_m_o = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM, o_layout, KEEP_O32)
+
+
+@gluon.jit
+def _fwd_ws(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+            KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
+    # kernels._fwd_kernel: one program per (query tile, batch * head), heaviest first; q_desc in 64-row tiles
+    gl.static_assert(BLOCK_M == 128)
+    dtype: gl.constexpr = q_desc.dtype
+    pid_bh = gl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    O += b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    O32 += b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    LSE += pid_bh.to(gl.int64) * N
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    q0 = gl.allocate_shared_memory(dtype, [1, 1, 64, HEAD_DIM], q_desc.layout)
+    q1 = gl.allocate_shared_memory(dtype, [1, 1, 64, HEAD_DIM], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [WS_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [WS_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(WS_STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)          # one arrival from each consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    if CAUSAL:
+        stop_unmasked = start_m
+        stop = gl.minimum(start_m + BLOCK_M, N)
+    else:
+        stop_unmasked = (N // BLOCK_N) * BLOCK_N
+        stop = N
+    n_tiles = gl.cdiv(stop, BLOCK_N)
+    # (the arguments inline: a tuple assigned to a name would turn its constexprs into tensors)
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
+                        start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
+        (_ws_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
+                        start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
+        (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles)),
+    ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Host side
 
 def check(q, k, v, causal, fix, variant):
@@ -328,7 +445,7 @@ def check(q, k, v, causal, fix, variant):
     shift, delta = wire_fix(fix, Numerics())
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
-    if variant == "tma":   # TMA reads 16-byte aligned rows
+    if variant in ("tma", "ws"):   # TMA reads 16-byte aligned rows
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
                 raise ValueError(f'variant "tma" needs {name} 16-byte aligned with strides of multiples of 16 '
@@ -360,8 +477,9 @@ def launch(q, k, v, causal, shift, keep_o32, variant):
     block_m, warps = VARIANTS[variant]
     kernel = globals()[f"_fwd_{variant}"]
     out = (o, o32 if keep_o32 else o, lse)
-    if variant == "tma":
-        args = [*(descriptor(t, rows) for t, rows in ((q, block_m), (k, BLOCK_N.value), (v, BLOCK_N.value))), *out]
+    if variant in ("tma", "ws"):
+        q_rows = block_m if variant == "tma" else 64      # "ws": each warpgroup reads its own 64 rows of Q
+        args = [*(descriptor(t, rows) for t, rows in ((q, q_rows), (k, BLOCK_N.value), (v, BLOCK_N.value))), *out]
     else:
         args = [q, k, v, *out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]]
     kernel[(triton.cdiv(N, block_m), B * H)](

@@ -88,10 +88,11 @@ def main(argv=None):
             problems = [f"{local} local loads/stores, stack {stack} B (spills)"] if local or stack else []
             if regs > MAX_REGS:
                 problems.append(f"{regs} registers")
-            # one fma per score of a thread's share of a tile, in each of the two loops (masked and not), no other
-            block_m, warps = kernels_gluon.VARIANTS[variant]
-            if fused != 2 * block_m * kernels_gluon.BLOCK_N.value // (32 * warps):
-                problems.append(f"{fused} fma.rn where the exponent has {2 * block_m * kernels_gluon.BLOCK_N.value // (32 * warps)}")
+            # one fma per score: a thread's share of a 64 x 64 tile (a warpgroup's rows) in each of the two loops
+            # (masked and not), in each copy of the loop's code ("ws": one per consumer warpgroup); no other fma
+            want = 2 * 64 * kernels_gluon.BLOCK_N.value // 128 * (2 if variant == "ws" else 1)
+            if fused != want:
+                problems.append(f"{fused} fma.rn where the exponent has {want}")
             smem = compiled.metadata.shared
             print(f"{label}: {regs} registers, {stack} B stack, {local} STL/LDL, {smem // 1024} KiB shared, "
                   f"{fused} fma.rn and {exps} ex2 in the PTX, {compiled.metadata.num_warps} warps"
