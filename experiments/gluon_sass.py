@@ -7,7 +7,8 @@ For each variant at causal, fix "off" and "on": registers, spills, shared memory
 compile of the launch), and the kernel's SASS as a sequence of runs of the instructions that order the loop:
 HGMMA (an MMA instruction), ARRIVE (WARPGROUP.ARRIVE: MMAs issued), DEPBAR (WARPGROUP.DEPBAR: the wait for them),
 EX2 (MUFU.EX2: an exponential), BAR (BAR.SYNC: a CTA or named barrier), SYNCS (mbarrier operations), TMA (UTMALDG),
-LDG/STS (plain loads and shared stores), SETMAXREG (a warp partition resizing its registers); "EX2x32" is 32 in a row, other instructions left out.
+LDG/STS (plain loads and shared stores), SETMAXREG (a warp partition resizing its registers); "EX2x32" is 32
+in a row; other instructions left out.
 """
 import argparse
 import re
