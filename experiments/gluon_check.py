@@ -11,13 +11,16 @@ Speed: bf16, causal, experiments/bench.py's shapes (batch x heads holding 16k to
 4096, 16384, head_dim 64/128, the forward alone (median ms, triton.testing.do_bench): each Gluon variant and
 kernels.py's forward at fix "off" and "on", torch SDPA's cuDNN and flash backends; ratios to kernels.py's forward
 at the same fix and to cuDNN's forward.
-Writes DIR/correctness.csv, DIR/speed.csv and DIR/gluon_check.md (both tables), and prints the tables. A variant
-that fails to compile or run is reported in its rows and the run goes on.
+Writes DIR/correctness.csv, DIR/speed.csv and DIR/gluon_check.md (both tables), and prints the tables. Each variant
+runs in a process of its own (and the baselines in another), stopped after --timeout seconds: a variant that fails to
+compile, crashes or hangs is reported in its rows and the run goes on.
 """
 import argparse
 import csv
 import math
 import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -32,6 +35,7 @@ import kernels_gluon
 
 LOG2E = math.log2(math.e)
 SEQS = (1, 63, 1000, 4096)
+BASELINES = "baselines"      # the part that times kernels.py's forward and SDPA's
 SPEED_SEQS = (1024, 4096, 16384)
 TOKENS, CHANNELS = 16384, 2048          # experiments/bench.py's
 
@@ -120,40 +124,51 @@ def correctness(variants):
     return rows
 
 
-def speed(variants):
-    def sdpa(backend):
-        def run(q, k, v):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return run
+def sdpa(backend):
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return run
 
-    impls = {f"kernels fix={fix}": (lambda fix: lambda q, k, v: kernels.forward(q, k, v, causal=True, fix=fix))(fix)
-             for fix in ("off", "on")}
-    for variant in variants:
-        for fix in ("off", "on"):
-            impls[f"gluon-{variant} fix={fix}"] = (lambda variant, fix: lambda q, k, v: kernels_gluon.forward(
-                q, k, v, causal=True, fix=fix, variant=variant))(variant, fix)
-    impls["sdpa cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
-    impls["sdpa flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+
+def impls(part):
+    """The forwards a part times: "baselines" (kernels.py's at each fix, SDPA's cuDNN and flash) or one variant."""
+    if part == BASELINES:
+        return {"kernels fix=off": lambda q, k, v: kernels.forward(q, k, v, causal=True, fix="off"),
+                "kernels fix=on": lambda q, k, v: kernels.forward(q, k, v, causal=True, fix="on"),
+                "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+    return {f"gluon-{part} fix={fix}": (lambda fix: lambda q, k, v: kernels_gluon.forward(
+        q, k, v, causal=True, fix=fix, variant=part))(fix) for fix in ("off", "on")}
+
+
+def speed(part):
     rows = []
     for D in (64, 128):
         for N in SPEED_SEQS:
             B, H = max(1, TOKENS // N), CHANNELS // D
             q, k, v = inputs(B, H, N, D, "bhnd", seed=0)
             flops = 4 * B * H * N * N * D / 2
-            times = {}
-            for name, fn in impls.items():
+            for name, fn in impls(part).items():
                 try:
                     with torch.no_grad():
-                        times[name] = do_bench(lambda: fn(q, k, v), return_mode="median")
+                        ms = do_bench(lambda: fn(q, k, v), return_mode="median")
                 except Exception as error:
                     print(f"{name} D={D} N={N}: {first_line(error)}")
-            for name, ms in times.items():
-                fix = name.rsplit("fix=", 1)[1] if "fix=" in name else None
-                base = times.get(f"kernels fix={fix}")
-                rows.append(dict(impl=name, head_dim=D, seq=N, batch=B, heads=H, fwd_ms=ms, fwd_tflops=flops / ms * 1e-9,
-                                 vs_kernels_same_fix=base / ms if base else float("nan"),
-                                 vs_cudnn=times["sdpa cudnn"] / ms if "sdpa cudnn" in times else float("nan")))
+                    continue
+                rows.append(dict(impl=name, head_dim=D, seq=N, batch=B, heads=H, fwd_ms=ms,
+                                 fwd_tflops=flops / ms * 1e-9))
+    return rows
+
+
+def ratios(rows):
+    """Each row's speed against kernels.py's forward at the same fix and cuDNN's forward (> 1: faster)."""
+    ms = {(r["impl"], r["head_dim"], r["seq"]): r["fwd_ms"] for r in rows}
+    for r in rows:
+        fix = r["impl"].rsplit("fix=", 1)[1] if "fix=" in r["impl"] else None
+        base, cudnn = ms.get((f"kernels fix={fix}", r["head_dim"], r["seq"])), ms.get(("sdpa cudnn", r["head_dim"],
+                                                                                       r["seq"]))
+        r["vs_kernels_same_fix"] = base / r["fwd_ms"] if base else float("nan")
+        r["vs_cudnn"] = cudnn / r["fwd_ms"] if cudnn else float("nan")
     return rows
 
 
@@ -189,11 +204,51 @@ def write(out, correct, timed, header):
     return "\n".join(text)
 
 
+def read_csv(path):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for key, value in r.items():
+            try:
+                r[key] = int(value)
+            except ValueError:
+                try:
+                    r[key] = float(value)
+                except ValueError:
+                    pass
+    return rows
+
+
+def run_part(part, out, timeout, no_speed):
+    """One variant (or the baselines) in a child process; its rows, or an error row where it failed or hung."""
+    for name in ("correctness", "speed"):   # no rows of an earlier run
+        if os.path.exists(os.path.join(out, f"{name}_{part}.csv")):
+            os.remove(os.path.join(out, f"{name}_{part}.csv"))
+    cmd = [sys.executable, "-m", "experiments.gluon_check", "--out", out, "--part", part] + (["--no-speed"] if no_speed
+                                                                                              else [])
+    try:
+        done = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        print(done.stdout + done.stderr[-4000:], end="")
+        failure = None if done.returncode == 0 else f"ERROR exit {done.returncode}: {done.stderr.strip()[-200:]}"
+    except subprocess.TimeoutExpired:
+        failure = f"ERROR no result within {timeout} s (a hang?)"
+    correct, timed = [], []
+    for name, rows in (("correctness", correct), ("speed", timed)):
+        path = os.path.join(out, f"{name}_{part}.csv")
+        if os.path.exists(path):
+            rows += read_csv(path)
+    if failure:
+        correct.append(dict(variant=part, verdict=failure.replace("\n", " ")))
+    return correct, timed
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for correctness.csv, speed.csv, gluon_check.md")
     p.add_argument("--variants", nargs="+", help="kernels_gluon.VARIANTS' names (default: all)")
     p.add_argument("--no-speed", action="store_true", help="correctness only")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds each variant's process may take")
+    p.add_argument("--part", help=argparse.SUPPRESS)    # a child process's one variant (or the baselines)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (sm_90); CPU machines compile the kernels with python -m nanolp.compile_gluon_sm90")
@@ -201,12 +256,25 @@ def main(argv=None):
     unknown = [v for v in variants if v not in kernels_gluon.VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(kernels_gluon.VARIANTS)}")
+    os.makedirs(args.out, exist_ok=True)
+    if args.part:   # a child: write this part's rows
+        correct = [] if args.part == BASELINES else correctness([args.part])
+        timed = [] if args.no_speed else speed(args.part)
+        for name, rows, columns in (("correctness", correct, CORRECTNESS_COLUMNS), ("speed", timed, SPEED_COLUMNS)):
+            with open(os.path.join(args.out, f"{name}_{args.part}.csv"), "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(rows)
+        return
     start = time.time()
-    correct = correctness(variants)
-    timed = [] if args.no_speed else speed(variants)
+    correct, timed = [], []
+    for part in ([] if args.no_speed else [BASELINES]) + variants:
+        c, t = run_part(part, args.out, args.timeout, args.no_speed)
+        correct += c
+        timed += t
     header = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
               f"{time.time() - start:.0f} s")
-    print(write(args.out, correct, timed, header))
+    print(write(args.out, correct, ratios(timed), header))
 
 
 if __name__ == "__main__":

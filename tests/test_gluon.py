@@ -101,3 +101,22 @@ def test_check_script_tables(tmp_path):
     assert rows[0]["impl"] == "gluon-sync fix=on" and float(rows[0]["fwd_ms"]) == 0.75
     with open(tmp_path / "correctness.csv", newline="") as f:
         assert [r["verdict"] for r in csv.DictReader(f)] == ["bitwise", "ERROR RuntimeError: boom"]
+
+
+def test_check_script_ratios():
+    rows = [dict(impl=name, head_dim=128, seq=4096, fwd_ms=ms) for name, ms in
+            (("kernels fix=on", 2.0), ("gluon-sync fix=on", 1.0), ("sdpa cudnn", 1.5), ("gluon-sync fix=off", 1.0))]
+    got = {r["impl"]: (r["vs_kernels_same_fix"], r["vs_cudnn"]) for r in gluon_check.ratios(rows)}
+    assert got["gluon-sync fix=on"] == (2.0, 1.5) and got["kernels fix=on"] == (1.0, 0.75)
+    assert got["gluon-sync fix=off"][1] == 1.5 and got["gluon-sync fix=off"][0] != got["gluon-sync fix=off"][0]  # nan
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a child that fails: the CPU's refusal")
+def test_check_script_reports_a_failed_part_and_goes_on(tmp_path):
+    """A variant's process that fails (here: no GPU) leaves an error row, not a crash; rows of an earlier run of
+    that part are not read as this run's."""
+    (tmp_path / "correctness_sync.csv").write_text("variant,verdict\nsync,bitwise\n")
+    correct, timed = gluon_check.run_part("sync", str(tmp_path), timeout=120, no_speed=True)
+    assert timed == [] and len(correct) == 1
+    assert correct[0]["variant"] == "sync" and correct[0]["verdict"].startswith("ERROR exit 2")
+    assert "needs a CUDA GPU" in correct[0]["verdict"]
