@@ -9,12 +9,13 @@ kernels.forward's: O in q's dtype and layout, lse in fp32 (log2 units: m + log2 
 fix="on" the fp32 O before its final cast (THE FIX's forward half, KEEP_O32); "fa2" numerics only (the
 production rounding: the exponent one fma, no amplifier).
 
-Two variants (VARIANTS):
-    "sync":  one program per 128 query rows, two warpgroups of 64 rows; K and V read by plain loads into shared
-             memory; each warpgroup MMA waited on at once. The likely-correct baseline.
-    "tma":   the same loop with K/V tiles brought by TMA into a two-slot ring guarded by mbarriers, the next
-             tile's copy in flight while this one is computed; the S MMA issued asynchronously and waited on
-             explicitly.
+Three variants (VARIANTS), each one program per 128 query rows (two warpgroups of 64), key tiles of 64:
+    "sync": K and V read by plain loads into shared memory; each warpgroup MMA waited on at once. The likely-correct
+            baseline.
+    "tma":  K/V tiles brought by TMA into a two-slot ring guarded by mbarriers, the copy of tile j + 2 in flight
+            while tile j + 1 is computed; Q by TMA; the MMAs issued asynchronously, each waited on explicitly.
+    "ws":   FlashAttention-3's structure by warp specialization: a loader warp fills the K/V ring by TMA, and two
+            consumer warpgroups (partitions of 4 warps, 64 rows each) each hand a slot back by an mbarrier.
 Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
 """
 import torch
@@ -26,16 +27,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, wire_fix
+from kernels import TILE_N, UNFUSED, Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, wire_fix
 
-BLOCK_N = gl.constexpr(64)    # keys per tile: kernels.TILE_N (the shift looks for ties within one tile)
-VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4)}   # "ws": 4 warps + 4 + a loader warp     # (BLOCK_M, warps): two warpgroups of 64 query rows
+BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
+# (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
+VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4)}
 NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
 # a barrier across the CTA's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # a TMA copy of a tile into shared memory: tma.async_copy_global_to_shared in 3.6, tma.async_load from 3.7 on
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-UNFUSED = dict(enable_fp_fusion=False)             # as kernels.UNFUSED: the only fma is the exponent's
 
 
 # ---------------------------------------------------------------------------------------------------------

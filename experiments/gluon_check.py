@@ -63,10 +63,10 @@ def plain(q, k, v, causal):
     return torch.softmax(s, -1) @ v
 
 
-def inputs(B, H, N, D, layout, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def inputs(B, H, N, D, layout, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
     shape = (B, H, N, D) if layout == "bhnd" else (B, N, H, D)
-    qkv = [torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+    qkv = [torch.randn(shape, device=device, generator=g).to(torch.bfloat16) for _ in range(3)]
     return [t if layout == "bhnd" else t.transpose(1, 2) for t in qkv]
 
 
@@ -81,9 +81,9 @@ def compare(a, b):
     return f"{int((~same).sum())}/{a.numel()} differ", float(diff.abs().max())
 
 
-def check_case(variant, D, causal, fix, N, layout):
+def check_case(variant, D, causal, fix, N, layout, device="cuda"):
     B, H = (2, 3) if N <= 1000 else (1, 2)
-    q, k, v = inputs(B, H, N, D, layout, seed=N + D)
+    q, k, v = inputs(B, H, N, D, layout, seed=N + D, device=device)
     o, lse, o32 = kernels_gluon.forward(q, k, v, causal=causal, fix=fix, variant=variant)
     want = kernels.forward(q, k, v, causal=causal, fix=fix)
     o_ref, lse_ref = reference(q, k, v, causal)

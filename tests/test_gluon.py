@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels
+
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="this Triton has no Gluon for Hopper")
 try:
     import kernels_gluon
@@ -120,3 +122,32 @@ def test_check_script_reports_a_failed_part_and_goes_on(tmp_path):
     assert timed == [] and len(correct) == 1
     assert correct[0]["variant"] == "sync" and correct[0]["verdict"].startswith("ERROR exit 2")
     assert "needs a CUDA GPU" in correct[0]["verdict"]
+
+
+@pytest.mark.parametrize("fix", ["off", "on"])
+def test_check_script_compares_against_kernels_and_float64(fix, monkeypatch):
+    """gluon_check's correctness case, the Gluon forward stood in for by kernels.forward itself (bitwise), then by
+    one whose O is a bf16 ulp off in one element (no longer bitwise, still within the float64 bound), then by one
+    whose O is wrong in one row (FAIL): the verdicts the GPU run gives."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def stand_in(change):
+        def forward(q, k, v, causal, fix, variant):
+            o, lse, o32 = kernels.forward(q, k, v, causal=causal, fix=fix)
+            return change(o.clone()), lse, o32
+        return forward
+
+    def one_ulp(o):
+        o.view(torch.int16)[0, 0, 5, 3] += 1
+        return o
+
+    def wrong_row(o):
+        o[0, 0, 5] = 1.0
+        return o
+
+    for change, verdict in ((lambda o: o, "bitwise"), (one_ulp, "within"), (wrong_row, "FAIL")):
+        monkeypatch.setattr(kernels_gluon, "forward", stand_in(change))
+        row = gluon_check.check_case("sync", 64, True, fix, 63, "bnhd", device=device)
+        assert row["verdict"] == verdict, row
+        assert (row["o_vs_kernels"] == "bitwise") == (verdict == "bitwise")
+        assert row["lse_vs_kernels"] == "bitwise" and row.get("o32_vs_kernels", "bitwise") == "bitwise"
