@@ -11,7 +11,11 @@ Speed: bf16, causal, experiments/bench.py's shapes (batch x heads holding 16k to
 4096, 16384, head_dim 64/128, the forward alone (median ms, triton.testing.do_bench): each Gluon variant and
 kernels.py's forward at fix "off" and "on", torch SDPA's cuDNN and flash backends; ratios to kernels.py's forward
 at the same fix and to cuDNN's forward.
-Writes DIR/correctness.csv, DIR/speed.csv and DIR/gluon_check.md (both tables), and prints the tables. Each variant
+Sharp rows (tests/test_mechanism.py's): the mean error of the delta the backward reads against float64, from the
+bf16 O with fix "off" (one-signed) and from the fp32 O with fix "on" (within noise of zero), the Gluon forward's
+beside kernels.py's.
+Writes DIR/correctness.csv, DIR/sharp_rows.csv, DIR/speed.csv and DIR/gluon_check.md (the three tables), and prints
+the tables. Each variant
 runs in a process of its own (and the baselines in another), stopped after --timeout seconds: a variant that fails to
 compile, crashes or hangs is reported in its rows and the run goes on.
 """
@@ -32,6 +36,7 @@ from triton.testing import do_bench
 
 import kernels
 import kernels_gluon
+from experiments.tied import mean_error, tied_rows
 
 LOG2E = math.log2(math.e)
 SEQS = (1, 63, 1000, 4096)
@@ -124,6 +129,35 @@ def correctness(variants):
     return rows
 
 
+def sharp_inputs(seed, rows=1024):
+    """tests/test_mechanism.py's sharp rows: each row's one top key holds >= 1 - 1e-3 of the weight, dO points from
+    its V toward the others'; delta from the bf16 O then errs with one sign (fix "off"), from the fp32 O not."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = tied_rows(rows, 1, generator=g)
+    top = (q.double() @ k.double().transpose(-1, -2)).argmax(-1, keepdim=True)
+    v_top = torch.gather(v.double(), 2, top.expand(-1, -1, -1, v.shape[-1]))
+    do = v.double().mean(2, keepdim=True) - v_top + 0.5 * torch.randn(v_top.shape, generator=g, dtype=torch.float64)
+    return q, k, v, do.bfloat16()
+
+
+def sharp_rows(variant, device="cuda", seeds=(0, 1)):
+    """Mean error (s.e.) of the delta the backward reads, against float64, on sharp rows: from the bf16 O with fix
+    "off", from the fp32 O with fix "on"; the Gluon forward's and kernels.py's."""
+    rows = []
+    for seed in seeds:
+        q, k, v, do = sharp_inputs(seed)
+        exact = (do.double() * reference(q, k, v, False)[0]).sum(-1)
+        q, k, v = (t.to(device) for t in (q, k, v))
+        for fix in ("off", "on"):
+            o, _, o32 = kernels_gluon.forward(q, k, v, causal=False, fix=fix, variant=variant)
+            want = kernels.forward(q, k, v, causal=False, fix=fix)
+            for impl, read in ((f"gluon-{variant}", o32 if fix == "on" else o),
+                               ("kernels", want.o_delta if fix == "on" else want.o)):
+                mean, se = mean_error((do.double() * read.cpu().double()).sum(-1) - exact)
+                rows.append(dict(impl=impl, seed=seed, fix=fix, delta_mean_err=mean, delta_se=se, t=mean / se))
+    return rows
+
+
 def sdpa(backend):
     def run(q, k, v):
         with sdpa_kernel(backend):
@@ -187,17 +221,21 @@ def markdown(rows, columns):
 CORRECTNESS_COLUMNS = ["variant", "head_dim", "causal", "fix", "seq", "layout", "verdict", "o_vs_kernels", "o_maxdiff",
                        "lse_vs_kernels", "lse_maxdiff", "o32_vs_kernels", "o32_maxdiff", "o_rel_err", "plain_rel_err",
                        "lse_err", "kernels_lse_err"]
+SHARP_COLUMNS = ["impl", "seed", "fix", "delta_mean_err", "delta_se", "t"]
 SPEED_COLUMNS = ["impl", "head_dim", "seq", "batch", "heads", "fwd_ms", "fwd_tflops", "vs_kernels_same_fix", "vs_cudnn"]
 
 
-def write(out, correct, timed, header):
+def write(out, correct, timed, header, sharp=()):
     os.makedirs(out, exist_ok=True)
-    for name, rows, columns in (("correctness.csv", correct, CORRECTNESS_COLUMNS), ("speed.csv", timed, SPEED_COLUMNS)):
+    for name, rows, columns in (("correctness.csv", correct, CORRECTNESS_COLUMNS), ("speed.csv", timed, SPEED_COLUMNS),
+                                ("sharp_rows.csv", sharp, SHARP_COLUMNS)):
         with open(os.path.join(out, name), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
     text = [f"# Gluon forward check\n\n{header}\n\n## Correctness\n", *markdown(correct, CORRECTNESS_COLUMNS),
+            "\n## Sharp rows: the error of the delta the backward reads, against float64 (head_dim 64, 64 keys)\n",
+            *markdown(sharp, SHARP_COLUMNS),
             "\n## Forward speed (bf16, causal, 16k tokens x 2048 channels)\n", *markdown(timed, SPEED_COLUMNS)]
     with open(os.path.join(out, "gluon_check.md"), "w") as f:
         f.write("\n".join(text) + "\n")
@@ -219,9 +257,13 @@ def read_csv(path):
     return rows
 
 
+PARTS = ("correctness", "sharp_rows", "speed")     # each part's CSVs, {name}_{part}.csv
+
+
 def run_part(part, out, timeout, no_speed):
-    """One variant (or the baselines) in a child process; its rows, or an error row where it failed or hung."""
-    for name in ("correctness", "speed"):   # no rows of an earlier run
+    """One variant (or the baselines) in a child process: its rows {name: rows} for PARTS' names, with an error row
+    in "correctness" where it failed or hung."""
+    for name in PARTS:   # no rows of an earlier run
         if os.path.exists(os.path.join(out, f"{name}_{part}.csv")):
             os.remove(os.path.join(out, f"{name}_{part}.csv"))
     cmd = [sys.executable, "-m", "experiments.gluon_check", "--out", out, "--part", part] + (["--no-speed"] if no_speed
@@ -231,20 +273,17 @@ def run_part(part, out, timeout, no_speed):
         print(done.stdout + done.stderr[-4000:], end="")
         failure = None if done.returncode == 0 else f"ERROR exit {done.returncode}: {done.stderr.strip()[-200:]}"
     except subprocess.TimeoutExpired:
-        failure = f"ERROR no result within {timeout} s (a hang?)"
-    correct, timed = [], []
-    for name, rows in (("correctness", correct), ("speed", timed)):
-        path = os.path.join(out, f"{name}_{part}.csv")
-        if os.path.exists(path):
-            rows += read_csv(path)
+        failure = f"ERROR no result within {timeout:g} s (a hang?)"
+    rows = {name: read_csv(os.path.join(out, f"{name}_{part}.csv"))
+            if os.path.exists(os.path.join(out, f"{name}_{part}.csv")) else [] for name in PARTS}
     if failure:
-        correct.append(dict(variant=part, verdict=failure.replace("\n", " ")))
-    return correct, timed
+        rows["correctness"].append(dict(variant=part, verdict=failure.replace("\n", " ")))
+    return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for correctness.csv, speed.csv, gluon_check.md")
+    p.add_argument("--out", required=True, help="directory for the CSVs and gluon_check.md")
     p.add_argument("--variants", nargs="+", help="kernels_gluon.VARIANTS' names (default: all)")
     p.add_argument("--no-speed", action="store_true", help="correctness only")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds each variant's process may take")
@@ -258,23 +297,24 @@ def main(argv=None):
         p.error(f"unknown variants {unknown}; choose from {list(kernels_gluon.VARIANTS)}")
     os.makedirs(args.out, exist_ok=True)
     if args.part:   # a child: write this part's rows
-        correct = [] if args.part == BASELINES else correctness([args.part])
-        timed = [] if args.no_speed else speed(args.part)
-        for name, rows, columns in (("correctness", correct, CORRECTNESS_COLUMNS), ("speed", timed, SPEED_COLUMNS)):
+        rows = dict(correctness=[] if args.part == BASELINES else correctness([args.part]),
+                    sharp_rows=[] if args.part == BASELINES else sharp_rows(args.part),
+                    speed=[] if args.no_speed else speed(args.part))
+        columns = dict(correctness=CORRECTNESS_COLUMNS, sharp_rows=SHARP_COLUMNS, speed=SPEED_COLUMNS)
+        for name in PARTS:
             with open(os.path.join(args.out, f"{name}_{args.part}.csv"), "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+                w = csv.DictWriter(f, fieldnames=columns[name], extrasaction="ignore")
                 w.writeheader()
-                w.writerows(rows)
+                w.writerows(rows[name])
         return
     start = time.time()
-    correct, timed = [], []
+    rows = {name: [] for name in PARTS}
     for part in ([] if args.no_speed else [BASELINES]) + variants:
-        c, t = run_part(part, args.out, args.timeout, args.no_speed)
-        correct += c
-        timed += t
+        for name, got in run_part(part, args.out, args.timeout, args.no_speed).items():
+            rows[name] += got
     header = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
               f"{time.time() - start:.0f} s")
-    print(write(args.out, correct, ratios(timed), header))
+    print(write(args.out, rows["correctness"], ratios(rows["speed"]), header, rows["sharp_rows"]))
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ def test_check_script_tables(tmp_path):
     assert rows[0]["impl"] == "gluon-sync fix=on" and float(rows[0]["fwd_ms"]) == 0.75
     with open(tmp_path / "correctness.csv", newline="") as f:
         assert [r["verdict"] for r in csv.DictReader(f)] == ["bitwise", "ERROR RuntimeError: boom"]
+    assert (tmp_path / "sharp_rows.csv").read_text().startswith("impl,seed,fix,")
 
 
 def test_check_script_ratios():
@@ -118,8 +119,9 @@ def test_check_script_reports_a_failed_part_and_goes_on(tmp_path):
     """A variant's process that fails (here: no GPU) leaves an error row, not a crash; rows of an earlier run of
     that part are not read as this run's."""
     (tmp_path / "correctness_sync.csv").write_text("variant,verdict\nsync,bitwise\n")
-    correct, timed = gluon_check.run_part("sync", str(tmp_path), timeout=120, no_speed=True)
-    assert timed == [] and len(correct) == 1
+    rows = gluon_check.run_part("sync", str(tmp_path), timeout=120, no_speed=True)
+    correct = rows["correctness"]
+    assert rows["speed"] == rows["sharp_rows"] == [] and len(correct) == 1
     assert correct[0]["variant"] == "sync" and correct[0]["verdict"].startswith("ERROR exit 2")
     assert "needs a CUDA GPU" in correct[0]["verdict"]
 
@@ -151,3 +153,14 @@ def test_check_script_compares_against_kernels_and_float64(fix, monkeypatch):
         assert row["verdict"] == verdict, row
         assert (row["o_vs_kernels"] == "bitwise") == (verdict == "bitwise")
         assert row["lse_vs_kernels"] == "bitwise" and row.get("o32_vs_kernels", "bitwise") == "bitwise"
+
+
+def test_check_script_sharp_rows(monkeypatch):
+    """The sharp-rows measure, kernels.forward standing in for the Gluon forward: delta from the bf16 O errs with
+    one sign (fix "off"), from the fp32 O it does not (fix "on"), as tests/test_mechanism.py finds."""
+    monkeypatch.setattr(kernels_gluon, "forward", lambda q, k, v, causal, fix, variant: kernels.forward(
+        q, k, v, causal=causal, fix=fix))
+    rows = gluon_check.sharp_rows("sync", device="cuda" if torch.cuda.is_available() else "cpu", seeds=(0,))
+    assert len(rows) == 4
+    for r in rows:
+        assert (abs(r["t"]) > 10) == (r["fix"] == "off"), r
