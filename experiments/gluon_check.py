@@ -274,8 +274,12 @@ def run_part(part, out, timeout, no_speed):
         failure = None if done.returncode == 0 else f"ERROR exit {done.returncode}: {done.stderr.strip()[-200:]}"
     except subprocess.TimeoutExpired:
         failure = f"ERROR no result within {timeout:g} s (a hang?)"
-    rows = {name: read_csv(os.path.join(out, f"{name}_{part}.csv"))
-            if os.path.exists(os.path.join(out, f"{name}_{part}.csv")) else [] for name in PARTS}
+    rows = {name: [] for name in PARTS}
+    for name in PARTS:   # read, then removed: the merged tables are the run's files
+        path = os.path.join(out, f"{name}_{part}.csv")
+        if os.path.exists(path):
+            rows[name] = read_csv(path)
+            os.remove(path)
     if failure:
         rows["correctness"].append(dict(variant=part, verdict=failure.replace("\n", " ")))
     return rows

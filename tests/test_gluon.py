@@ -124,6 +124,7 @@ def test_check_script_reports_a_failed_part_and_goes_on(tmp_path):
     assert rows["speed"] == rows["sharp_rows"] == [] and len(correct) == 1
     assert correct[0]["variant"] == "sync" and correct[0]["verdict"].startswith("ERROR exit 2")
     assert "needs a CUDA GPU" in correct[0]["verdict"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("fix", ["off", "on"])
