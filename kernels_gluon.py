@@ -16,6 +16,7 @@ Three variants (VARIANTS), each one program per 128 query rows (two warpgroups o
             while tile j + 1 is computed; Q by TMA; the MMAs issued asynchronously, each waited on explicitly.
     "ws":   FlashAttention-3's structure by warp specialization: a loader warp fills the K/V ring by TMA, and two
             consumer warpgroups (partitions of 4 warps, 64 rows each) each hand a slot back by an mbarrier.
+    "pingpong": "ws" with the consumer warpgroups taking turns on the tensor cores, FlashAttention-3's ping-pong.
 Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
 """
 import torch
@@ -31,7 +32,7 @@ from kernels import TILE_N, UNFUSED, Numerics, check_inputs, empty_in_layout_of,
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
-VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4)}
+VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4), "pingpong": (128, 4)}
 NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
 # a barrier across the CTA's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -392,6 +393,22 @@ def _ws_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
 def _fwd_ws(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
             KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
+    _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale, HEAD_DIM, BLOCK_M,
+               CAUSAL, SHIFT, KEEP_O32, False)
+
+
+@gluon.jit
+def _fwd_pingpong(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+                  KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
+    _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale, HEAD_DIM, BLOCK_M,
+               CAUSAL, SHIFT, KEEP_O32, True)
+
+
+@gluon.jit
+def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+               KEEP_O32: gl.constexpr, PINGPONG: gl.constexpr):
     # kernels._fwd_kernel: one program per (query tile, batch * head), heaviest first; q_desc in 64-row tiles
     gl.static_assert(BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
@@ -413,6 +430,11 @@ def _fwd_ws(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om
         mbarrier.init(kv_empty.index(i), count=2)          # one arrival from each consumer warpgroup
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
+    if PINGPONG:
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
+        mbarrier.arrive(turns.index(0), count=1)       # warpgroup 0 takes the first turn
     if CAUSAL:
         stop_unmasked = start_m
         stop = gl.minimum(start_m + BLOCK_M, N)
@@ -421,13 +443,102 @@ def _fwd_ws(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om
         stop = N
     n_tiles = gl.cdiv(stop, BLOCK_N)
     # (the arguments inline: a tuple assigned to a name would turn its constexprs into tensors)
-    gl.warp_specialize([
-        (_ws_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
-                        start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
-        (_ws_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
-                        start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
-        (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles)),
-    ], [4, 1], [240, 24])
+    if PINGPONG:
+        gl.warp_specialize([
+            (_pp_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
+                            b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
+                            KEEP_O32)),
+            (_pp_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
+                            b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
+                            KEEP_O32)),
+            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
+                            start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
+            (_ws_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
+                            start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
+            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles)),
+        ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Variant "pingpong": "ws" with FlashAttention-3's ping-pong order. The two consumer warpgroups take turns on the
+# tensor cores (mbarriers turns[0], turns[1], handed back and forth): in its turn a warpgroup issues the P V MMA
+# of its previous tile and the S MMA of its next, waits for both and hands the turn over, then runs that tile's
+# softmax while the other warpgroup's MMAs run. The same arithmetic in the same order as kernels._fwd_inner (acc is
+# scaled by alpha before the P V MMA adds to it), so the same bits.
+
+@gluon.jit
+def _pp_softmax(s, start_n, stop_unmasked, offs_m, N, m_i, l_i, t_i, acc, qk_scale, dtype: gl.constexpr,
+                CAUSAL: gl.constexpr, SHIFT: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """kernels._fwd_inner's body after S, up to the P V MMA: the mask (tiles from stop_unmasked on), the softmax
+    step, acc scaled by alpha, and P in bf16 in the MMA's operand layout."""
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    if start_n >= stop_unmasked:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = _mask(s, offs_m, cols, N, CAUSAL)
+    p, alpha, m_i, l_i, t_i = _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))  # ROUND
+    return p, acc, m_i, l_i, t_i
+
+
+@gluon.jit
+def _pp_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE, b,
+                 h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM: gl.constexpr,
+                 CAUSAL: gl.constexpr, SHIFT: gl.constexpr, KEEP_O32: gl.constexpr):
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    dtype: gl.constexpr = q_desc.dtype
+    rows0 = start_m + WG * 64
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [b, h, rows0, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
+    q2d = q_smem.reshape([64, HEAD_DIM])
+    offs_m = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    t_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    n_tiles = gl.cdiv(stop, BLOCK_N)
+    mine, theirs = turns.index(WG), turns.index(1 - WG)
+    # turn 0: S of tile 0
+    mbarrier.wait(mine, 0)
+    mbarrier.wait(kv_ready.index(0), 0)
+    k_smem = k_ring.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q2d, k_smem.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                      is_async=True)
+    s, _ = warpgroup_mma_wait(0, deps=[s, k_smem])
+    mbarrier.arrive(theirs, count=1)
+    p, acc, m_i, l_i, t_i = _pp_softmax(s, 0, stop_unmasked, offs_m, N, m_i, l_i, t_i, acc, qk_scale, dtype,
+                                        CAUSAL, SHIFT, HEAD_DIM)
+    # turn it: P V of tile it - 1, S of tile it
+    for it in range(1, n_tiles):
+        slot, prev = it % WS_STAGES, (it - 1) % WS_STAGES
+        mbarrier.wait(mine, it & 1)
+        mbarrier.wait(kv_ready.index(slot), (it // WS_STAGES) & 1)
+        v_smem = v_ring.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        k_smem = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        acc = warpgroup_mma(p, v_smem, acc, is_async=True)
+        s = warpgroup_mma(q2d, k_smem.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        acc, s, _, _ = warpgroup_mma_wait(0, deps=[acc, s, v_smem, k_smem])
+        cta_barrier()                            # the warpgroup's four warps are done with tile it - 1's slot
+        mbarrier.arrive(kv_empty.index(prev), count=1)
+        mbarrier.arrive(theirs, count=1)
+        p, acc, m_i, l_i, t_i = _pp_softmax(s, it * BLOCK_N, stop_unmasked, offs_m, N, m_i, l_i, t_i, acc, qk_scale,
+                                            dtype, CAUSAL, SHIFT, HEAD_DIM)
+    # the last turn: P V of the last tile
+    mbarrier.wait(mine, n_tiles & 1)
+    v_smem = v_ring.index((n_tiles - 1) % WS_STAGES).reshape([BLOCK_N, HEAD_DIM])
+    acc = warpgroup_mma(p, v_smem, acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
+    mbarrier.arrive(theirs, count=1)
+    offs_m_o = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM, o_layout, KEEP_O32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -446,7 +557,7 @@ def check(q, k, v, causal, fix, variant):
     shift, delta = wire_fix(fix, Numerics())
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
-    if variant in ("tma", "ws"):   # TMA reads 16-byte aligned rows
+    if variant != "sync":   # TMA reads 16-byte aligned rows
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
                 raise ValueError(f'variant "tma" needs {name} 16-byte aligned with strides of multiples of 16 '
@@ -478,7 +589,7 @@ def launch(q, k, v, causal, shift, keep_o32, variant):
     block_m, warps = VARIANTS[variant]
     kernel = globals()[f"_fwd_{variant}"]
     out = (o, o32 if keep_o32 else o, lse)
-    if variant in ("tma", "ws"):
+    if variant != "sync":
         q_rows = block_m if variant == "tma" else 64      # "ws": each warpgroup reads its own 64 rows of Q
         args = [*(descriptor(t, rows) for t, rows in ((q, q_rows), (k, BLOCK_N.value), (v, BLOCK_N.value))), *out]
     else:
