@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import TILE_N, UNFUSED, Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, wire_fix
+from kernels import TILE_N, UNFUSED, Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, delta_reads
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
@@ -554,7 +554,7 @@ def check(q, k, v, causal, fix, variant):
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    shift, delta = wire_fix(fix, Numerics())
+    shift, delta = fix != "off", delta_reads(fix, Numerics())
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
     if variant != "sync":   # TMA reads 16-byte aligned rows

@@ -70,7 +70,7 @@ def test_cpu_tensors_are_refused():
 
 
 def test_fix_wiring():
-    """fix "off": no shift, no fp32 O; "on": both; "paper": the shift alone (kernels.wire_fix's)."""
+    """fix "off": no shift, no fp32 O; "on": both; "paper": the shift alone (kernels.delta_reads's)."""
     q = q_of()
     assert [kernels_gluon.check(q, q, q, True, fix, "sync") for fix in ("off", "on", "paper")] == [
         (False, False), (True, True), (True, False)]
