@@ -112,15 +112,21 @@ def claim_folder(run_dir, c, resume, presets):
             raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
         if ckpt is None:
             raise nothing_to_resume(run_dir)
+        # its newest checkpoint at --steps (or its summary at --minutes): resuming would train no step
+        if int(ckpt.stem.split("_")[1]) >= c["steps"] or (c["minutes"] is not None and summary
+                                                          and summary.get("minutes", 0) >= c["minutes"]):
+            raise RunError(f"--resume: {run_dir} is finished: no collapse in {summary.get('steps', c['steps']):,} "
+                           f"steps (summary.json); give a larger --steps or --minutes to train it further")
     elif ckpt or summary:
         saved = read_json(run_dir / "config.json")
         if not saved:
             raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
         ran = as_ran(saved, presets)
         differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
-        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)"
-                  if differ else f"{collapse}: give a new run another --name" if collapse else
-                  "pass --resume to continue it, or --name for a new run")
+        afresh = f"or delete {run_dir} to start it afresh"
+        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
+                  f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
+                  f"pass --resume to continue it, --name for a new run, {afresh}")
         raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
     else:
         attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]

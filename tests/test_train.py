@@ -204,6 +204,29 @@ def test_resume_refuses_to_change_the_arm(run, text, tmp_path, capsys):
     assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20]
 
 
+def test_a_finished_run_says_so_and_how_to_start_it_afresh(run, capsys):
+    done = run("done", "--steps", "20")
+    assert train.TINY_NOTE in capsys.readouterr().out   # the tiny run's last lines: no collapse expected
+    assert f"is finished: no collapse in 20 steps" in refusal(capsys, lambda: run("done", "--steps", "20", "--resume"))
+    assert f"pass --resume to continue it, --name for a new run, or delete {done} to start it afresh" in refusal(
+        capsys, lambda: run("done", "--steps", "20"))
+    assert [int(r["step"]) for r in read_log(done)] == [10, 20]   # nothing was touched
+
+
+def test_the_docstring_says_what_the_seed_study_holds():
+    rows = [row for row in runs.read_table(Path(train.__file__).parent / "results/seed_study/runs.csv")
+            if not row["variant"]]
+    arm = lambda name: [row for row in rows if row["arm"] == name]
+    steps = sorted(row["steps"] for row in arm("on"))
+    assert not any(row["collapsed"] for row in arm("on"))
+    assert f"trains through ({len(steps)} seeds, {steps[0]:,}-{steps[-1]:,} steps, no collapse)" in train.__doc__
+    paper = sorted(row["seed"] for row in arm("paper") if row["collapsed"])
+    assert paper == list(range(len(arm("paper")))) and f"collapsed on seeds 0-{paper[-1]}" in train.__doc__
+    assert all(row["collapsed"] for row in rows if row["fix"] == "off" and row["attn"] == "kernel"
+               and row["delta"] == "o" and row["stochastic_o"] == "off")
+    assert "collapses (on every seed run" in train.__doc__
+
+
 def test_resume_may_change_the_length_and_intervals(run):
     run_dir = run(None, "--steps", "20")
     assert run_dir.name == "tiny-sdpa-fixoff-block32-batch8-data_words-s0"   # the default name
