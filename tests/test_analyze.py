@@ -160,7 +160,7 @@ def headline(runs, study, monkeypatch):
     """The headline figure of `runs` (and `study`, the runs of their runs.csv), not saved."""
     figures = []
     monkeypatch.setattr(analyze, "save", lambda fig, path: figures.append(fig) or path)
-    analyze.plot_headline(runs, study, run_styles(study, {r.path: analyze.arm(r) for r in study}), Path("h.png"))
+    analyze.plot_headline(runs, study, Path("h.png"))
     return figures[0]
 
 
@@ -172,11 +172,15 @@ def test_headline_draws_each_run_to_its_end(tmp_path, monkeypatch):
     runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
     fig = headline(runs, runs, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["--preset tiny --fix off --delta fp32-o: 1 run: no collapse in 390 steps",
-                     "--preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps",
+    assert texts == ["python train.py --preset tiny --fix off --delta fp32-o: 1 run: no collapse in 390 steps",
+                     "python train.py --preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse "
+                     "in 390 steps",
                      "median of an arm's lines, while all of them (at least 3) are alive", "collapse",
                      "a run's end without a collapse (right)"]
     loss, logit, alive = fig.axes
+    hues = [h.get_color() for h in fig.legends[0].legend_handles[:2]]
+    assert hues == ["tab:purple", "tab:red"]   # one hue per arm, its family's own
+    assert all(ax.get_xlim() == (0, 390) for ax in fig.axes)   # the axes end where the runs end
     off = [r for r in runs if r.name.startswith("off")]
     for ax, column in ((loss, "train_loss"), (logit, analyze.LOGIT)):
         # a thin line per run, each to its own end, one X, and one median (off's three runs)
@@ -218,8 +222,8 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
 
     fig = headline(runs, everyone, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts[:2] == ["--fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
-                         "--attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
+    assert texts[:2] == ["python train.py --fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
+                         "python train.py --attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
     table = analyze.study_table(read_table(study / "runs.csv"), study)
     assert "| **3 / 3** | 600 (300-900) |" in table[2] and "| **0 / 1** | - | 1,000 |" in table[3]
     alive = [line for line in fig.axes[2].lines if line.get_marker() != "|"]
@@ -420,16 +424,20 @@ def test_a_layer_is_named_only_where_it_stands_out(tmp_path):
     assert not analyze.stands_out(0, {0: 5.0})   # one layer: nothing to stand out from
 
 
-def test_a_missing_folder_is_named(tmp_path, monkeypatch):
+def test_a_missing_folder_is_named(tmp_path, monkeypatch, capsys):
+    """One line on stderr and exit status 2, as argparse (and train.py) refuse a command."""
     monkeypatch.chdir(tmp_path)
-    for argv, missing in ((["nosuchdir"], "nosuchdir"), ([], "runs"), (["--table", "no.csv"], "no.csv")):
+    def refused(argv):
         with pytest.raises(SystemExit) as exited:
             analyze.main(argv)
-        assert exited.value.code == f"analyze.py: error: no such file or folder: {missing}"
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+    for argv, missing in ((["nosuchdir"], "nosuchdir"), ([], "runs"), (["--table", "no.csv"], "no.csv")):
+        assert refused(argv) == f"analyze.py: error: no such file or folder: {missing}\n"
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit) as exited:
-        analyze.main(["empty"])
-    assert exited.value.code == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty"
+    assert refused(["empty"]) == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty\n"
+    (tmp_path / "runs.csv").write_text("name,arm,flags\n")
+    assert refused(["--table", "runs.csv"]).startswith("analyze.py: error: no block of runs.csv in README.md")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
 
 
@@ -679,4 +687,5 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
                         "which ended at the steps above before a collapse; the other arms without a collapse peak "
                         "at 120.")
     # one run had the GPU alone: 100 steps a minute, so the collapses come after 1 and 3 minutes
-    assert lines[-1].endswith("so its collapses come after 2.0 (1.0-3.0) minutes.")
+    assert lines[-1] == "Alone on one H200 the fix-off runs of `off` would collapse after 2.0 (1.0-3.0) minutes " \
+                        "(alone_minutes)."
