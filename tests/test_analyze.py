@@ -436,9 +436,9 @@ def test_a_missing_folder_is_named(tmp_path, monkeypatch, capsys):
         assert refused(argv) == f"analyze.py: error: no such file or folder: {missing}\n"
     (tmp_path / "empty").mkdir()
     assert refused(["empty"]) == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
     (tmp_path / "runs.csv").write_text("name,arm,flags\n")
     assert refused(["--table", "runs.csv"]).startswith("analyze.py: error: no block of runs.csv in README.md")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
 
 
 def test_probe_report_without_phases(tmp_path):
