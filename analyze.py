@@ -205,7 +205,7 @@ def plot_headline(runs, study, path, title="the kernel as it ships"):
     for ax, text in zip(axes, titles):
         ax.set_title(text)
         ax.set_xlabel("step")
-        ax.set_xlim(0, max_step)
+        ax.set_xlim(0, 1.02 * max_step)   # (a margin for the end ticks, which sit on the last step)
         step_axis(ax.xaxis)
         ax.grid(alpha=0.3, which="both")
     for ax in axes[:2]:
@@ -458,7 +458,7 @@ def shipped_table(rows, folder):
     """README's table: one line per train.py command of the runs of the kernel as it ships (as_shipped), in the
     order they first appear: its runs, how many collapsed, at which step (or how long they ran without one), the
     minutes that takes alone on the H200 (alone_minutes) and layer 0's peak (from the logs kept in folder/runs/)."""
-    arms = {name: group for name, group in by_flags(rows).items() if all(map(as_shipped, group))}
+    arms = by_flags([row for row in rows if as_shipped(row)])
     lines = ["| command | runs (seeds) | collapsed | steps: to the collapse, or run without one | minutes alone on "
              f"an H200 | peak of {LOGIT} |", "|---|---|---|---|---|---|"]
     for group in arms.values():
@@ -471,16 +471,14 @@ def shipped_table(rows, folder):
                  span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
                                                             if row.get("log_kept"))], ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
-    alone = [row["name"] for group in arms.values() for row in group if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
-    return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself ({', '.join(alone)}), the "
-                        f"others' steps at the pace of their command's runs that did; `-` where none did."]
+    return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (above {ALONE_TOKENS_PER_S / 1e6:g}M "
+                        f"tokens/s), else its steps at the pace of its command's runs that did; `-`: none did."]
 
 
 def run_lines(rows):
     """README's "Run it" lines of the table's commands: what each did, and in how many minutes alone."""
     lines = []
-    arms = {name: group for name, group in by_flags(rows).items() if all(map(as_shipped, group))}
-    for group in arms.values():
+    for group in by_flags([row for row in rows if as_shipped(row)]).values():
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
         minutes = alone_minutes(group)
         what = (f"collapsed on {len(fell)} of {len(group)} seeds" if fell else
