@@ -62,12 +62,13 @@ def family(run):
 
 def arm_hues(families):
     """{arm: colour} of {arm: its family (a key of PALETTE)}: one clearly different hue per arm, no two shades of
-    one: the family's own colour for its first arm, the next unused of HUES for the others."""
-    hues = {}
+    one: the family's own colour for its first arm, then the unused of HUES, in order, for the others."""
+    own = {}
     for arm, kind in families.items():
-        own = PALETTE[kind][0]
-        hues[arm] = own if own not in hues.values() else next(h for h in HUES if h not in hues.values())
-    return hues
+        own.setdefault(PALETTE[kind][0], arm)
+    spare = iter(h for h in HUES if h not in own)
+    mine = {arm: colour for colour, arm in own.items()}
+    return {arm: mine.get(arm) or next(spare) for arm in families}
 
 
 def run_styles(runs, arms):

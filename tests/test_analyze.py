@@ -710,3 +710,11 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
     # one run had the GPU alone: 100 steps a minute, so the collapses come after 1 and 3 minutes
     assert lines[-1] == "Alone on one H200 the fix-off runs of `off` would collapse after 2.0 (1.0-3.0) minutes " \
                         "(alone_minutes)."
+
+
+def test_headline_hues_are_one_per_arm():
+    """Each family's own colour goes to its first arm, even where an earlier arm of a crowded family needs a spare;
+    no two arms share a hue."""
+    hues = plots.arm_hues({"off": "fix off", "flash": "sdpa", "cudnn": "sdpa", "on": "fix on", "on2": "fix on"})
+    assert (hues["off"], hues["flash"], hues["on"]) == ("tab:red", "dimgray", "tab:blue")
+    assert len(set(hues.values())) == 5
