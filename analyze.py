@@ -42,7 +42,7 @@ from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
 from nanolp.presets import BEFORE_OPTION, NUMERICS, changed_settings
-from train import PRESETS
+from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
@@ -383,6 +383,9 @@ def analyze_runs(runs, out):
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))
     lines = ["## Runs", ""]
+    tiny = [run.name for run in runs if run.setting("preset", "default") == "tiny"]
+    if tiny:   # a CPU smoke run: its flat logits are no result
+        lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
     for table in tables:   # a study's runs: README.md's table, with the rows of runs whose logs were not kept
         lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in results/README.md):",
                   ""] + study_table(read_table(table), table.parent) + ["", "The runs with logs:", ""]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import analyze
+import train
 from experiments import mechanism
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
@@ -354,6 +355,7 @@ def test_runs_report_and_figures(tmp_path):
     for name in ("headline", "max_logit", "spectral_norm", "spectral_norm_heads", "tie_rate", "delta_err"):
         assert (out / f"{name}.png").stat().st_size > 0, name
     report = (out / "report.md").read_text()
+    assert f"off-s0, on-s0, partial, sdpa-s1: {train.TINY_NOTE}." in report   # the tiny runs checked the pipeline
     row = next(line for line in report.splitlines() if line.startswith(f"| `{runs / 'off-s0'}`"))
     assert f"| `--preset tiny --fix off` | 0 | 390 | step {COLLAPSE_STEP}, {COLLAPSE_STEP * 1.5 / 60:.1f} min" in row
     assert f"{[r['val_loss'] for r in collapsed if r['val_loss'] != ''][-1]:.4f}" in row
