@@ -92,11 +92,11 @@ def fmt(value, spec):
 
 
 def span(values, spec=",.0f"):
-    """'median (low-high)' of numbers; one number where they are all one; '-' for none."""
+    """'median (low-high)' of numbers; one number where they all read as one; '-' for none."""
     values = sorted(values)
     if not values:
         return "-"
-    if values[0] == values[-1]:
+    if format(values[0], spec) == format(values[-1], spec):
         return format(values[0], spec)
     return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
 
@@ -410,7 +410,9 @@ def analyze_runs(runs, out):
 # -----------------------------------------------------------------------------
 # The study's table: runs.csv by arm, written into README.md between markers, so it is never typed
 
-ALONE_TOKENS_PER_S = 2.5e6  # a default-preset run above this had the H200 alone (side by side: ~1.5M each)
+ALONE_PACE = 8000   # steps a minute: a default-preset run of our kernel faster than this had the H200 alone from
+                    # start to end (8,150-9,919 in the seed and stochastic-rounding studies; beside another run for
+                    # all or part of its steps at most 7,344; its tokens/s, a median over log rows, misses the part)
 RUNAWAY_LOGIT = 1e4   # a max logit past this ran away: the seed study's arms whose logits stay flat (fp32
                       # attention, delta from P or the fp32 O, the fix) peak at 84-242 over all layers
 DOCS = ("README.md", "results/README.md", "docs/findings.md")   # where --table's tables go, between their markers
@@ -450,7 +452,7 @@ def alone_minutes(group):
     its steps at the median pace of the arm's runs that did; None where none did."""
     end = lambda row: (row["collapse_step"], row["collapse_minute"]) if row["collapsed"] else (row["steps"],
                                                                                                 row["minutes"])
-    alone = [row for row in group if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
+    alone = [row for row in group if end(row)[0] / end(row)[1] > ALONE_PACE]
     if not alone:
         return None
     pace = median([end(row)[0] / end(row)[1] for row in alone])
@@ -474,8 +476,8 @@ def shipped_table(rows, folder):
                  span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
                                                             if row.get("log_kept"))], ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (above {ALONE_TOKENS_PER_S / 1e6:g}M "
-                        f"tokens/s), else its steps at the pace of its command's runs that did; `-`: none did."]
+    return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (over {ALONE_PACE:,} steps a "
+                        f"minute), else its steps at the pace of its command's runs that did; `-` where none did."]
 
 
 def run_lines(rows):
@@ -486,9 +488,15 @@ def run_lines(rows):
         minutes = alone_minutes(group)
         what = (f"collapsed on {len(fell)} of {len(group)} seeds" if fell else
                 f"no collapse on {len(group)} seeds in {span([row['steps'] for row in group])} steps")
-        when = "" if minutes is None else f", {min(minutes):.1f}-{max(minutes):.1f} min alone on an H200"
+        when = "" if minutes is None else f", {between(minutes)} min alone on an H200"
         lines.append(f"    {'python train.py ' + group[0]['flags']:<34}# {what}{when}")
     return lines
+
+
+def between(values, spec=".1f"):
+    """'low-high' of numbers, or one number where both read the same."""
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low}-{high}"
 
 
 def study_table(rows, folder):

@@ -693,15 +693,17 @@ def test_readme_numbers_are_their_files():
 
 def test_study_table_counts_collapses_per_arm(tmp_path):
     rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=s, collapsed=True, collapse_step=step,
-                 collapse_minute=minute, steps=step, tokens_per_s=speed, max_logit=logit, log_kept=False)
-            for s, step, minute, speed, logit in ((0, 100, 1.0, 3e6, 1e9), (1, 300, 6.0, 1.5e6, 2e6))]
+                 collapse_minute=minute, steps=step, minutes=minute, tokens_per_s=speed, max_logit=logit,
+                 log_kept=False, exponent="fma")
+            for s, step, minute, speed, logit in ((0, 10_000, 1.0, 3e6, 1e9), (1, 30_000, 6.0, 1.5e6, 2e6))]
     rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed=0, collapsed=False, collapse_step=None,
-                     collapse_minute=None, steps=500, tokens_per_s=3e6, max_logit=120.0, log_kept=False))
+                     collapse_minute=None, steps=500, minutes=1.0, tokens_per_s=3e6, max_logit=120.0, log_kept=False,
+                     exponent=None))
     rows += [dict(name=f"sdpa-s{s}-nolog", arm="sdpa", flags="--attn sdpa", seed=s, collapsed=False,
                   collapse_step=None, collapse_minute=None, steps=400, tokens_per_s=3e6, max_logit=logit,
                   log_kept=False) for s, logit in ((0, 3e5), (1, None))]
     lines = analyze.study_table(rows, tmp_path)
-    assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 200 (100-300) | - " \
+    assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 20,000 (10,000-30,000) | - " \
                        "| 3.5 (1.0-6.0) | 5.01e+08 (2e+06-1e+09) | - |"
     assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | 120 | - |"
     assert lines[4] == "| `sdpa` | `python train.py --attn sdpa` | 2 (0, 1) | 0 | **0 / 2** | - | 400 | - | 3e+05 | - |"
@@ -709,9 +711,16 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
     assert lines[6] == ("No collapse is not no runaway: the max logit passed 10,000 in 1 of the 2 runs of `sdpa`, "
                         "which ended at the steps above before a collapse; the other arms without a collapse peak "
                         "at 120.")
-    # one run had the GPU alone: 100 steps a minute, so the collapses come after 1 and 3 minutes
+    # one run had the GPU alone: 10,000 steps a minute, so the collapses come after 1 and 3 minutes
     assert lines[-1] == "Alone on one H200 the fix-off runs of `off` would collapse after 2.0 (1.0-3.0) minutes " \
                         "(alone_minutes)."
+    # README's table: the rows that record the exponent (on-s0 does not; sdpa's neither), one line per command
+    shipped = analyze.shipped_table(rows, tmp_path)
+    assert shipped[2:] == ["| `python train.py --fix off` | 2 (0, 1) | **2 / 2** | 20,000 (10,000-30,000) "
+                           "| 2.0 (1.0-3.0) | - |", "", shipped[-1]]
+    assert shipped[-1].startswith("Minutes alone: a run's own where it had the GPU to itself (over 8,000 steps")
+    assert analyze.run_lines(rows) == ["    python train.py --fix off         # collapsed on 2 of 2 seeds, "
+                                       "1.0-3.0 min alone on an H200"]
 
 
 def test_headline_hues_are_one_per_arm():
