@@ -1,9 +1,10 @@
 """The last chapter: what the runs show, in figures and a short report, and the rounding bias without training.
 
-    python analyze.py RUN... [--out DIR]         headline.png (per arm: each run's loss and layer 0's max logit,
-                                                 the share not yet collapsed), per-layer figures, rates.csv (per
-                                                 arm: collapsed, medians) and report.md, into DIR (by default the
-                                                 runs' folder's figures/: runs/figures for `python analyze.py runs`)
+    python analyze.py RUN... [--out DIR]         headline.png (per arm of the kernel as it ships: each run's loss
+                                                 and layer 0's max logit, the share not yet collapsed; the other
+                                                 runs in headline_earlier_kernels.png), per-layer figures, rates.csv
+                                                 (per arm: collapsed, medians) and report.md, into DIR (by default
+                                                 the runs' folder's figures/: runs/figures for `python analyze.py runs`)
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
                                                  phase of layer 0's runaway; delta_probe_ARM.png: per run
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
@@ -386,7 +387,7 @@ def analyze_runs(runs, out):
     tiny = [run.name for run in runs if run.setting("preset", "default") == "tiny"]
     if tiny:   # a CPU smoke run: its flat logits are no result
         lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
-    for table in tables:   # a study's runs: README.md's table, with the rows of runs whose logs were not kept
+    for table in tables:   # a study's runs: results/README.md's table, the rows of runs whose logs were not kept too
         lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in results/README.md):",
                   ""] + study_table(read_table(table), table.parent) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
@@ -610,7 +611,8 @@ def main(argv=None):
     mode.add_argument("--probe", action="store_true", help="the delta probe's columns of the runs")
     mode.add_argument("--mechanism", action="store_true", help="the rounding bias on synthetic rows; no runs")
     mode.add_argument("--table", type=Path, metavar="CSV",
-                      help="rewrite README.md's table of a study's runs.csv (between its markers); no runs")
+                      help="rewrite the tables of a study's runs.csv in README.md, results/README.md and "
+                           "docs/findings.md (between their markers); no runs")
     args = parser.parse_args(argv)
     if args.mechanism and args.runs:
         parser.error("--mechanism reads no runs")

@@ -42,7 +42,8 @@ from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem,
 # the failure comes within minutes on one GPU (how it was chosen: results/default_search/). The model memorises
 # the text (train loss ~0.05) and then trains on near-zero gradients; there the one-signed error that O's final
 # bf16 cast puts into delta grows layer 0's W_Q and logits until the loss blows up. How often and how soon, per
-# arm and seed: README.md's table. Each setting is a flag (n_layer: --n-layer); --help shows a preset's values.
+# arm and seed: README.md's table (every arm: results/README.md's). Each setting is a flag (n_layer: --n-layer);
+# --help shows a preset's values.
 DEFAULT = dict(
     # the model
     n_layer=6, n_head=6, n_embd=384, block_size=256, pos="learned",
