@@ -107,16 +107,17 @@ def claim_folder(run_dir, c, resume, presets):
     ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
     collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
                 if summary.get("collapsed") else None)
+    # its newest checkpoint at --steps (or its summary at --minutes): resuming would train no step
+    finished = ckpt is not None and (int(ckpt.stem.split("_")[1]) >= c["steps"] or (
+        c["minutes"] is not None and summary.get("minutes", 0) >= c["minutes"]))
+    done = f"it is finished: no collapse in {summary.get('steps', c['steps']):,} steps (summary.json)"
     if resume:
         if collapse:
             raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
         if ckpt is None:
             raise nothing_to_resume(run_dir)
-        # its newest checkpoint at --steps (or its summary at --minutes): resuming would train no step
-        if int(ckpt.stem.split("_")[1]) >= c["steps"] or (c["minutes"] is not None and summary
-                                                          and summary.get("minutes", 0) >= c["minutes"]):
-            raise RunError(f"--resume: {run_dir} is finished: no collapse in {summary.get('steps', c['steps']):,} "
-                           f"steps (summary.json); give a larger --steps or --minutes to train it further")
+        if finished:
+            raise RunError(f"--resume: {run_dir}: {done}; give a larger --steps or --minutes to train it further")
     elif ckpt or summary:
         saved = read_json(run_dir / "config.json")
         if not saved:
@@ -126,7 +127,8 @@ def claim_folder(run_dir, c, resume, presets):
         afresh = f"or delete {run_dir} to start it afresh"
         advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
                   f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
-                  f"pass --resume to continue it, --name for a new run, {afresh}")
+                  f"{done}: --resume with a larger --steps trains it further, --name starts a new run, {afresh}"
+                  if finished else f"pass --resume to continue it, --name for a new run, {afresh}")
         raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
     else:
         attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]

@@ -157,7 +157,9 @@ def test_resume_reproduces_an_uninterrupted_run(run, capsys):
     whole = run("whole", "--steps", "40")
     part = run("part", "--steps", "30")
     assert (part / "ckpt" / "step_0000030.pt").exists()  # a run saves its last step too, to resume from there
-    assert "pass --resume to continue it" in refusal(capsys, lambda: run("part", "--steps", "30"))
+    assert "it is finished: no collapse in 30 steps" in refusal(capsys, lambda: run("part", "--steps", "30"))
+    assert f"pass --resume to continue it, --name for a new run, or delete {part} to start it afresh" in refusal(
+        capsys, lambda: run("part", "--steps", "40"))   # not yet at its --steps
     run("part", "--steps", "40", "--resume")
     # the same log, except that the first leg also evaluated and diagnosed its last step, 30
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
@@ -207,8 +209,10 @@ def test_resume_refuses_to_change_the_arm(run, text, tmp_path, capsys):
 def test_a_finished_run_says_so_and_how_to_start_it_afresh(run, capsys):
     done = run("done", "--steps", "20")
     assert train.TINY_NOTE in capsys.readouterr().out   # the tiny run's last lines: no collapse expected
-    assert f"is finished: no collapse in 20 steps" in refusal(capsys, lambda: run("done", "--steps", "20", "--resume"))
-    assert f"pass --resume to continue it, --name for a new run, or delete {done} to start it afresh" in refusal(
+    assert f"{done}: it is finished: no collapse in 20 steps (summary.json); give a larger --steps" in refusal(
+        capsys, lambda: run("done", "--steps", "20", "--resume"))
+    assert f"it is finished: no collapse in 20 steps (summary.json): --resume with a larger --steps trains it " \
+           f"further, --name starts a new run, or delete {done} to start it afresh" in refusal(
         capsys, lambda: run("done", "--steps", "20"))
     assert [int(r["step"]) for r in read_log(done)] == [10, 20]   # nothing was touched
 
@@ -264,7 +268,7 @@ def test_a_new_run_never_continues_another(run, capsys):
     # without --name, the other settings get a folder of their own
     other = run(None, "--steps", "20", "--lr", "0.01")
     assert other.name == "tiny-sdpa-fixoff-lr0.01-block32-batch8-data_words-s0"
-    assert "pass --resume to continue it" in refusal(capsys, lambda: run(None, "--steps", "20", "--lr", "0.01"))
+    assert "pass --resume to continue it" in refusal(capsys, lambda: run(None, "--steps", "30", "--lr", "0.01"))
 
 
 def test_help_groups_the_flags(capsys):
