@@ -33,7 +33,7 @@ from model import ATTN_BACKENDS, GPT, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
 from nanolp.presets import ARM, COMMON, NUMERICS
-from nanolp.runconfig import claim_folder, describe, nothing_to_resume, resolve_config
+from nanolp.runconfig import claim_folder, describe, done, is_finished, nothing_to_resume, resolve_config
 from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
                          read_log, set_aside, write_checksum, write_json)
 
@@ -335,6 +335,10 @@ def run(c, data, resume):
     state = dict(step=0, elapsed=0.0, ema=None, loss_min=math.inf)
     if resume:
         state = load_checkpoint(run_dir, model, optimizer, device, columns)
+        # (a run killed after its last checkpoint but before its summary resumes to write that summary)
+        if (run_dir / "summary.json").exists() and is_finished(c, state["step"], state["elapsed"] / 60):
+            raise RunError(f"--resume: {run_dir}: {done(state['step'])}; give a larger --steps or --minutes to "
+                           f"train it further")
         print(f"resuming {run_dir} at step {state['step']}")
     else:   # (claim_folder made sure that the folder holds no run)
         write_rows(run_dir / "log.csv", [], columns, "w")

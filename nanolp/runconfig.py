@@ -107,17 +107,11 @@ def claim_folder(run_dir, c, resume, presets):
     ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
     collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
                 if summary.get("collapsed") else None)
-    # its newest checkpoint at --steps (or its summary at --minutes): resuming would train no step
-    finished = ckpt is not None and (int(ckpt.stem.split("_")[1]) >= c["steps"] or (
-        c["minutes"] is not None and summary.get("minutes", 0) >= c["minutes"]))
-    done = f"it is finished: no collapse in {summary.get('steps', c['steps']):,} steps (summary.json)"
     if resume:
         if collapse:
             raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
         if ckpt is None:
             raise nothing_to_resume(run_dir)
-        if finished:
-            raise RunError(f"--resume: {run_dir}: {done}; give a larger --steps or --minutes to train it further")
     elif ckpt or summary:
         saved = read_json(run_dir / "config.json")
         if not saved:
@@ -125,9 +119,11 @@ def claim_folder(run_dir, c, resume, presets):
         ran = as_ran(saved, presets)
         differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
         afresh = f"or delete {run_dir} to start it afresh"
+        finished = summary and ckpt and is_finished(c, int(ckpt.stem.split("_")[1]), summary.get("minutes", 0))
         advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
                   f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
-                  f"{done}: --resume with a larger --steps trains it further, --name starts a new run, {afresh}"
+                  f"{done(summary.get('steps', 0))}: --resume with a larger --steps trains it further, --name "
+                  f"starts a new run, {afresh}"
                   if finished else f"pass --resume to continue it, --name for a new run, {afresh}")
         raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
     else:
@@ -140,6 +136,17 @@ def claim_folder(run_dir, c, resume, presets):
                 shutil.rmtree(path)
             else:
                 path.unlink()
+
+
+def is_finished(c, step, minutes):
+    """Whether a run at `step`, after `minutes` of training, has reached its --steps or --minutes (settings c):
+    resuming it would train no step."""
+    return step >= c["steps"] or (c["minutes"] is not None and minutes >= c["minutes"])
+
+
+def done(steps):
+    """What a finished run's folder says of it."""
+    return f"it is finished: no collapse in {steps:,} steps (summary.json)"
 
 
 def nothing_to_resume(run_dir):

@@ -689,6 +689,15 @@ def test_readme_numbers_are_their_files():
            "runs" in readme and "59-82 s on two idle cores" in (root / "results/speed/tiny_cpu.txt").read_text()
     speed = {row["name"]: row["tokens_per_s"] for row in read_table(root / "results/speed/train_step/runs.csv")}
     assert f"steps at {speed['fix-on-8000'] / speed['sdpa-8000']:.2f}x the tokens/s of `--attn sdpa`" in readme
+    # the settings it names: train.py's
+    d, tiny = train.PRESETS["default"], train.PRESETS["tiny"]
+    assert (f"({d['n_layer']} layers, {d['n_head']} heads, {d['n_embd']} channels, context {d['block_size']}, batch "
+            f"{d['batch_size']}, lr {d['lr']:g}, bf16, TinyShakespeare)") in readme and d["dtype"] == "bf16"
+    assert f"smoothed loss more than {train.SPIKE_NATS:g} nat above its minimum" in readme
+    assert f"`--steps` ({d['steps']:,} by default" in readme
+    stood = {row["steps"] for row in rows if analyze.as_shipped(row) and not row["collapsed"]}
+    assert len(stood) == 1 and f"the table's runs without a collapse ran {stood.pop():,})" in readme
+    assert f"trains a {tiny['n_layer']}-layer model for {tiny['steps']} steps" in readme
 
 
 def test_study_table_counts_collapses_per_arm(tmp_path):
