@@ -1,13 +1,15 @@
 """The last chapter: what the runs show, in figures and a short report, and the rounding bias without training.
 
-    python analyze.py RUN... [--out DIR]         headline.png (per arm: each run's loss and layer 0's max logit,
-                                                 the share not yet collapsed), per-layer figures, rates.csv (per
-                                                 arm: collapsed, medians) and report.md, into DIR (by default the
-                                                 runs' folder's figures/: runs/figures for `python analyze.py runs`)
+    python analyze.py RUN... [--out DIR]         headline.png (per arm of the kernel as it ships: each run's loss
+                                                 and layer 0's max logit, the share not yet collapsed; the other
+                                                 runs in headline_earlier_kernels.png), per-layer figures, rates.csv
+                                                 (per arm: collapsed, medians) and report.md, into DIR (by default
+                                                 the runs' folder's figures/: runs/figures for `python analyze.py runs`)
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
                                                  phase of layer 0's runaway; delta_probe_ARM.png: per run
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
-    python analyze.py --table STUDY/runs.csv     README.md's table of a study: per arm, how many collapsed, when
+    python analyze.py --table STUDY/runs.csv     the tables of a study in README.md, results/README.md and
+                                                 docs/findings.md: per command, how many collapsed, when
 
 What the runs show, and why: docs/findings.md.
 Runs are named by their arm: the train.py flags that set them apart from their preset.
@@ -15,6 +17,7 @@ Runs are named by their arm: the train.py flags that set them apart from their p
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -24,10 +27,10 @@ from matplotlib.lines import Line2D
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
-from nanolp.plots import family, fix_word, plot_grid, run_styles, save, step_axis
+from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
 from nanolp.runconfig import BEFORE_OPTION, NUMERICS, changed_settings
-from train import PRESETS
+from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
@@ -77,11 +80,11 @@ def fmt(value, spec):
 
 
 def span(values, spec=",.0f"):
-    """'median (low-high)' of numbers; one number where they are all one; '-' for none."""
+    """'median (low-high)' of numbers; one number where they all read as one; '-' for none."""
     values = sorted(values)
     if not values:
         return "-"
-    if values[0] == values[-1]:
+    if format(values[0], spec) == format(values[-1], spec):
         return format(values[0], spec)
     return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
 
@@ -148,17 +151,19 @@ def survival(group):
     return np.array(steps), np.array(share)
 
 
-def plot_headline(runs, study, styles, path):
+def plot_headline(runs, study, path, title="the kernel as it ships"):
     """Per arm, train loss and layer 0's max logit of each run with a log: a thin line to its end, an X where it
     collapsed, and the median where all of them, at least MEDIAN_RUNS, are alive; then the share of the arm's runs not yet
     collapsed, over `study`: the runs and every other run of their studies (runs.csv rows without a log), so that
-    the panel and the legend count what the table counts. `styles` colours at least one run of each arm."""
+    the panel and the legend count what the table counts. Each arm in its own hue (nanolp.plots.arm_hues),
+    labelled with its command; the axes end at the last step drawn."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=[1, 1, 0.8])
-    drawn = by_arm(runs)
+    drawn, groups = by_arm(runs), by_arm(study)
+    hues = arm_hues({name: family(group[0]) for name, group in groups.items()})
     max_step = max(run.outcome["steps"] for run in study)
     handles = []
-    for name, group in by_arm(study).items():
-        colour = next(styles[run.path]["color"] for run in group if run.path in styles)
+    for name, group in groups.items():
+        colour = hues[name]
         lines = drawn.get(name, [])
         for ax, column in zip(axes, ("train_loss", LOGIT)):
             for run in lines:
@@ -176,7 +181,7 @@ def plot_headline(runs, study, styles, path):
         axes[2].plot(ended, share[np.searchsorted(steps, ended, side="right") - 1], "|", color=colour,
                      markersize=14, markeredgewidth=1.6, zorder=4)
         logs = "" if len(lines) == len(group) else f"; lines: {len(lines)} of them" if lines else "; no lines"
-        handles.append(Line2D([], [], color=colour, linewidth=1.6, label=f"{name}: {outcome(group)}{logs}"))
+        handles.append(Line2D([], [], color=colour, linewidth=1.6, label=f"{command(name)}: {outcome(group)}{logs}"))
     handles.append(Line2D([], [], color="gray", linewidth=2.6,
                           label=f"median of an arm's lines, while all of them (at least {MEDIAN_RUNS}) are alive"))
     if any(run.collapse_step is not None for run in runs):
@@ -185,16 +190,16 @@ def plot_headline(runs, study, styles, path):
                           label="a run's end without a collapse (right)"))
     titles = ("training loss (nats/token)", f"layer {PROBE_LAYER}'s max attention logit",
               "share of runs not yet collapsed" + (" (all of runs.csv)" if len(study) > len(runs) else ""))
-    for ax, title in zip(axes, titles):
-        ax.set_title(title)
+    for ax, text in zip(axes, titles):
+        ax.set_title(text)
         ax.set_xlabel("step")
+        ax.set_xlim(0, 1.02 * max_step)   # (a margin for the end ticks, which sit on the last step)
         step_axis(ax.xaxis)
         ax.grid(alpha=0.3, which="both")
     for ax in axes[:2]:
         ax.set_yscale("log")
     axes[2].set_ylim(-0.03, 1.03)
-    fig.suptitle("per arm (the train.py flags that differ from the preset): each run with a kept log a thin line "
-                 "to its end", fontsize=11)
+    fig.suptitle(f"{title}: per command, each run with a kept log a thin line to its end", fontsize=11)
     fig.tight_layout()
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=9)
     return save(fig, path)
@@ -330,10 +335,15 @@ def analyze_runs(runs, out):
     study = [logged.get(run.path, run) for table in tables for run in study_runs(table)]
     in_study = {run.path for run in study}
     study += [run for run in runs if run.path not in in_study]
-    # and one run of each arm without a log, so that every arm gets its own shade, the same in every figure
-    styled = runs + [group[0] for group in by_arm(study).values() if not any(run.path in logged for run in group)]
-    styles = run_styles(styled, {run.path: arm(run) for run in styled})
-    figures = [plot_headline(runs, study, styles, out / "headline.png")]
+    styles = run_styles(runs, {run.path: arm(run) for run in runs})
+    # the headline: the kernel as it ships, README's table; the earlier kernels' runs in a figure of their own
+    shipped = {run.path for run in study if as_shipped({**run.config, **run.summary})}
+    figures = [plot_headline([run for run in runs if run.path in keep], [run for run in study if run.path in keep],
+                             out / name, title)
+               for keep, name, title in ((shipped, "headline.png", "the kernel as it ships"),
+                                         ({run.path for run in study} - shipped, "headline_earlier_kernels.png",
+                                          "the earlier kernels, whose exponent the compiler fused in part"))
+               if keep]
     layers = range(layer_count(runs))
     layer, growth = growth_layer(runs)
     if layers:
@@ -361,8 +371,11 @@ def analyze_runs(runs, out):
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))
     lines = ["## Runs", ""]
-    for table in tables:   # a study's runs: README.md's table, with the rows of runs whose logs were not kept
-        lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in README.md):",
+    tiny = [run.name for run in runs if run.setting("preset", "default") == "tiny"]
+    if tiny:   # a CPU smoke run: its flat logits are no result
+        lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
+    for table in tables:   # a study's runs: results/README.md's table, the rows of runs whose logs were not kept too
+        lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in results/README.md):",
                   ""] + study_table(read_table(table), table.parent) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
@@ -385,9 +398,24 @@ def analyze_runs(runs, out):
 # -----------------------------------------------------------------------------
 # The study's table: runs.csv by arm, written into README.md between markers, so it is never typed
 
-ALONE_TOKENS_PER_S = 2.5e6  # a default-preset run above this had the H200 alone (side by side: ~1.5M each)
+ALONE_PACE = 8000   # steps a minute: a default-preset run of our kernel faster than this had the H200 alone from
+                    # start to end (8,150-9,919 in the seed and stochastic-rounding studies; beside another run for
+                    # all or part of its steps at most 7,344; its tokens/s, a median over log rows, misses the part)
 RUNAWAY_LOGIT = 1e4   # a max logit past this ran away: the seed study's arms whose logits stay flat (fp32
                       # attention, delta from P or the fp32 O, the fix) peak at 84-242 over all layers
+DOCS = ("README.md", "results/README.md", "docs/findings.md")   # where --table's tables go, between their markers
+
+
+def as_shipped(settings):
+    """Whether a run (its config and summary, or its runs.csv row) ran the kernel as it ships: it records the
+    exponent (nanolp.presets.BEFORE_OPTION), which the earlier kernels' runs did not have. README's table and
+    headline figure hold these runs; results/README.md and the second figure the earlier ones."""
+    return all(settings.get(key) is not None for key in BEFORE_OPTION)
+
+
+def command(name):
+    """An arm's train.py command as the table gives it: the flags, less an earlier kernel's "(before --...)"."""
+    return "python train.py " + name.split(" (before")[0]
 
 
 def seed_list(seeds):
@@ -397,15 +425,74 @@ def seed_list(seeds):
     return ", ".join(map(str, seeds))
 
 
-def study_table(rows, folder):
-    """The markdown table of a study's runs.csv rows (nanolp.runs.read_table), one line per arm in the order the
-    arms first appear, a line on the arms that ran away without a collapse, and one on how long the fix-off arm
-    takes to collapse alone on the GPU. The peak max logit over all layers is every row's (runs.csv's max_logit),
-    layer 0's comes from the runs whose logs are kept in folder/runs/."""
-    arms, variants = {}, [row for row in rows if row.get("variant")]
+def by_flags(rows):
+    """A study's runs.csv rows (nanolp.runs.read_table) by arm, in the order the arms first appear, less the rows
+    of patched kernels (no train.py command: results/README.md has those)."""
+    arms = {}
     for row in rows:
-        if not row.get("variant"):   # a patched kernel is no train.py command: results/README.md has those
+        if not row.get("variant"):
             arms.setdefault(row["arm"], []).append(row)
+    return arms
+
+
+def alone_minutes(group):
+    """Each run's minutes to its collapse (or its end) alone on the H200: its own where it had the GPU alone, else
+    its steps at the median pace of the arm's runs that did; None where none did."""
+    end = lambda row: (row["collapse_step"], row["collapse_minute"]) if row["collapsed"] else (row["steps"],
+                                                                                                row["minutes"])
+    alone = [row for row in group if end(row)[0] / end(row)[1] > ALONE_PACE]
+    if not alone:
+        return None
+    pace = median([end(row)[0] / end(row)[1] for row in alone])
+    return [end(row)[1] if row in alone else end(row)[0] / pace for row in group]
+
+
+def shipped_table(rows, folder):
+    """README's table: one line per train.py command of the runs of the kernel as it ships (as_shipped), in the
+    order they first appear: its runs, how many collapsed, at which step (or how long they ran without one), the
+    minutes that takes alone on the H200 (alone_minutes) and layer 0's peak (from the logs kept in folder/runs/)."""
+    arms = by_flags([row for row in rows if as_shipped(row)])
+    lines = ["| command | runs (seeds) | collapsed | steps: to the collapse, or run without one | minutes alone on "
+             f"an H200 | peak of {LOGIT} |", "|---|---|---|---|---|---|"]
+    for group in arms.values():
+        fell = [row["collapse_step"] for row in group if row["collapsed"]]
+        stood = [row["steps"] for row in group if not row["collapsed"]]
+        steps = ([span(fell)] if fell else []) + ([f"{span(stood)}, no collapse"] if stood else [])
+        minutes = alone_minutes(group)
+        cells = [f"`python train.py {group[0]['flags']}`", f"{len(group)} ({seed_list(row['seed'] for row in group)})",
+                 f"**{len(fell)} / {len(group)}**", "; ".join(steps), "-" if minutes is None else span(minutes, ".1f"),
+                 span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
+                                                            if row.get("log_kept"))], ".3g")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (over {ALONE_PACE:,} steps a "
+                        f"minute), else its steps at the pace of its command's runs that did; `-` where none did."]
+
+
+def run_lines(rows):
+    """README's "Run it" lines of the table's commands: what each did, and in how many minutes alone."""
+    lines = []
+    for group in by_flags([row for row in rows if as_shipped(row)]).values():
+        fell = [row["collapse_step"] for row in group if row["collapsed"]]
+        minutes = alone_minutes(group)
+        what = (f"collapsed on {len(fell)} of {len(group)} seeds" if fell else
+                f"no collapse on {len(group)} seeds in {span([row['steps'] for row in group])} steps")
+        when = "" if minutes is None else f", {between(minutes)} min alone on an H200"
+        lines.append(f"    {'python train.py ' + group[0]['flags']:<34}# {what}{when}")
+    return lines
+
+
+def between(values, spec=".1f"):
+    """'low-high' of numbers, or one number where both read the same."""
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low}-{high}"
+
+
+def study_table(rows, folder):
+    """The markdown table of all of a study's runs.csv rows (nanolp.runs.read_table), one line per arm in the order
+    the arms first appear, a line on the arms that ran away without a collapse, and one on how long the fix-off
+    arms take to collapse alone on the GPU. The peak max logit over all layers is every row's (runs.csv's
+    max_logit), layer 0's comes from the runs whose logs are kept in folder/runs/."""
+    arms, variants = by_flags(rows), [row for row in rows if row.get("variant")]
     lines = ["| arm | command | runs (seeds) | logs kept | collapsed | steps to collapse: median (range) "
              "| steps without a collapse: median (range) | training minutes to collapse | peak max logit, any layer "
              f"| peak of {LOGIT} (kept logs) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -433,27 +520,37 @@ def study_table(rows, folder):
             f"{len(rows)} of the {len(arms[name])} runs of `{name}`" for name, rows in ran_away.items()) +
             ", which ended at the steps above before a collapse" + (
             f"; the other arms without a collapse peak at {max(flat):.3g}." if flat else ".")]
-    for arm, what in (("off-fma", "the kernel as it ships"), ("off", "the earlier kernels")):
-        off = [row for row in arms.get(arm, []) if row["collapsed"]]
-        alone = [row for row in off if row["tokens_per_s"] > ALONE_TOKENS_PER_S]
-        if alone:   # steps a minute of the runs that had the GPU alone, evaluations and diagnostics included
-            pace = median([row["collapse_step"] / row["collapse_minute"] for row in alone])
-            lines += ["", f"Alone on one H200 a fix-off run of {what} (`{arm}`) trains {pace:,.0f} steps a minute "
-                          f"(median of its {len(alone)} runs that had the GPU alone: "
-                          f"{', '.join(row['name'] for row in alone)}), so its collapses come after "
-                          f"{span([row['collapse_step'] / pace for row in off], '.1f')} minutes."]
+    for name, group in arms.items():
+        off = [row for row in group if row["collapsed"] and row["flags"] == "--fix off"]
+        minutes = alone_minutes(off) if off else None
+        if minutes is not None:   # steps a minute of the runs that had the GPU alone, evaluations included
+            lines += ["", f"Alone on one H200 the fix-off runs of `{name}` would collapse after "
+                          f"{span(minutes, '.1f')} minutes (alone_minutes)."]
     return lines
 
 
-def update_readme(readme, table):
-    """Replace the lines between README's markers of this runs.csv with the table of its rows."""
-    begin, end = f"<!-- table: python analyze.py --table {table} -->", "<!-- end of table -->"
-    text = readme.read_text()
-    if begin not in text:
-        raise SystemExit(f"{readme} has no line {begin!r}: add it, and {end!r}, where the table goes")
-    lines = study_table(read_table(table), table.parent)
-    head, rest = text.split(begin, 1)
-    readme.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": lambda rows, folder: run_lines(rows)}
+
+
+def update_docs(root, table):
+    """Replace the lines between each marker of this runs.csv in DOCS (<!-- KIND: python analyze.py --table
+    CSV --> ... <!-- end of KIND -->, KIND a key of BLOCKS) with that block, regenerated from its rows."""
+    rows, found = read_table(table), []
+    for doc in map(root.joinpath, DOCS):
+        text = doc.read_text() if doc.exists() else ""
+        for kind, block in BLOCKS.items():
+            begin, end = f"<!-- {kind}: python analyze.py --table {table} -->", f"<!-- end of {kind} -->"
+            if begin in text:
+                lines = "\n".join(block(rows, table.parent))
+                parts = text.split(begin)
+                text = parts[0] + "".join(begin + "\n" + lines + "\n" + end + part.split(end, 1)[1]
+                                          for part in parts[1:])
+                found.append(doc)
+        if doc in found:
+            doc.write_text(text)
+    if not found:
+        fail(f"no block of {table} in {', '.join(DOCS)}: add a line <!-- table: python analyze.py --table {table} "
+             f"--> and <!-- end of table --> where it goes")
 
 
 # -----------------------------------------------------------------------------
@@ -463,7 +560,7 @@ def update_readme(readme, table):
 def analyze_probe(runs, out):
     runs = [run for run in runs if run.series(probe.column("total")) is not None]
     if not runs:
-        raise SystemExit(f"no run with the probe's columns ({probe.column('total')}, ...)")
+        fail(f"no run with the probe's columns ({probe.column('total')}, ...)")
     return probe.report(runs, arm, out)
 
 
@@ -487,6 +584,12 @@ def update_report(path, section):
     path.write_text("\n\n".join([title] + others) + "\n")
 
 
+def fail(message):
+    """A command that cannot run, refused as argparse (and train.py) refuse one: one line, exit status 2."""
+    print(f"analyze.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("runs", nargs="*", help="run folders, or folders of them (default: runs/)")
@@ -495,20 +598,21 @@ def main(argv=None):
     mode.add_argument("--probe", action="store_true", help="the delta probe's columns of the runs")
     mode.add_argument("--mechanism", action="store_true", help="the rounding bias on synthetic rows; no runs")
     mode.add_argument("--table", type=Path, metavar="CSV",
-                      help="rewrite README.md's table of a study's runs.csv (between its markers); no runs")
+                      help="rewrite the tables of a study's runs.csv in README.md, results/README.md and "
+                           "docs/findings.md (between their markers); no runs")
     args = parser.parse_args(argv)
     if args.mechanism and args.runs:
         parser.error("--mechanism reads no runs")
     given = [args.table] if args.table else [] if args.mechanism else args.runs or ["runs"]
     missing = [str(path) for path in given if not Path(path).exists()]
     if missing:   # one line, not a traceback
-        raise SystemExit(f"analyze.py: error: no such file or folder: {', '.join(missing)}")
+        fail(f"no such file or folder: {', '.join(missing)}")
     if args.table:
-        return update_readme(Path(__file__).resolve().parent / "README.md", args.table)
+        return update_docs(Path(__file__).resolve().parent, args.table)
 
     paths = [] if args.mechanism else find_runs(given)
     if not args.mechanism and not paths:
-        raise SystemExit(f"analyze.py: error: no run folders (with a log.csv or log.csv.gz) in {', '.join(given)}")
+        fail(f"no run folders (with a log.csv or log.csv.gz) in {', '.join(given)}")
     root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
     out = args.out or root / "figures"
     out.mkdir(parents=True, exist_ok=True)

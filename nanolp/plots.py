@@ -3,7 +3,8 @@
 A run is named by its arm, the train.py flags that set it apart from its preset (analyze.arm), and its seed.
 Colour says what kind of attention the arm used, the same in every figure: our flash attention with `--fix off`
 red, `--fix on` blue, `--fix paper` orange, torch SDPA grey, fp32 attention green, `--delta p` (the paper's control)
-olive, `--delta fp32-o` purple. Shades within a colour separate the arms of one kind; line style is the seed. A
+olive, `--delta fp32-o` purple. Shades within a colour separate the arms of one kind; line style is the seed (the
+headline gives each arm a hue of its own instead, arm_hues). A
 config key missing from an older run reads as train.py's default.
 """
 
@@ -24,6 +25,9 @@ PALETTE = {
     "delta from fp32 O": ["tab:purple", "indigo", "orchid"],
     "sdpa": ["dimgray", "black", "darkgray", "tab:brown"],
 }
+# the headline's hues, one per arm: its family's own colour first, then these where two arms share a family
+HUES = ["tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+        "tab:olive", "tab:cyan", "black"]
 # one per seed: the seed study has eight (dash patterns as (offset, (on, off, ...)) in points)
 LINESTYLES = ["-", "--", ":", "-.", (0, (5, 5)), (0, (1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (3, 5, 1, 5, 1, 5))]
 MAX_COLS = 3  # panels per figure row; wider grids wrap (6 layers -> 2 rows of 3)
@@ -54,6 +58,17 @@ def family(run):
     if run.setting("delta") == "fp32-o":
         return "delta from fp32 O"
     return f"fix {fix_word(run)}"
+
+
+def arm_hues(families):
+    """{arm: colour} of {arm: its family (a key of PALETTE)}: one clearly different hue per arm, no two shades of
+    one: the family's own colour for its first arm, then the unused of HUES, in order, for the others."""
+    own = {}
+    for arm, kind in families.items():
+        own.setdefault(PALETTE[kind][0], arm)
+    spare = iter(h for h in HUES if h not in own)
+    mine = {arm: colour for colour, arm in own.items()}
+    return {arm: mine.get(arm) or next(spare) for arm in families}
 
 
 def run_styles(runs, arms):

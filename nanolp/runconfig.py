@@ -207,9 +207,13 @@ def claim_folder(run_dir, c, resume, presets):
             raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
         ran = as_ran(saved, presets)
         differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
-        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse)"
-                  if differ else f"{collapse}: give a new run another --name" if collapse else
-                  "pass --resume to continue it, or --name for a new run")
+        afresh = f"or delete {run_dir} to start it afresh"
+        finished = summary and ckpt and is_finished(c, int(ckpt.stem.split("_")[1]), summary.get("minutes", 0))
+        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
+                  f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
+                  f"{done(summary.get('steps', 0))}: --resume with a larger --steps trains it further, --name "
+                  f"starts a new run, {afresh}"
+                  if finished else f"pass --resume to continue it, --name for a new run, {afresh}")
         raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
     else:
         attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
@@ -221,6 +225,17 @@ def claim_folder(run_dir, c, resume, presets):
                 shutil.rmtree(path)
             else:
                 path.unlink()
+
+
+def is_finished(c, step, minutes):
+    """Whether a run at `step`, after `minutes` of training, has reached its --steps or --minutes (settings c):
+    resuming it would train no step."""
+    return step >= c["steps"] or (c["minutes"] is not None and minutes >= c["minutes"])
+
+
+def done(steps):
+    """What a finished run's folder says of it."""
+    return f"it is finished: no collapse in {steps:,} steps (summary.json)"
 
 
 def nothing_to_resume(run_dir):

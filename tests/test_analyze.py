@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import analyze
+import train
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
@@ -156,7 +157,7 @@ def headline(runs, study, monkeypatch):
     """The headline figure of `runs` (and `study`, the runs of their runs.csv), not saved."""
     figures = []
     monkeypatch.setattr(analyze, "save", lambda fig, path: figures.append(fig) or path)
-    analyze.plot_headline(runs, study, run_styles(study, {r.path: analyze.arm(r) for r in study}), Path("h.png"))
+    analyze.plot_headline(runs, study, Path("h.png"))
     return figures[0]
 
 
@@ -168,11 +169,15 @@ def test_headline_draws_each_run_to_its_end(tmp_path, monkeypatch):
     runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
     fig = headline(runs, runs, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["--preset tiny --fix off --delta fp32-o: 1 run: no collapse in 390 steps",
-                     "--preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse in 390 steps",
+    assert texts == ["python train.py --preset tiny --fix off --delta fp32-o: 1 run: no collapse in 390 steps",
+                     "python train.py --preset tiny --fix off: 3 runs: 1 collapsed at step 300; 2 without a collapse "
+                     "in 390 steps",
                      "median of an arm's lines, while all of them (at least 3) are alive", "collapse",
                      "a run's end without a collapse (right)"]
     loss, logit, alive = fig.axes
+    hues = [h.get_color() for h in fig.legends[0].legend_handles[:2]]
+    assert hues == ["tab:purple", "tab:red"]   # one hue per arm, its family's own
+    assert all(ax.get_xlim() == (0, 1.02 * 390) for ax in fig.axes)   # the axes end where the runs end
     off = [r for r in runs if r.name.startswith("off")]
     for ax, column in ((loss, "train_loss"), (logit, analyze.LOGIT)):
         # a thin line per run, each to its own end, one X, and one median (off's three runs)
@@ -214,8 +219,8 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
 
     fig = headline(runs, everyone, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts[:2] == ["--fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
-                         "--attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
+    assert texts[:2] == ["python train.py --fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
+                         "python train.py --attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
     table = analyze.study_table(read_table(study / "runs.csv"), study)
     assert "| **3 / 3** | 600 (300-900) |" in table[2] and "| **0 / 1** | - | 1,000 |" in table[3]
     alive = [line for line in fig.axes[2].lines if line.get_marker() != "|"]
@@ -346,6 +351,7 @@ def test_runs_report_and_figures(tmp_path):
     for name in ("headline", "max_logit", "spectral_norm", "spectral_norm_heads", "tie_rate", "delta_err"):
         assert (out / f"{name}.png").stat().st_size > 0, name
     report = (out / "report.md").read_text()
+    assert f"off-s0, on-s0, partial, sdpa-s1: {train.TINY_NOTE}." in report   # the tiny runs checked the pipeline
     row = next(line for line in report.splitlines() if line.startswith(f"| `{runs / 'off-s0'}`"))
     assert f"| `--preset tiny --fix off` | 0 | 390 | step {COLLAPSE_STEP}, {COLLAPSE_STEP * 1.5 / 60:.1f} min" in row
     assert f"{[r['val_loss'] for r in collapsed if r['val_loss'] != ''][-1]:.4f}" in row
@@ -416,17 +422,21 @@ def test_a_layer_is_named_only_where_it_stands_out(tmp_path):
     assert not analyze.stands_out(0, {0: 5.0})   # one layer: nothing to stand out from
 
 
-def test_a_missing_folder_is_named(tmp_path, monkeypatch):
+def test_a_missing_folder_is_named(tmp_path, monkeypatch, capsys):
+    """One line on stderr and exit status 2, as argparse (and train.py) refuse a command."""
     monkeypatch.chdir(tmp_path)
-    for argv, missing in ((["nosuchdir"], "nosuchdir"), ([], "runs"), (["--table", "no.csv"], "no.csv")):
+    def refused(argv):
         with pytest.raises(SystemExit) as exited:
             analyze.main(argv)
-        assert exited.value.code == f"analyze.py: error: no such file or folder: {missing}"
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+    for argv, missing in ((["nosuchdir"], "nosuchdir"), ([], "runs"), (["--table", "no.csv"], "no.csv")):
+        assert refused(argv) == f"analyze.py: error: no such file or folder: {missing}\n"
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit) as exited:
-        analyze.main(["empty"])
-    assert exited.value.code == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty"
+    assert refused(["empty"]) == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
+    (tmp_path / "runs.csv").write_text("name,arm,flags\n")
+    assert refused(["--table", "runs.csv"]).startswith("analyze.py: error: no block of runs.csv in README.md")
 
 
 def test_probe_report_without_phases(tmp_path):
@@ -562,15 +572,17 @@ def test_step_labels_read_as_steps(last, labels):
 
 def test_study_table_counts_collapses_per_arm(tmp_path):
     rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=s, collapsed=True, collapse_step=step,
-                 collapse_minute=minute, steps=step, tokens_per_s=speed, max_logit=logit, log_kept=False)
-            for s, step, minute, speed, logit in ((0, 100, 1.0, 3e6, 1e9), (1, 300, 6.0, 1.5e6, 2e6))]
+                 collapse_minute=minute, steps=step, minutes=minute, tokens_per_s=speed, max_logit=logit,
+                 log_kept=False, exponent="fma")
+            for s, step, minute, speed, logit in ((0, 10_000, 1.0, 3e6, 1e9), (1, 30_000, 6.0, 1.5e6, 2e6))]
     rows.append(dict(name="on-s0", arm="on", flags="--fix on", seed=0, collapsed=False, collapse_step=None,
-                     collapse_minute=None, steps=500, tokens_per_s=3e6, max_logit=120.0, log_kept=False))
+                     collapse_minute=None, steps=500, minutes=1.0, tokens_per_s=3e6, max_logit=120.0, log_kept=False,
+                     exponent=None))
     rows += [dict(name=f"sdpa-s{s}-nolog", arm="sdpa", flags="--attn sdpa", seed=s, collapsed=False,
                   collapse_step=None, collapse_minute=None, steps=400, tokens_per_s=3e6, max_logit=logit,
                   log_kept=False) for s, logit in ((0, 3e5), (1, None))]
     lines = analyze.study_table(rows, tmp_path)
-    assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 200 (100-300) | - " \
+    assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 20,000 (10,000-30,000) | - " \
                        "| 3.5 (1.0-6.0) | 5.01e+08 (2e+06-1e+09) | - |"
     assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | 120 | - |"
     assert lines[4] == "| `sdpa` | `python train.py --attn sdpa` | 2 (0, 1) | 0 | **0 / 2** | - | 400 | - | 3e+05 | - |"
@@ -578,5 +590,21 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
     assert lines[6] == ("No collapse is not no runaway: the max logit passed 10,000 in 1 of the 2 runs of `sdpa`, "
                         "which ended at the steps above before a collapse; the other arms without a collapse peak "
                         "at 120.")
-    # one run had the GPU alone: 100 steps a minute, so the collapses come after 1 and 3 minutes
-    assert lines[-1].endswith("so its collapses come after 2.0 (1.0-3.0) minutes.")
+    # one run had the GPU alone: 10,000 steps a minute, so the collapses come after 1 and 3 minutes
+    assert lines[-1] == "Alone on one H200 the fix-off runs of `off` would collapse after 2.0 (1.0-3.0) minutes " \
+                        "(alone_minutes)."
+    # README's table: the rows that record the exponent (on-s0 does not; sdpa's neither), one line per command
+    shipped = analyze.shipped_table(rows, tmp_path)
+    assert shipped[2:] == ["| `python train.py --fix off` | 2 (0, 1) | **2 / 2** | 20,000 (10,000-30,000) "
+                           "| 2.0 (1.0-3.0) | - |", "", shipped[-1]]
+    assert shipped[-1].startswith("Minutes alone: a run's own where it had the GPU to itself (over 8,000 steps")
+    assert analyze.run_lines(rows) == ["    python train.py --fix off         # collapsed on 2 of 2 seeds, "
+                                       "1.0-3.0 min alone on an H200"]
+
+
+def test_headline_hues_are_one_per_arm():
+    """Each family's own colour goes to its first arm, even where an earlier arm of a crowded family needs a spare;
+    no two arms share a hue."""
+    hues = plots.arm_hues({"off": "fix off", "flash": "sdpa", "cudnn": "sdpa", "on": "fix on", "on2": "fix on"})
+    assert (hues["off"], hues["flash"], hues["on"]) == ("tab:red", "dimgray", "tab:blue")
+    assert len(set(hues.values())) == 5

@@ -49,8 +49,10 @@ def test_env_var_then_explicit_path(text_file, tmp_path, monkeypatch):
 
 
 def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):
-    with pytest.raises(data.TextError, match="no text file at .*missing.txt. .*--data PATH.*NANOLP_DATA"):
+    with pytest.raises(data.TextError, match="no text file at .*missing.txt: that file does not exist .*--data PATH"
+                                             ".*NANOLP_DATA") as error:
         data.prepare(tmp_path / "missing.txt", data_dir=tmp_path)
+    assert "copy it to" not in str(error.value)   # a path given is a file missing, not a text to put in place
     # no default file and no network (a closed local port): where to put the file, not a stack of urllib errors
     monkeypatch.delenv("NANOLP_DATA", raising=False)
     monkeypatch.setattr(data, "DEFAULT_TEXT", tmp_path / "tinyshakespeare" / "input.txt")

@@ -77,9 +77,10 @@ def test_smoke_run_learns_and_writes_its_folder(run, tmp_path, capsys):
     # the progress bar shows layer 0's max logit, the one that runs away; the end, a few plain lines, no JSON
     assert "max_logit_L0=" in err and "max_logit=" not in err
     peak = max(float(r["max_logit_L0"]) for r in read_log(run_dir) if r["max_logit_L0"])
-    end = out.splitlines()[-4:]
+    end = out.splitlines()[-5:]
     assert re.fullmatch(r"no collapse in 60 steps \(\d+\.\d training minutes\)", end[0])
-    assert end[1:] == [
+    assert end[1] == train.TINY_NOTE   # at this size no collapse is expected: the run checks the pipeline
+    assert end[2:] == [
         f"layer 0's max attention logit peaked at {peak:.4g}",
         f"run folder: {run_dir} (summary.json: the outcome and every setting)",
         f"next: python analyze.py {tmp_path / 'runs'}   (figures and report.md of the runs in {tmp_path / 'runs'}, "
@@ -159,7 +160,9 @@ def test_resume_reproduces_an_uninterrupted_run(run, capsys):
     whole = run("whole", "--steps", "40")
     part = run("part", "--steps", "30")
     assert (part / "ckpt" / "step_0000030.pt").exists()  # a run saves its last step too, to resume from there
-    assert "pass --resume to continue it" in refusal(capsys, lambda: run("part", "--steps", "30"))
+    assert "it is finished: no collapse in 30 steps" in refusal(capsys, lambda: run("part", "--steps", "30"))
+    assert f"pass --resume to continue it, --name for a new run, or delete {part} to start it afresh" in refusal(
+        capsys, lambda: run("part", "--steps", "40"))   # not yet at its --steps
     run("part", "--steps", "40", "--resume")
     # the same log, except that the first leg also evaluated and diagnosed its last step, 30
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
@@ -206,6 +209,30 @@ def test_resume_refuses_to_change_the_arm(run, text, tmp_path, capsys):
     assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20]
 
 
+def test_a_finished_run_says_so_and_how_to_start_it_afresh(run, capsys):
+    done = run("done", "--steps", "20")
+    assert f"{done}: it is finished: no collapse in 20 steps (summary.json); give a larger --steps" in refusal(
+        capsys, lambda: run("done", "--steps", "20", "--resume"))
+    assert f"it is finished: no collapse in 20 steps (summary.json): --resume with a larger --steps trains it " \
+           f"further, --name starts a new run, or delete {done} to start it afresh" in refusal(
+        capsys, lambda: run("done", "--steps", "20"))
+    assert [int(r["step"]) for r in read_log(done)] == [10, 20]   # nothing was touched
+
+
+def test_the_docstring_says_what_the_seed_study_holds():
+    rows = [row for row in runs.read_table(Path(train.__file__).parent / "results/seed_study/runs.csv")
+            if not row["variant"]]
+    arm = lambda name: [row for row in rows if row["arm"] == name]
+    steps = sorted(row["steps"] for row in arm("on"))
+    assert not any(row["collapsed"] for row in arm("on"))
+    assert f"trains through ({len(steps)} seeds, {steps[0]:,}-{steps[-1]:,} steps, no collapse)" in train.__doc__
+    paper = sorted(row["seed"] for row in arm("paper") if row["collapsed"])
+    assert paper == list(range(len(arm("paper")))) and f"collapsed on seeds 0-{paper[-1]}" in train.__doc__
+    assert all(row["collapsed"] for row in rows if row["fix"] == "off" and row["attn"] == "kernel"
+               and row["delta"] == "o" and row["stochastic_o"] == "off")
+    assert "collapses (on every seed run" in train.__doc__
+
+
 def test_resume_may_change_the_length_and_intervals(run):
     run_dir = run(None, "--steps", "20")
     assert run_dir.name == "tiny-sdpa-fixoff-block32-batch8-data_words-s0"   # the default name
@@ -243,7 +270,7 @@ def test_a_new_run_never_continues_another(run, capsys):
     # without --name, the other settings get a folder of their own
     other = run(None, "--steps", "20", "--lr", "0.01")
     assert other.name == "tiny-sdpa-fixoff-lr0.01-block32-batch8-data_words-s0"
-    assert "pass --resume to continue it" in refusal(capsys, lambda: run(None, "--steps", "20", "--lr", "0.01"))
+    assert "pass --resume to continue it" in refusal(capsys, lambda: run(None, "--steps", "30", "--lr", "0.01"))
 
 
 def test_help_groups_the_flags(capsys):
