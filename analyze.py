@@ -437,8 +437,8 @@ def by_flags(rows):
 
 def alone_minutes(group, kin=()):
     """Each run's minutes to its collapse (or its end) alone on the H200: its own where it had the GPU alone, else
-    its steps at the median pace of the arm's runs that did, or where none did, of the runs of kin (the same kernel
-    at the same preset, the fix's cost to a training step being ~1%); None where none of either did."""
+    its steps at the median pace of the arm's runs that did, or where none did, of the runs of kin (the same
+    attention at the same preset: the fix costs a training step ~1%); None where none of either did."""
     end = lambda row: (row["collapse_step"], row["collapse_minute"]) if row["collapsed"] else (row["steps"],
                                                                                                 row["minutes"])
     alone = [row for row in group if end(row)[0] / end(row)[1] > ALONE_PACE]
@@ -462,7 +462,7 @@ def shipped_table(rows, folder):
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
         stood = [row["steps"] for row in group if not row["collapsed"]]
         steps = ([span(fell)] if fell else []) + ([f"{span(stood)}, no collapse"] if stood else [])
-        minutes = alone_minutes(group, shipped if group[0]["attn"] == "kernel" else ())
+        minutes = alone_minutes(group, [row for row in shipped if row.get("attn") == group[0].get("attn")])
         cells = [f"`python train.py {group[0]['flags']}`", f"{len(group)} ({seed_list(row['seed'] for row in group)})",
                  f"**{len(fell)} / {len(group)}**", "; ".join(steps), "-" if minutes is None else span(minutes, ".1f"),
                  span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
@@ -470,7 +470,7 @@ def shipped_table(rows, folder):
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (over {ALONE_PACE:,} steps a "
                         f"minute), else its steps at the pace of its command's runs that did, or where none did, of "
-                        f"the other commands' runs of our kernel that did; `-` where none did."]
+                        f"the other commands' runs of the same attention that did; `-` where none did."]
 
 
 def run_lines(rows):
@@ -479,7 +479,7 @@ def run_lines(rows):
     shipped = [row for row in rows if as_shipped(row)]
     for group in by_flags(shipped).values():
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
-        minutes = alone_minutes(group, shipped if group[0]["attn"] == "kernel" else ())
+        minutes = alone_minutes(group, [row for row in shipped if row.get("attn") == group[0].get("attn")])
         what = (f"collapsed on {len(fell)} of {len(group)} seeds" if fell else
                 f"no collapse on {len(group)} seeds in {span([row['steps'] for row in group])} steps")
         when = "" if minutes is None else f", {between(minutes)} min alone on an H200"
