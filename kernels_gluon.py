@@ -28,7 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import TILE_N, UNFUSED, Numerics, check_inputs, empty_in_layout_of, fix_constants, qk_scale, delta_reads
+from kernels import TILE_N, UNFUSED, check_inputs, empty_in_layout_of, fix_constants, qk_scale, delta_reads
+from nanolp.numerics import Numerics
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp

@@ -10,7 +10,7 @@ is pluggable, because the attention numerics are what this project studies:
     sdpa-cudnn  SDPA forced to its cuDNN backend
     fp32        plain softmax attention in float32: the control with no low-precision attention at all
 
-GPTConfig's second block holds the experiments (variants of our kernel's numerics, kernels.Numerics, and the
+GPTConfig's second block holds the experiments (variants of our kernel's numerics, nanolp/numerics.py, and the
 block: positions learned, rotary or none, QK-norm); the demo leaves them at their defaults.
 """
 
@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import Numerics, flash_attention
+from kernels import flash_attention
+from nanolp.numerics import Numerics
 
 ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
 POSITIONS = ("learned", "rope", "none")
@@ -39,7 +40,7 @@ class GPTConfig:
     attn: str = "kernel"      # one of ATTN_BACKENDS
     fix: str = "off"          # kernel/emulate: "off", "on" (the complete fix) or "paper" (the paper's rule alone)
     # ---- experiments: variants that test the mechanism; the defaults are the plain model and attention.
-    numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds (kernels.Numerics)
+    numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds
     pos: str = "learned"      # "learned" positions (GPT-2), "rope" (rotary: q and k turned by their position, as
                               # LLaMA, Qwen and OLMo do) or "none": then layer 0 sees only tokens, so every repeat
                               # of a row's best-matching token ties exactly (copies, which carry no bias)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from kernels import Numerics, flash_attention
+from kernels import flash_attention
+from nanolp.numerics import Numerics
 from experiments.launch_variants import one_pass_attention
 
 TOKENS, CHANNELS = 16384, 2048

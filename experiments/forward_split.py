@@ -19,7 +19,8 @@ from typing import NamedTuple, Optional
 import torch
 
 import kernels
-from kernels import Numerics, flash_attention
+from kernels import flash_attention
+from nanolp.numerics import Numerics
 from experiments.launch_variants import tuned
 
 VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"),

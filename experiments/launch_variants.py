@@ -17,6 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kernels
 from kernels import _bwd_dkdv_tile
+from nanolp.numerics import Numerics, amplified_v
 
 # Tuning, as kernels.BWD_TUNING's (docs/kernel.md, "Speed", "kernels.py's settings").
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
@@ -175,5 +176,5 @@ class _OnePassAttention(torch.autograd.Function):
 
 def one_pass_attention(q, k, v, causal=True, fix="on", numerics=None):
     """kernels.flash_attention with the one-pass backward."""
-    numerics = kernels.Numerics() if numerics is None else numerics
-    return _OnePassAttention.apply(q, k, kernels.amplified_v(v, numerics.o_bits), causal, fix, numerics)
+    numerics = Numerics() if numerics is None else numerics
+    return _OnePassAttention.apply(q, k, amplified_v(v, numerics.o_bits), causal, fix, numerics)

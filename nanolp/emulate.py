@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, delta_reads, fix_constants,
-                     output_and_delta_o, qk_scale, round_mantissa)
+from kernels import BWD_TUNING, TILE_N, check_inputs, delta_reads, fix_constants, output_and_delta_o, qk_scale
+from nanolp.numerics import Numerics, amplified_v, round_mantissa
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ import triton.language as tl
 
 import kernels
 from experiments.launch_variants import tuned
-from kernels import Numerics
 from nanolp import emulate
+from nanolp.numerics import Numerics, round_mantissa
 
 INTERPRETED = kernels.INTERPRET
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -196,7 +196,7 @@ def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through()
     result equals plain attention on the rounded V), and dV reaches the unrounded V unchanged."""
     shape = (1, 2, 100, 64)
     q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    v3 = kernels.round_mantissa(v, 3).to(v.dtype)
+    v3 = round_mantissa(v, 3).to(v.dtype)
     assert not torch.equal(v3, v)
     vo = Numerics(mantissa_bits=3, amplify="vo")
     for attention in (kernels.flash_attention, emulate.emulate_attention):

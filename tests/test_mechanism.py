@@ -56,9 +56,9 @@ import torch
 import kernels
 from experiments import mechanism
 from experiments.tied import grad_out, mean_error, reference, tied_rows
-from kernels import Numerics
 from nanolp import emulate
 from nanolp.diagnostics import bf16_step
+from nanolp.numerics import Numerics, amplified_v
 
 ROWS = 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,7 +79,7 @@ def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys
     """(mean, s.e.) of the error of O and of delta = rowsum(dO * O), kernel against float64."""
     q, k, v, do = inputs(n_tied, seed, tie_gap, n_keys, copies)
     numerics = Numerics(precision=precision, mantissa_bits=mantissa_bits, amplify=amplify)
-    v = kernels.amplified_v(v, numerics.o_bits)            # "vo": the float64 reference gets the rounded V too
+    v = amplified_v(v, numerics.o_bits)            # "vo": the float64 reference gets the rounded V too
     o = kernels.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=False, fix=fix, numerics=numerics,
                         delta="o").o
     o = o.cpu()
