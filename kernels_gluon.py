@@ -17,8 +17,8 @@ Three variants (VARIANTS), each one program per 128 query rows (two warpgroups o
     "ws":   FlashAttention-3's structure by warp specialization: a loader warp fills the K/V ring by TMA, and two
             consumer warpgroups (partitions of 4 warps, 64 rows each) each hand a slot back by an mbarrier.
     "pingpong": "ws" with the consumer warpgroups taking turns on the tensor cores, FlashAttention-3's ping-pong.
-    "overlap": "pingpong" with the turn handed over once the MMAs are issued (not done), each warpgroup's softmax
-            run while its own P V MMA is in flight, and a four-slot K/V ring.
+    "overlap": "pingpong" with the turn handed over once the MMAs are issued (not done), S waited for apart from
+            the P V MMA, and a four-slot K/V ring.
 Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
 """
 import torch
@@ -568,8 +568,9 @@ def _pp_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
 # never hold the two warpgroups' MMAs at once; and a slot of the two-slot ring is released at the end of a turn whose
 # next turn already needs the tile loaded into it, so each TMA's latency is waited out. Here, in its turn, a warpgroup
 # issues the S MMA of tile it and then the P V MMA of tile it - 1 and hands the turn over at once (the other
-# warpgroup's MMAs queue behind its own); it waits for S alone (the wgmma groups complete in order), runs tile it's
-# softmax while its P V MMA is still in flight, and only then waits for that MMA and scales acc by tile it's alpha.
+# warpgroup's MMAs queue behind its own), waits for S alone (wgmma groups complete in order), runs tile it's softmax,
+# and only then waits for the P V MMA, scales acc by tile it's alpha and casts P. (ptxas 3.6 still moves that last
+# wait up to just before the exponentials: the kernel's .maxnreg 168 caps the consumers below their setmaxnreg 240.)
 # acc is still alpha_j (acc) + P_j V_j tile after tile, kernels._fwd_inner's order: the same bits. The ring has four
 # slots, so a tile is loaded two turns ahead of the turn that reads it.
 
@@ -577,20 +578,14 @@ OV_STAGES = gl.constexpr(4)
 
 
 @gluon.jit
-def _ov_softmax(s, start_n, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
-    """kernels._fwd_inner's body after S, up to P in fp32 (its cast to bf16 for the P V MMA is _ov_operand) and
-    alpha in acc's rows. The mask without a branch: _mask's keys (col < N and, causal, col <= row) are col <= last,
-    last a row's last key; on the tiles before stop_unmasked it keeps every score, as kernels.py's unmasked loop
-    does (with a branch here ptxas waits for the P V MMA in flight before the softmax)."""
+def _ov_softmax(s, start_n, stop_unmasked, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL: gl.constexpr,
+                SHIFT: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """_pp_softmax up to P in fp32 (its cast for the P V MMA is _ov_operand), acc left alone: alpha in acc's rows."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
-    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if CAUSAL:
-        last = gl.minimum(offs_m, N - 1)
-    else:
-        last = gl.full(offs_m.shape, 0, gl.int32, offs_m.type.layout) + (N - 1)
-    s = gl.where(cols[None, :] <= last[:, None], s, float("-inf"))
+    if start_n >= stop_unmasked:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = _mask(s, offs_m, cols, N, CAUSAL)
     p, alpha, m_i, l_i, t_i = _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT)
     return p, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_i, l_i, t_i
 
@@ -629,7 +624,8 @@ def _ov_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
                       is_async=True)
     mbarrier.arrive(theirs, count=1)
     s, _ = warpgroup_mma_wait(0, deps=[s, k_smem])
-    p, alpha, m_i, l_i, t_i = _ov_softmax(s, 0, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL, SHIFT, HEAD_DIM)
+    p, alpha, m_i, l_i, t_i = _ov_softmax(s, 0, stop_unmasked, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL, SHIFT,
+                                          HEAD_DIM)
     acc = acc * alpha[:, None]
     p = _ov_operand(p, dtype, HEAD_DIM)
     # turn it: S of tile it, P V of tile it - 1 (acc already scaled by tile it - 1's alpha)
@@ -643,14 +639,14 @@ def _ov_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
                           use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_smem, acc, is_async=True)
         mbarrier.arrive(theirs, count=1)
-        # tile it - 2's slot, its P V MMA waited for in the last turn, back to the loader (here, not right after
-        # that wait: ptxas hoists a wait followed by a barrier above the softmax, which then overlaps nothing)
+        # tile it - 2's slot, its P V MMA waited for in the last turn, back to the loader (released here, behind
+        # the MMAs' issue, rather than right after that wait)
         cta_barrier()                            # the warpgroup's four warps are done with it
         mbarrier.arrive(kv_empty.index((it + STAGES - 2) % STAGES), count=1, pred=it >= 2)
         s, _ = warpgroup_mma_wait(1, deps=[s, k_smem])           # S done; P V may still run
-        p32, alpha, m_i, l_i, t_i = _ov_softmax(s, it * BLOCK_N, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL, SHIFT,
-                                                HEAD_DIM)
-        # P V done: only now are P's registers (the MMA's operand) and acc free to write
+        p32, alpha, m_i, l_i, t_i = _ov_softmax(s, it * BLOCK_N, stop_unmasked, offs_m, N, m_i, l_i, t_i, qk_scale,
+                                                CAUSAL, SHIFT, HEAD_DIM)
+        # P V done: only now are acc and P's registers (the MMA's operand) free to write
         acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
         acc = acc * alpha[:, None]
         p = _ov_operand(p32, dtype, HEAD_DIM)
