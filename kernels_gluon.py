@@ -570,7 +570,7 @@ def _pp_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
 # issues the S MMA of tile it and then the P V MMA of tile it - 1 and hands the turn over at once (the other
 # warpgroup's MMAs queue behind its own), waits for S alone (wgmma groups complete in order), runs tile it's softmax,
 # and only then waits for the P V MMA, scales acc by tile it's alpha and casts P. (ptxas 3.6 still moves that last
-# wait up to just before the exponentials: the kernel's .maxnreg 168 caps the consumers below their setmaxnreg 240.)
+# wait up to just before the exponentials, at head_dim 64 as at 128: not for want of registers.)
 # acc is still alpha_j (acc) + P_j V_j tile after tile, kernels._fwd_inner's order: the same bits. The ring has four
 # slots, so a tile is loaded two turns ahead of the turn that reads it.
 
