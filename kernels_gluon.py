@@ -17,6 +17,8 @@ Three variants (VARIANTS), each one program per 128 query rows (two warpgroups o
     "ws":   FlashAttention-3's structure by warp specialization: a loader warp fills the K/V ring by TMA, and two
             consumer warpgroups (partitions of 4 warps, 64 rows each) each hand a slot back by an mbarrier.
     "pingpong": "ws" with the consumer warpgroups taking turns on the tensor cores, FlashAttention-3's ping-pong.
+    "overlap": "pingpong" with the turn handed over once the MMAs are issued (not done), S waited for apart from
+            the P V MMA, and a four-slot K/V ring.
 Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
 """
 import torch
@@ -33,7 +35,7 @@ from nanolp.numerics import Numerics
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
-VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4), "pingpong": (128, 4)}
+VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4), "pingpong": (128, 4), "overlap": (128, 4)}
 NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
 # a barrier across the CTA's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -325,11 +327,11 @@ WS_STAGES = gl.constexpr(2)
 
 
 @gluon.jit
-def _ws_loader(k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles):
+def _ws_loader(k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles, STAGES: gl.constexpr):
     for it in range(n_tiles):
-        slot = it % WS_STAGES
+        slot = it % STAGES
         # the slot's previous tile (it - STAGES) must be released by both consumers
-        mbarrier.wait(kv_empty.index(slot), ((it // WS_STAGES) & 1) ^ 1, pred=it >= WS_STAGES)
+        mbarrier.wait(kv_empty.index(slot), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
         bar = kv_ready.index(slot)
         mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
         tma_load(k_desc, [b, h, it * BLOCK_N, 0], bar, k_ring.index(slot))
@@ -395,7 +397,7 @@ def _fwd_ws(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om
             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
             KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
     _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale, HEAD_DIM, BLOCK_M,
-               CAUSAL, SHIFT, KEEP_O32, False)
+               CAUSAL, SHIFT, KEEP_O32, 0, WS_STAGES)
 
 
 @gluon.jit
@@ -403,14 +405,23 @@ def _fwd_pingpong(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, str
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
                   KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
     _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale, HEAD_DIM, BLOCK_M,
-               CAUSAL, SHIFT, KEEP_O32, True)
+               CAUSAL, SHIFT, KEEP_O32, 1, WS_STAGES)
+
+
+@gluon.jit
+def _fwd_overlap(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
+                 KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
+    _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale, HEAD_DIM, BLOCK_M,
+               CAUSAL, SHIFT, KEEP_O32, 2, OV_STAGES)
 
 
 @gluon.jit
 def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
-               KEEP_O32: gl.constexpr, PINGPONG: gl.constexpr):
-    # kernels._fwd_kernel: one program per (query tile, batch * head), heaviest first; q_desc in 64-row tiles
+               KEEP_O32: gl.constexpr, MODE: gl.constexpr, STAGES: gl.constexpr):
+    # kernels._fwd_kernel: one program per (query tile, batch * head), heaviest first; q_desc in 64-row tiles.
+    # MODE 0: "ws"'s consumers, 1: "pingpong"'s, 2: "overlap"'s; STAGES: the K/V ring's slots
     gl.static_assert(BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     pid_bh = gl.program_id(1)
@@ -421,17 +432,17 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
     q0 = gl.allocate_shared_memory(dtype, [1, 1, 64, HEAD_DIM], q_desc.layout)
     q1 = gl.allocate_shared_memory(dtype, [1, 1, 64, HEAD_DIM], q_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [WS_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [WS_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(WS_STAGES):
+    for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)          # one arrival from each consumer warpgroup
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
-    if PINGPONG:
+    if MODE != 0:
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turns.index(i), count=1)
@@ -444,7 +455,17 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
         stop = N
     n_tiles = gl.cdiv(stop, BLOCK_N)
     # (the arguments inline: a tuple assigned to a name would turn its constexprs into tensors)
-    if PINGPONG:
+    if MODE == 2:
+        gl.warp_specialize([
+            (_ov_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
+                            b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
+                            KEEP_O32, STAGES)),
+            (_ov_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
+                            b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
+                            KEEP_O32, STAGES)),
+            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles, STAGES)),
+        ], [4, 1], [240, 24])
+    elif MODE == 1:
         gl.warp_specialize([
             (_pp_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
                             b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
@@ -452,7 +473,7 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
             (_pp_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
                             b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
                             KEEP_O32)),
-            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles)),
+            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles, STAGES)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
@@ -460,7 +481,7 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
                             start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
             (_ws_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, O, O32, LSE, b, h,
                             start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT, KEEP_O32)),
-            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles)),
+            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles, STAGES)),
         ], [4, 1], [240, 24])
 
 
@@ -538,6 +559,104 @@ def _pp_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
     acc = warpgroup_mma(p, v_smem, acc, is_async=True)
     acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
     mbarrier.arrive(theirs, count=1)
+    offs_m_o = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM, o_layout, KEEP_O32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Variant "overlap": "pingpong" rearranged after what its SASS shows (results/speed/gluon_forward.md). There a
+# warpgroup hands the turn over only once its MMAs are done, so the tensor cores idle through every hand-over and
+# never hold the two warpgroups' MMAs at once; and a slot of the two-slot ring is released at the end of a turn whose
+# next turn already needs the tile loaded into it, so each TMA's latency is waited out. Here, in its turn, a warpgroup
+# issues the S MMA of tile it and then the P V MMA of tile it - 1 and hands the turn over at once (the other
+# warpgroup's MMAs queue behind its own), waits for S alone (wgmma groups complete in order), runs tile it's softmax,
+# and only then waits for the P V MMA, scales acc by tile it's alpha and casts P. (ptxas 3.6 still moves that last
+# wait up to just before the exponentials, at head_dim 64 as at 128: not for want of registers.)
+# acc is still alpha_j (acc) + P_j V_j tile after tile, kernels._fwd_inner's order: the same bits. The ring has four
+# slots, so a tile is loaded two turns ahead of the turn that reads it.
+
+OV_STAGES = gl.constexpr(4)
+
+
+@gluon.jit
+def _ov_softmax(s, start_n, stop_unmasked, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL: gl.constexpr,
+                SHIFT: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """_pp_softmax up to P in fp32 (its cast for the P V MMA is _ov_operand), acc left alone: alpha in acc's rows."""
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    if start_n >= stop_unmasked:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = _mask(s, offs_m, cols, N, CAUSAL)
+    p, alpha, m_i, l_i, t_i = _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT)
+    return p, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_i, l_i, t_i
+
+
+@gluon.jit
+def _ov_operand(p, dtype: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """P in bf16 in the P V MMA's register operand layout."""
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))  # ROUND
+
+
+@gluon.jit
+def _ov_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE, b,
+                 h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM: gl.constexpr,
+                 CAUSAL: gl.constexpr, SHIFT: gl.constexpr, KEEP_O32: gl.constexpr, STAGES: gl.constexpr):
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    dtype: gl.constexpr = q_desc.dtype
+    rows0 = start_m + WG * 64
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [b, h, rows0, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
+    q2d = q_smem.reshape([64, HEAD_DIM])
+    offs_m = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    t_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    n_tiles = gl.cdiv(stop, BLOCK_N)
+    mine, theirs = turns.index(WG), turns.index(1 - WG)
+    # turn 0: S of tile 0; acc is zero, its scaling by tile 0's alpha (kernels.py's) changes nothing but is kept
+    mbarrier.wait(mine, 0)
+    mbarrier.wait(kv_ready.index(0), 0)
+    k_smem = k_ring.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q2d, k_smem.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                      is_async=True)
+    mbarrier.arrive(theirs, count=1)
+    s, _ = warpgroup_mma_wait(0, deps=[s, k_smem])
+    p, alpha, m_i, l_i, t_i = _ov_softmax(s, 0, stop_unmasked, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL, SHIFT,
+                                          HEAD_DIM)
+    acc = acc * alpha[:, None]
+    p = _ov_operand(p, dtype, HEAD_DIM)
+    # turn it: S of tile it, P V of tile it - 1 (acc already scaled by tile it - 1's alpha)
+    for it in range(1, n_tiles):
+        slot, prev = it % STAGES, (it - 1) % STAGES
+        mbarrier.wait(kv_ready.index(slot), (it // STAGES) & 1)
+        mbarrier.wait(mine, it & 1)
+        k_smem = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        v_smem = v_ring.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q2d, k_smem.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v_smem, acc, is_async=True)
+        mbarrier.arrive(theirs, count=1)
+        # tile it - 2's slot, its P V MMA waited for in the last turn, back to the loader (released here, behind
+        # the MMAs' issue, rather than right after that wait)
+        cta_barrier()                            # the warpgroup's four warps are done with it
+        mbarrier.arrive(kv_empty.index((it + STAGES - 2) % STAGES), count=1, pred=it >= 2)
+        s, _ = warpgroup_mma_wait(1, deps=[s, k_smem])           # S done; P V may still run
+        p32, alpha, m_i, l_i, t_i = _ov_softmax(s, it * BLOCK_N, stop_unmasked, offs_m, N, m_i, l_i, t_i, qk_scale,
+                                                CAUSAL, SHIFT, HEAD_DIM)
+        # P V done: only now are acc and P's registers (the MMA's operand) free to write
+        acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
+        acc = acc * alpha[:, None]
+        p = _ov_operand(p32, dtype, HEAD_DIM)
+    # the last turn: P V of the last tile
+    mbarrier.wait(mine, n_tiles & 1)
+    v_smem = v_ring.index((n_tiles - 1) % STAGES).reshape([BLOCK_N, HEAD_DIM])
+    acc = warpgroup_mma(p, v_smem, acc, is_async=True)
+    mbarrier.arrive(theirs, count=1)
+    acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
     offs_m_o = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM, o_layout, KEEP_O32)
 
