@@ -9,7 +9,7 @@ kernels.forward's: O in q's dtype and layout, lse in fp32 (log2 units: m + log2 
 fix="on" the fp32 O before its final cast (THE FIX's forward half, KEEP_O32); "fa2" numerics only (the
 production rounding: the exponent one fma, no amplifier).
 
-Three variants (VARIANTS), each one program per 128 query rows (two warpgroups of 64), key tiles of 64:
+Five variants (VARIANTS), each one program per 128 query rows (two warpgroups of 64), key tiles of 64:
     "sync": K and V read by plain loads into shared memory; each warpgroup MMA waited on at once. The likely-correct
             baseline.
     "tma":  K/V tiles brought by TMA into a two-slot ring guarded by mbarriers, the copy of tile j + 2 in flight
@@ -20,6 +20,8 @@ Three variants (VARIANTS), each one program per 128 query rows (two warpgroups o
     "overlap": "pingpong" with the turn handed over once the MMAs are issued (not done), S waited for apart from
             the P V MMA, and a four-slot K/V ring.
 Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
+Not in flash_attention's path: at head_dim 128, seq 4k-16k, no variant passed 1.15x kernels.py's forward, short
+of the 15% that a Gluon backward would need to be worth it (docs/kernel.md, "Speed").
 """
 import torch
 import triton
