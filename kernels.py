@@ -22,10 +22,11 @@ it. So the fix has two parts, each hop of them marked "THE FIX":
 fix="on" is both (the default); fix="paper" the first alone (an ablation); fix="off" neither. Each is exact in
 real arithmetic. Why, and the evidence: docs/kernel.md, "The fix".
 
-Every rounding point is marked "ROUND", in both precision modes ("fa2", as production kernels; "autocast", as
-the paper's PyTorch code), and nanolp/emulate.py computes the same bits (docs/kernel.md, "Two precision modes, ...").
-Reading order: forward (the fix's forward part after the loop it changes); backward; host code; appendix (the
-amplifier's rounding; the experiments' switches, Numerics, are nanolp/numerics.py's). Speed: docs/kernel.md, "Speed".
+Every rounding point is marked "ROUND", in both precision modes ("fa2", as production kernels; "autocast", as the
+paper's PyTorch code), and nanolp/emulate.py computes the same bits (docs/kernel.md, "Two precision modes, ...").
+Reading order: S and P (the scores and the exponent every kernel shares); forward (the fix's forward part after the
+loop it changes); backward; host code; appendix (the amplifier's rounding; the experiments' switches, Numerics, are
+nanolp/numerics.py's). Speed: docs/kernel.md, "Speed".
 """
 import math
 import os
@@ -42,6 +43,32 @@ from nanolp.numerics import Numerics, amplified_v, stochastic_round, widening   
 LOG2E = math.log2(math.e)
 TILE_N = 64                    # keys per tile (fixed: the fix looks for ties within one tile)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The notation's S and P in code, shared by the forward and both backward kernels: the backward must round S and
+# P exactly as the forward did.
+
+@triton.jit
+def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
+    """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
+    "autocast" scaled and rounded as the paper's PyTorch code does under bf16 autocast."""
+    s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
+    if AUTOCAST:
+        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
+        s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
+    return s
+
+
+@triton.jit
+def _exp2(s, qk_scale, m, FMA: tl.constexpr):
+    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
+    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md)."""
+    if FMA:
+        x = tl.fma(s, qk_scale, -m)                              # ROUND: once
+    else:
+        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
+    return tl.math.exp2(x)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -228,31 +255,6 @@ def reciprocal_up(span):
     span = struct.unpack("f", struct.pack("f", span))[0]
     inv = 1.0 / span
     return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Scores, shared by the forward and both backward kernels: the backward must round S exactly as the forward did.
-
-@triton.jit
-def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
-    """S as the exponent reads it: in "fa2" Q K^T itself, its scale applied inside the exponent (_exp2); in
-    "autocast" scaled and rounded as the paper's PyTorch code does under bf16 autocast."""
-    s = tl.dot(q, kT)                                            # fp32 accumulate of bf16 products
-    if AUTOCAST:
-        s = s.to(q.dtype).to(tl.float32)                         # ROUND: Q K^T in bf16 (autocast einsum)
-        s = (s * qk_scale).to(q.dtype).to(tl.float32)            # ROUND: the scaled scores in bf16
-    return s
-
-
-@triton.jit
-def _exp2(s, qk_scale, m, FMA: tl.constexpr):
-    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
-    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md)."""
-    if FMA:
-        x = tl.fma(s, qk_scale, -m)                              # ROUND: once
-    else:
-        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
-    return tl.math.exp2(x)
 
 
 # ---------------------------------------------------------------------------------------------------------
