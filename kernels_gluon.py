@@ -9,16 +9,16 @@ kernels.forward's: O in q's dtype and layout, lse in fp32 (log2 units: m + log2 
 fix="on" the fp32 O before its final cast (THE FIX's forward half, KEEP_O32); "fa2" numerics only (the
 production rounding: the exponent one fma, no amplifier).
 
-Five variants (VARIANTS), each one program per 128 query rows (two warpgroups of 64), key tiles of 64:
+Four variants (VARIANTS), each one program per 128 query rows (two warpgroups of 64), key tiles of 64:
     "sync": K and V read by plain loads into shared memory; each warpgroup MMA waited on at once. The likely-correct
             baseline.
     "tma":  K/V tiles brought by TMA into a two-slot ring guarded by mbarriers, the copy of tile j + 2 in flight
             while tile j + 1 is computed; Q by TMA; the MMAs issued asynchronously, each waited on explicitly.
     "ws":   FlashAttention-3's structure by warp specialization: a loader warp fills the K/V ring by TMA, and two
             consumer warpgroups (partitions of 4 warps, 64 rows each) each hand a slot back by an mbarrier.
-    "pingpong": "ws" with the consumer warpgroups taking turns on the tensor cores, FlashAttention-3's ping-pong.
-    "overlap": "pingpong" with the turn handed over once the MMAs are issued (not done), S waited for apart from
-            the P V MMA, and a four-slot K/V ring.
+    "overlap": "ws" with the consumer warpgroups taking turns on the tensor cores (FlashAttention-3's ping-pong),
+            each handing the turn over once its MMAs are issued, S waited for apart from the P V MMA, and a
+            four-slot K/V ring.
 Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
 Not in flash_attention's path: at head_dim 128, seq 4k-16k, no variant passed 1.15x kernels.py's forward, short
 of the 15% that a Gluon backward would need to be worth it (docs/kernel.md, "Speed").
@@ -37,7 +37,7 @@ from nanolp.numerics import Numerics
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
-VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4), "pingpong": (128, 4), "overlap": (128, 4)}
+VARIANTS = {"sync": (128, 8), "tma": (128, 8), "ws": (128, 4), "overlap": (128, 4)}
 NAN_ALL = gl.constexpr(tl.PropagateNan.ALL)    # kernels._top2's: -inf is the identity of the second's maxima
 # a barrier across the CTA's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -403,19 +403,11 @@ def _fwd_ws(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om
 
 
 @gluon.jit
-def _fwd_pingpong(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
-                  KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
-    _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale, HEAD_DIM, BLOCK_M,
-               CAUSAL, SHIFT, KEEP_O32, 1, WS_STAGES)
-
-
-@gluon.jit
 def _fwd_overlap(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
                  KEEP_O32: gl.constexpr, num_warps: gl.constexpr):
     _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride_om, H, N, qk_scale, HEAD_DIM, BLOCK_M,
-               CAUSAL, SHIFT, KEEP_O32, 2, OV_STAGES)
+               CAUSAL, SHIFT, KEEP_O32, 1, OV_STAGES)
 
 
 @gluon.jit
@@ -423,7 +415,7 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SHIFT: gl.constexpr,
                KEEP_O32: gl.constexpr, MODE: gl.constexpr, STAGES: gl.constexpr):
     # kernels._fwd_kernel: one program per (query tile, batch * head), heaviest first; q_desc in 64-row tiles.
-    # MODE 0: "ws"'s consumers, 1: "pingpong"'s, 2: "overlap"'s; STAGES: the K/V ring's slots
+    # MODE 0: "ws"'s consumers, 1: "overlap"'s; STAGES: the K/V ring's slots
     gl.static_assert(BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     pid_bh = gl.program_id(1)
@@ -457,7 +449,7 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
         stop = N
     n_tiles = gl.cdiv(stop, BLOCK_N)
     # (the arguments inline: a tuple assigned to a name would turn its constexprs into tensors)
-    if MODE == 2:
+    if MODE == 1:
         gl.warp_specialize([
             (_ov_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
                             b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
@@ -465,16 +457,6 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
             (_ov_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
                             b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
                             KEEP_O32, STAGES)),
-            (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles, STAGES)),
-        ], [4, 1], [240, 24])
-    elif MODE == 1:
-        gl.warp_specialize([
-            (_pp_consumer, (0, q_desc, q0, q_bars.index(0), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
-                            b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
-                            KEEP_O32)),
-            (_pp_consumer, (1, q_desc, q1, q_bars.index(1), k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE,
-                            b, h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM, CAUSAL, SHIFT,
-                            KEEP_O32)),
             (_ws_loader, (k_desc, v_desc, k_ring, v_ring, kv_ready, kv_empty, b, h, n_tiles, STAGES)),
         ], [4, 1], [240, 24])
     else:
@@ -488,93 +470,15 @@ def _ws_kernel(q_desc, k_desc, v_desc, O, O32, LSE, stride_ob, stride_oh, stride
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Variant "pingpong": "ws" with FlashAttention-3's ping-pong order. The two consumer warpgroups take turns on the
-# tensor cores (mbarriers turns[0], turns[1], handed back and forth): in its turn a warpgroup issues the P V MMA
-# of its previous tile and the S MMA of its next, waits for both and hands the turn over, then runs that tile's
-# softmax while the other warpgroup's MMAs run. The same arithmetic in the same order as kernels._fwd_inner (acc is
-# scaled by alpha before the P V MMA adds to it), so the same bits.
-
-@gluon.jit
-def _pp_softmax(s, start_n, stop_unmasked, offs_m, N, m_i, l_i, t_i, acc, qk_scale, dtype: gl.constexpr,
-                CAUSAL: gl.constexpr, SHIFT: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """kernels._fwd_inner's body after S, up to the P V MMA: the mask (tiles from stop_unmasked on), the softmax
-    step, acc scaled by alpha, and P in bf16 in the MMA's operand layout."""
-    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
-    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
-    if start_n >= stop_unmasked:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = _mask(s, offs_m, cols, N, CAUSAL)
-    p, alpha, m_i, l_i, t_i = _softmax_step(s, m_i, l_i, t_i, qk_scale, SHIFT)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))  # ROUND
-    return p, acc, m_i, l_i, t_i
-
-
-@gluon.jit
-def _pp_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_ready, kv_empty, turns, O, O32, LSE, b,
-                 h, start_m, stop_unmasked, stop, stride_om, N, qk_scale, HEAD_DIM: gl.constexpr,
-                 CAUSAL: gl.constexpr, SHIFT: gl.constexpr, KEEP_O32: gl.constexpr):
-    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
-    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
-    dtype: gl.constexpr = q_desc.dtype
-    rows0 = start_m + WG * 64
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma_load(q_desc, [b, h, rows0, 0], q_bar, q_smem)
-    mbarrier.wait(q_bar, 0)
-    q2d = q_smem.reshape([64, HEAD_DIM])
-    offs_m = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    t_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    n_tiles = gl.cdiv(stop, BLOCK_N)
-    mine, theirs = turns.index(WG), turns.index(1 - WG)
-    # turn 0: S of tile 0
-    mbarrier.wait(mine, 0)
-    mbarrier.wait(kv_ready.index(0), 0)
-    k_smem = k_ring.index(0).reshape([BLOCK_N, HEAD_DIM])
-    s = warpgroup_mma(q2d, k_smem.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                      is_async=True)
-    s, _ = warpgroup_mma_wait(0, deps=[s, k_smem])
-    mbarrier.arrive(theirs, count=1)
-    p, acc, m_i, l_i, t_i = _pp_softmax(s, 0, stop_unmasked, offs_m, N, m_i, l_i, t_i, acc, qk_scale, dtype,
-                                        CAUSAL, SHIFT, HEAD_DIM)
-    # turn it: P V of tile it - 1, S of tile it
-    for it in range(1, n_tiles):
-        slot, prev = it % WS_STAGES, (it - 1) % WS_STAGES
-        mbarrier.wait(mine, it & 1)
-        mbarrier.wait(kv_ready.index(slot), (it // WS_STAGES) & 1)
-        v_smem = v_ring.index(prev).reshape([BLOCK_N, HEAD_DIM])
-        k_smem = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        acc = warpgroup_mma(p, v_smem, acc, is_async=True)
-        s = warpgroup_mma(q2d, k_smem.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-        acc, s, _, _ = warpgroup_mma_wait(0, deps=[acc, s, v_smem, k_smem])
-        cta_barrier()                            # the warpgroup's four warps are done with tile it - 1's slot
-        mbarrier.arrive(kv_empty.index(prev), count=1)
-        mbarrier.arrive(theirs, count=1)
-        p, acc, m_i, l_i, t_i = _pp_softmax(s, it * BLOCK_N, stop_unmasked, offs_m, N, m_i, l_i, t_i, acc, qk_scale,
-                                            dtype, CAUSAL, SHIFT, HEAD_DIM)
-    # the last turn: P V of the last tile
-    mbarrier.wait(mine, n_tiles & 1)
-    v_smem = v_ring.index((n_tiles - 1) % WS_STAGES).reshape([BLOCK_N, HEAD_DIM])
-    acc = warpgroup_mma(p, v_smem, acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem])
-    mbarrier.arrive(theirs, count=1)
-    offs_m_o = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-    _epilogue(acc, l_i, m_i, O, O32, LSE, offs_m_o, offs_m, stride_om, N, HEAD_DIM, o_layout, KEEP_O32)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Variant "overlap": "pingpong" rearranged after what its SASS shows (results/speed/gluon_forward.md). There a
-# warpgroup hands the turn over only once its MMAs are done, so the tensor cores idle through every hand-over and
-# never hold the two warpgroups' MMAs at once; and a slot of the two-slot ring is released at the end of a turn whose
-# next turn already needs the tile loaded into it, so each TMA's latency is waited out. Here, in its turn, a warpgroup
-# issues the S MMA of tile it and then the P V MMA of tile it - 1 and hands the turn over at once (the other
-# warpgroup's MMAs queue behind its own), waits for S alone (wgmma groups complete in order), runs tile it's softmax,
-# and only then waits for the P V MMA, scales acc by tile it's alpha and casts P. (ptxas 3.6 still moves that last
-# wait up to just before the exponentials, at head_dim 64 as at 128: not for want of registers.)
-# acc is still alpha_j (acc) + P_j V_j tile after tile, kernels._fwd_inner's order: the same bits. The ring has four
+# Variant "overlap": "ws" with FlashAttention-3's ping-pong: the two consumer warpgroups take turns on the tensor
+# cores (mbarriers turns[0], turns[1], handed back and forth). A plain ping-pong, handing the turn over once its
+# MMAs are done, measured slower than "ws" (results/speed/gluon_forward.md): the tensor cores idled through every
+# hand-over, and a two-slot ring released each slot just before the tile loaded into it was needed. Here, in its
+# turn, a warpgroup issues the S MMA of tile it and then the P V MMA of tile it - 1 and hands the turn over at once
+# (the other warpgroup's MMAs queue behind its own), waits for S alone (wgmma groups complete in order), runs tile
+# it's softmax, and only then waits for the P V MMA, scales acc by tile it's alpha and casts P. (ptxas 3.6 still
+# moves that last wait up to just before the exponentials, at head_dim 64 as at 128: not for want of registers.) acc
+# is still alpha_j (acc) + P_j V_j tile after tile, kernels._fwd_inner's order: the same bits. The ring has four
 # slots, so a tile is loaded two turns ahead of the turn that reads it.
 
 OV_STAGES = gl.constexpr(4)
@@ -583,7 +487,8 @@ OV_STAGES = gl.constexpr(4)
 @gluon.jit
 def _ov_softmax(s, start_n, stop_unmasked, offs_m, N, m_i, l_i, t_i, qk_scale, CAUSAL: gl.constexpr,
                 SHIFT: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """_pp_softmax up to P in fp32 (its cast for the P V MMA is _ov_operand), acc left alone: alpha in acc's rows."""
+    """kernels._fwd_inner's body after S, up to P in fp32 (its cast for the P V MMA is _ov_operand): the mask (tiles
+    from stop_unmasked on) and the softmax step; acc left alone: alpha comes back in acc's rows."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
     if start_n >= stop_unmasked:

@@ -1,7 +1,7 @@
 """Where ptxas put the warpgroup MMAs' waits relative to the exponentials in kernels_gluon.py's forward, read from
 its SASS for sm_90 on a machine without a GPU (results/speed/gluon_forward.md).
 
-    python -m experiments.gluon_sass [--head-dim 128] [--variants sync tma ws pingpong]    # no TRITON_INTERPRET
+    python -m experiments.gluon_sass [--head-dim 128] [--variants sync tma ws overlap]    # no TRITON_INTERPRET
 
 For each variant at causal, fix "off" and "on": registers, spills, shared memory (nanolp/compile_gluon_sm90.py's
 compile of the launch), and the kernel's SASS as a sequence of runs of the instructions that order the loop:
