@@ -18,7 +18,7 @@ a one-signed error, which piles up in W_Q / W_K until the loss explodes. The pap
 it. So the fix has two parts, each hop of them marked "THE FIX":
     1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
     2. the cure: delta reads the forward's fp32 O, before its final cast (stored by the forward's epilogue,
-       chosen by delta_reads, saved for the backward by _setup_context, read by _bwd_delta_kernel).
+       chosen by delta_reads, saved for the backward by _FlashAttention, read by _bwd_delta_kernel).
 fix="on" is both (the default); fix="paper" the first alone (an ablation); fix="off" neither. Each is exact in
 real arithmetic. Why, and the evidence: docs/kernel.md, "The fix".
 
@@ -28,6 +28,7 @@ Reading order: S and P (the scores and the exponent every kernel shares); forwar
 loop it changes); backward; host code; appendix (the amplifier's rounding; the experiments' switches, Numerics, are
 nanolp/numerics.py's). Speed: docs/kernel.md, "Speed".
 """
+import functools
 import math
 import os
 import struct
@@ -240,6 +241,7 @@ def _fold(d, SHIFT: tl.constexpr):
     return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
 
 
+@functools.cache   # (each call of the forward asks; the answer never changes)
 def fix_constants(precision, p_bits=0):
     """The shift's constants in the kernel's units (log2 units in "fa2"), in float64; tol and lo widen with
     the amplifier's p_bits (widening), as the band of scores whose P rounds to 1.0 does."""
@@ -268,7 +270,7 @@ def reciprocal_up(span):
 def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr):
     # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
-    # THE FIX (the cure, 4: the read): with fix "on" this O is the forward's fp32 O (_setup_context saved it).
+    # THE FIX (the cure, 4: the read): with fix "on" this O is the forward's fp32 O (_FlashAttention saved it).
     bh = tl.program_id(1).to(tl.int64)
     O += (bh // H) * stride_ob + (bh % H) * stride_oh
     DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
@@ -458,9 +460,9 @@ def forward(q, k, v, *, fix, causal=True, numerics=None, delta=None):
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
                              "call .contiguous()")
     reads = delta_reads(fix, numerics)
-    return Forward(*flash_fwd_op(q, k, v, causal, fix, reads if delta is None else delta, numerics.precision,
-                                 numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
-                                 numerics.fma))
+    return Forward(*_FlashAttention.apply(q, k, v, causal, fix, reads if delta is None else delta,
+                                          numerics.precision, numerics.p_bits, numerics.o_bits,
+                                          numerics.stochastic_o == "forward", numerics.fma))
 
 
 def flash_forward_fp32(q, k, v, *, fix, causal=True, numerics=None):
@@ -500,12 +502,11 @@ def output_and_delta_o(o, o32, stochastic, delta):
 # The custom ops take plain values (a schema has no dataclass): fix, what delta reads (delta_reads), Numerics'
 # parts. They check nothing: the entry points above do. Tools that record their launches on CPU tensors call
 # them directly (nanolp/compile_sm90.py, experiments/sass.py).
-@torch.library.custom_op("nanolp::flash_fwd", mutates_args=())
-def flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: str, delta: str,
-                 precision: str, p_bits: int, o_bits: int, stochastic: bool,
-                 fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: str, delta: str,
+              precision: str, p_bits: int, o_bits: int, stochastic: bool,
+              fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
-    delta "p" is for the backward only (_setup_context)."""
+    delta "p" is for the backward only (_FlashAttention)."""
     B, H, N, D = q.shape
     o = empty_in_layout_of(q)
     keep_o32 = stochastic or delta in ("fp32-o", "stochastic-o")    # wherever output_and_delta_o reads it
@@ -521,6 +522,9 @@ def flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         **UNFUSED)
     o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
     return o, lse, o.new_empty(0) if o_delta is None else o_delta
+
+
+flash_fwd_op = torch.library.custom_op("nanolp::flash_fwd", flash_fwd, mutates_args=())
 
 
 @flash_fwd_op.register_fake
@@ -567,10 +571,9 @@ def dense_do(do, q, o):
     return do
 
 
-@torch.library.custom_op("nanolp::flash_bwd", mutates_args=())
-def flash_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, precision: str, from_p: bool,
-                 fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, causal: bool, precision: str, from_p: bool,
+              fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV, from o the O that delta reads: dK/dV and dQ in two passes, no atomics."""
     do = dense_do(do, q, o)
     (per_query, per_key), strides, meta = bwd_launch(q, k, v, o, causal, precision, fma)
@@ -582,31 +585,39 @@ def flash_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return dq, dk, dv
 
 
+flash_bwd_op = torch.library.custom_op("nanolp::flash_bwd", flash_bwd, mutates_args=())
+
+
 @flash_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, precision, from_p, fma):
     return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
 
 
-# flash_fwd_op's inputs by name (autograd hands them over as a tuple), each one's gradient None but q's, k's, v's
-FwdInputs = namedtuple("FwdInputs", "q k v causal fix delta precision p_bits o_bits stochastic fma",
-                       defaults=(None,) * 8)
+def direct(op, fn):
+    """What an eager call runs: the op's own function (fn), not its dispatch, which costs more host time per call
+    than the kernels take at short sequences (results/speed/host_path); torch.compile gets the op (opaque)."""
+    return op if torch.compiler.is_compiling() else fn
 
 
-def _setup_context(ctx, inputs, output):
-    inputs = FwdInputs(*inputs)
-    o, lse, o_delta = output
-    # THE FIX (the cure, 3: the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
-    ctx.save_for_backward(inputs.q, inputs.k, inputs.v, o_delta if o_delta.numel() else o, lse)
-    ctx.causal, ctx.precision, ctx.fma = inputs.causal, inputs.precision, inputs.fma
-    ctx.from_p = inputs.delta == "p"
+class _FlashAttention(torch.autograd.Function):
+    """flash_fwd_op, differentiable in O through flash_bwd_op; lse and the O delta reads are not (no zeros are
+    made for their gradients)."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, causal, fix, delta, precision, p_bits, o_bits, stochastic, fma):
+        o, lse, o_delta = direct(flash_fwd_op, flash_fwd)(q, k, v, causal, fix, delta, precision, p_bits, o_bits,
+                                                          stochastic, fma)
+        # THE FIX (the cure, 3: the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
+        ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)
+        ctx.args = (causal, precision, delta == "p", fma)
+        ctx.mark_non_differentiable(lse, o_delta)
+        ctx.set_materialize_grads(False)
+        return o, lse, o_delta
 
-def _backward(ctx, do, _dlse, _do_delta):
-    q, k, v, o, lse = ctx.saved_tensors
-    return tuple(FwdInputs(*flash_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.precision, ctx.from_p, ctx.fma)))
-
-
-flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, do, _dlse, _do_delta):
+        q, k, v, o, lse = ctx.saved_tensors
+        return *direct(flash_bwd_op, flash_bwd)(do, q, k, v, o, lse, *ctx.args), *(None,) * 8
 
 
 def check_device(q):
