@@ -1,12 +1,17 @@
 """kernels.py's launches in settings other than its own, for the experiments that time and compile them
-(tuning.py, forward_split.py, backward_variants.py, sass.py, bench.py): other tiles, warps and stages (tuned),
-and the one-pass backward (one_pass_attention).
+(tuning.py, forward_split.py, backward_variants.py, short_backward.py, sass.py, bench.py): other tiles, warps and
+stages (tuned), the one-pass backward (one_pass_attention) and the single-pass backward for short sequences
+(single_pass_attention).
 
 The one-pass backward sums dQ in the dK/dV pass: each key tile's program adds dQ_i += dS_ij K_j into an fp32
 buffer in O's layout, by fp32 atomics or by TMA reductions (DQ_TMA), and _bwd_dq_cast_kernel scales and casts
 it; 5 matrix products per tile pair instead of kernels.py's 7, at most 8-10% faster, but dQ's last bits follow
 the GPU's order of programs (docs/kernel.md, "Which backward is the default"). Its delta is kernels.py's
 (kernels.bwd_delta, the two-pass tiles), so both backwards read the same delta.
+
+The single-pass backward is the whole backward of a (batch, head) in one program, one launch for all, for up
+to SINGLE_PASS_MAX_SEQ keys, where kernels.py's three launches cost more host time than GPU time; its sums run
+in the two-pass backward's order, so under the interpreter it has that backward's bits (its section below).
 """
 from contextlib import contextmanager
 
@@ -160,21 +165,151 @@ def one_pass_backward(do, q, k, v, o, lse, causal, precision, from_p, fma, tunin
     return dq, dk, dv
 
 
-class _OnePassAttention(torch.autograd.Function):
+class _AttentionWithBackward(torch.autograd.Function):
+    """kernels.flash_attention's forward with one of this file's backwards, called as kernels.flash_bwd_op is
+    (do, q, k, v, o, lse, causal, precision, from_p, fma)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, fix, numerics):
+    def forward(ctx, q, k, v, causal, fix, numerics, backward):
         o, lse, o_delta = kernels.forward(q, k, v, causal=causal, fix=fix, numerics=numerics)
         ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
         ctx.args = (causal, numerics.precision, numerics.delta == "p", numerics.fma)
+        ctx.run_backward = backward
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*one_pass_backward(do, q, k, v, o, lse, *ctx.args), None, None, None)
+        return (*ctx.run_backward(do, q, k, v, o, lse, *ctx.args), None, None, None, None)
 
 
 def one_pass_attention(q, k, v, causal=True, fix="on", numerics=None):
     """kernels.flash_attention with the one-pass backward."""
     numerics = Numerics() if numerics is None else numerics
-    return _OnePassAttention.apply(q, k, amplified_v(v, numerics.o_bits), causal, fix, numerics)
+    return _AttentionWithBackward.apply(q, k, amplified_v(v, numerics.o_bits), causal, fix, numerics,
+                                        one_pass_backward)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The single-pass backward for short sequences
+#
+# At the training demo's length (seq 256) kernels.py's backward is three launches (delta, dK/dV, dQ), each only
+# a few key tiles deep, and the eager step waits on the host more than on the GPU. Here the whole backward of one
+# (batch, head) is one program, and all of it one launch:
+#     1. delta = rowsum(dO * O) for every query tile, into kernels.py's fp32 delta buffer;
+#     2. for each key tile j, ascending: for each query tile i it sees, ascending from the diagonal,
+#            dV_j += P_ij^T dO_i      dK_j += dS_ij^T Q_i         (kernels._bwd_dkdv_tile: the dK/dV kernel's)
+#            dQ_i += dS_ij K_j        (an fp32 buffer in O's layout, read back at the next key tile)
+#     3. dQ = that sum * scale, cast, per query tile.
+# Every sum runs in the two-pass backward's order: dK_j and dV_j over query tiles ascending (the dK/dV kernel's
+# loop), dQ_i over key tiles ascending from zero (the dQ kernel's loop), each share added by the matrix product
+# with the sum so far as its accumulator, as the dQ kernel's dq += dS K is. With the two-pass tiles (BLOCK_M x
+# BLOCK_N of kernels.BWD_TUNING) that gives the two-pass backward's bits under the interpreter.
+#
+# Registers and shared memory do not depend on the length: a program holds one key tile's K, V, dK, dV and one
+# query tile's operands, as the dK/dV kernel does, and dQ waits in global memory. The limit is the work per
+# program and that buffer. One program per head runs all N^2 / (2 BLOCK_M BLOCK_N) causal pairs one after the
+# other (36 at 512 keys, where the two-pass backward's longest program runs 8), and every pair reads and writes
+# a BLOCK_M x head_dim fp32 tile of the buffer, fast only while the resident programs' buffers stay in L2:
+# N x head_dim x 4 bytes per head, for two programs per SM at d64 and one at d128 (the sm_90 compile) 33 MiB
+# on the H200's 132 SMs at 512 keys, within its 50 MiB of L2, and 66 MiB at 1024. So kernels.SHORT_SEQ, the
+# length up to which kernels.py already treats a backward as short (one stage).
+SINGLE_PASS_MAX_SEQ = kernels.SHORT_SEQ
+# (BLOCK_M, BLOCK_N, warps, stages) per head_dim. The tiles are kernels.BWD_TUNING's: other tiles sum dK/dV over
+# other query tiles and dQ over other key tiles, so other bits. Warps and stages from the sm_90 compile
+# (results/speed/short_backward.md): no spill in the loop, 255 registers or fewer, and one stage, as kernels.py's
+# backward at these lengths.
+SINGLE_PASS_TUNING = {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 8, 1)}
+
+
+@triton.jit
+def _bwd_single_pass_kernel(Q, K, V, O, DO, LSE, DELTA, DQ_SUM, DQ, DK, DV,
+                            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
+                            qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr,
+                            DELTA_FROM_O: tl.constexpr):
+    # One program per (batch * head): grid (1, B * H). DQ_SUM: dQ's fp32 sum so far, in O's layout, read and
+    # written by this program alone. DELTA_FROM_O: step 1 here; else DELTA holds the paper's control already
+    # (kernels.bwd_delta's own pass over the keys).
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
+    tl.static_assert(DQ_SUM.dtype.element_ty == tl.float32)   # the shares summed in fp32, as in the dQ kernel
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh            # O, dO, the dQ buffer, dQ, dK and dV are in O's layout
+    DO += b * stride_ob + h * stride_oh
+    DQ_SUM += b * stride_ob + h * stride_oh
+    DQ += b * stride_ob + h * stride_oh
+    DK += b * stride_ob + h * stride_oh
+    DV += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    DELTA += bh * N
+    offs_d = tl.arange(0, HEAD_DIM)
+    if DELTA_FROM_O:
+        # 1. delta = rowsum(dO * O) per query tile, kernels._bwd_delta_kernel's rows (a row's sum does not
+        # depend on the tile). THE FIX (the cure, 4: the read): with fix "on" this O is the forward's fp32 O.
+        for start_m in range(0, N, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            offs = rows[:, None] * stride_om + offs_d[None, :]
+            o = tl.load(O + offs, mask=rows[:, None] < N, other=0.0)
+            do = tl.load(DO + offs, mask=rows[:, None] < N, other=0.0)
+            tl.store(DELTA + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N)
+        tl.debug_barrier()      # the stores above before any thread of the program reads delta below
+    # 2. Key tiles ascending: each one's dK/dV loop as in kernels._bwd_dkdv_kernel, adding dQ's shares besides
+    for start_n in range(0, N, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        start = start_n if CAUSAL else 0          # queries above the diagonal see no key here
+        for start_m in range(start, N, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            dk, dv, dsT = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows, cols, offs_d, stride_qm, stride_om,
+                                         N, qk_scale, CAUSAL, AUTOCAST, FMA)
+            # dQ_i += dS_ij K_j, the sum so far as the product's accumulator (the dQ kernel's dq += dS K); at key
+            # tile 0 nothing is summed yet: zeros, the dQ kernel's start (the buffer needs no zeroing)
+            out = rows[:, None] * stride_om + offs_d[None, :]
+            dq = tl.load(DQ_SUM + out, mask=(rows[:, None] < N) & (start_n > 0), other=0.0)
+            dq = tl.dot(tl.trans(dsT), k, dq)
+            tl.store(DQ_SUM + out, dq, mask=rows[:, None] < N)
+        out = cols[:, None] * stride_om + offs_d[None, :]
+        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
+        tl.debug_barrier()      # this key tile's dQ sums stored before the next one's loads, by any thread
+    # 3. dQ = (the sum over key tiles of dS K) * scale, cast once, as the dQ kernel's
+    for start_m in range(0, N, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        out = rows[:, None] * stride_om + offs_d[None, :]
+        dq = tl.load(DQ_SUM + out, mask=rows[:, None] < N, other=0.0)
+        tl.store(DQ + out, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)   # ROUND: dQ
+
+
+def single_pass_backward(do, q, k, v, o, lse, causal, precision, from_p, fma, tuning=None):
+    """kernels.flash_bwd_op's dQ, dK, dV in one launch, one program per (batch, head), for sequences up to
+    SINGLE_PASS_MAX_SEQ (single_pass_attention checks it); tuning: in place of SINGLE_PASS_TUNING's. With
+    from_p (the paper's control) delta is kernels.bwd_delta's pass over the keys first: two launches."""
+    D = q.shape[-1]
+    tuning = tuning or SINGLE_PASS_TUNING[D]
+    do = kernels.dense_do(do, q, o)
+    (_, (_, programs)), strides, meta = one_pass_launch(q, k, v, o, causal, precision, fma, tuning)
+    meta["num_stages"] = tuning[3]      # the row's own, where kernels.bwd_launch makes short backwards one stage
+    delta = kernels.bwd_delta(do, q, k, v, o, lse, causal, precision, True, fma) if from_p else torch.empty_like(lse)
+    dq_sum = torch.empty_like(o, dtype=torch.float32)                      # o is dense: O's strides
+    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))
+    _bwd_single_pass_kernel[(1, programs)](q, k, v, o, do, lse, delta, dq_sum, dq, dk, dv, *strides, D ** -0.5,
+                                           DELTA_FROM_O=not from_p, **meta)
+    return dq, dk, dv
+
+
+def single_pass_attention(q, k, v, causal=True, fix="on", numerics=None):
+    """kernels.flash_attention with the single-pass backward, for sequences up to SINGLE_PASS_MAX_SEQ keys."""
+    if q.shape[-2] > SINGLE_PASS_MAX_SEQ:
+        raise ValueError(f"single_pass_attention takes up to {SINGLE_PASS_MAX_SEQ} keys (one program per head), "
+                         f"got {q.shape[-2]}: use kernels.flash_attention")
+    numerics = Numerics() if numerics is None else numerics
+    return _AttentionWithBackward.apply(q, k, amplified_v(v, numerics.o_bits), causal, fix, numerics,
+                                        single_pass_backward)
