@@ -59,7 +59,7 @@ def rows(D):
 
 def time_backwards(seqs=(256, 512)):
     """Median ms of the backward as autograd calls it (host included: the launches, the allocations) at the
-    benchmark's shapes: kernels.flash_bwd_op (three launches) and single_pass_backward at each setting (one), and
+    benchmark's shapes: kernels.flash_bwd (three launches, as an eager call runs them) and single_pass_backward at each setting (one), and
     whether the single-pass gradients equal the two-pass ones bit for bit on this GPU."""
     from triton.testing import do_bench
     print("| backward | d | warps | stages | " + " | ".join(f"seq {n} ms" for n in seqs)
@@ -72,8 +72,8 @@ def time_backwards(seqs=(256, 512)):
             q, k, v, do = inputs(D, N, "cuda")
             o, lse, _ = kernels.forward(q, k, v, fix="off")
             args = (do, q, k, v, o, lse, True, "fa2", False, True)
-            two = kernels.flash_bwd_op(*args)
-            cells[None].append(f"{do_bench(lambda: kernels.flash_bwd_op(*args), return_mode='median'):.3f}")
+            two = kernels.flash_bwd(*args)
+            cells[None].append(f"{do_bench(lambda: kernels.flash_bwd(*args), return_mode='median'):.3f}")
             for tuning in tunings(D):
                 cells[tuning].append(f"{do_bench(lambda: single_pass_backward(*args, tuning), return_mode='median'):.3f}")
                 one = single_pass_backward(*args, tuning)
