@@ -12,8 +12,6 @@ above gpu_us the GPU waits for the host, and wall_ms follows the host. Rows:
                         functions directly (kernels.direct)
     fwd+bwd, through the ops    the same through the custom ops' dispatch, as torch.compile calls them: what
                         the dispatch costs
-    fwd+bwd, single-pass        with the single-pass backward (experiments/launch_variants.py): one launch
-                        where kernels.py's backward makes three
     launch NAME         one kernel[grid](...) call of each kernel the fwd+bwd launches: Triton's launcher
     sdpa_flash fwd+bwd  torch's FA2 (C++ host path), the target
 """
@@ -29,7 +27,6 @@ from triton.testing import do_bench
 
 import kernels
 from experiments.bench import CHANNELS, TOKENS
-from experiments.launch_variants import SINGLE_PASS_MAX_SEQ, single_pass_attention
 
 CALLS = 100
 
@@ -122,8 +119,6 @@ def main(argv=None):
             flash = fresh(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do))
 
             cases = [("fwd+bwd", fwd_bwd), ("fwd+bwd, through the ops", dispatched)]
-            if N <= SINGLE_PASS_MAX_SEQ:
-                cases.append(("fwd+bwd, single-pass", fresh(lambda: single_pass_attention(q, k, v).backward(do))))
             for name, kernel, grid, largs, meta in kept_launches(fwd_bwd):
                 cases.append((f"launch {name}", lambda kernel=kernel, grid=grid, largs=largs, meta=meta:
                               kernel[grid](*largs, **meta)))

@@ -55,9 +55,9 @@ CLASSES = {
 }
 
 
-# The kernels record() records: kernels.py's, the one-pass backward's and the single-pass one's
+# The kernels record() records: kernels.py's and the one-pass backward's
 RECORDED = ((kernels, ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
-            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel", "_bwd_single_pass_kernel")))
+            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel")))
 
 
 def record(run):

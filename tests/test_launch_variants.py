@@ -1,18 +1,13 @@
 """The one-pass backward (experiments/launch_variants.py): dQ summed over key tiles by fp32 atomics in the
 dK/dV pass, or by TMA reductions (DQ_TMA, the interpreter's through nanolp/interp_patch.py), against the
-emulation of its order, the two-pass backward and float64; its dQ in a fixed order (ordered=True) against the
-two-pass backward; the single-pass backward for short sequences (one program per head) against the same; and
-tuned's settings. Runs where tests/test_kernels.py does (the interpreter on the CPU, the compiled kernel on a
-GPU)."""
+emulation of its order, the two-pass backward and float64; and tuned's settings. Runs where tests/test_kernels.py
+does (the interpreter on the CPU, the compiled kernel on a GPU)."""
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import kernels
 from experiments import launch_variants
-from experiments.launch_variants import (ONE_PASS_TUNING, SINGLE_PASS_MAX_SEQ, SINGLE_PASS_TUNING,
-                                         one_pass_attention, single_pass_attention)
+from experiments.launch_variants import ONE_PASS_TUNING, one_pass_attention
 from nanolp.numerics import Numerics
 from nanolp import emulate
 from tests.test_kernels import (DELTAS, INTERPRETED, check_against_float64, check_keeps_layout, grads,  # noqa: F401
@@ -111,8 +106,7 @@ def test_one_pass_fp32_sum_follows_the_emulated_order(D, causal, precision, dq_t
     args = (q, k, v, do, lse, kernels.bwd_delta(do, q, k, v, o, lse, causal, precision, False, True))
     dq_sum, dk, dv = torch.zeros_like(o, dtype=torch.float32), torch.empty_like(o), torch.empty_like(o)
     target = launch_variants.dq_sum_target(dq_sum, meta["BLOCK_M"], dq_tma)
-    launch_variants._bwd_dkdv_dq_kernel[per_key](*args, dk, dv, target, None, *strides, 1.0, DQ_TMA=dq_tma,
-                                                 ORDERED=False, DQ_BLOCK_N=kernels.BWD_TUNING[D][1], **meta)
+    launch_variants._bwd_dkdv_dq_kernel[per_key](*args, dk, dv, target, *strides, 1.0, DQ_TMA=dq_tma, **meta)
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, causal, precision)
     delta = emulate.delta(q, k, v, o, lse, do, causal, precision)
     dS = emulate._round(P * (dP - delta.unsqueeze(-1)), q.dtype)
@@ -152,157 +146,3 @@ def test_one_pass_keeps_the_inputs_layout(seq_major, dq_tma, poisoned):
     """tests/test_kernels.py's layout test for the one-pass backward; with TMA, the descriptor of its dQ buffer
     too (seq-major, its strides are not in descending order)."""
     check_keeps_layout(seq_major, one_pass_attention)
-
-
-# The single-pass backward for short sequences
-
-def assert_same_bits(ours, want, what):
-    for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
-            f"{name} differs from {what}"
-
-
-@requires_interpreter
-@pytest.mark.parametrize("N, D, causal, fix, dtype", [
-    (1, 16, True, "off", torch.bfloat16), (37, 32, False, "on", torch.float16), (64, 64, True, "on", torch.bfloat16),
-    (100, 128, False, "off", torch.bfloat16), (200, 64, True, "off", torch.float16),
-    (256, 128, True, "on", torch.bfloat16), (256, 16, False, "on", torch.bfloat16),
-    (SINGLE_PASS_MAX_SEQ, 64, True, "on", torch.bfloat16)])
-def test_single_pass_equals_two_pass_under_the_interpreter(N, D, causal, fix, dtype, poisoned):
-    """Its sums run in the two-pass backward's order at the two-pass tiles (SINGLE_PASS_TUNING's are
-    BWD_TUNING's): the same bits, at lengths of one tile, of several, ragged or not, the training demo's 256,
-    every head_dim, causal or not, with the fix on and off, in bf16 and fp16, and at the limit; with every buffer
-    NaN at first, so the dQ sum's zeros at key tile 0 come from the kernel."""
-    assert SINGLE_PASS_TUNING[D][:2] == kernels.BWD_TUNING[D][:2]
-    shape = (2, 1, N, D)
-    q, k, v, do = rand(shape, dtype, 2.0), rand(shape, dtype), rand(shape, dtype), rand(shape, dtype)
-    ours = grads(single_pass_attention, q, k, v, do, causal=causal, fix=fix)
-    assert_same_bits(ours, grads(kernels.flash_attention, q, k, v, do, causal=causal, fix=fix), "two passes")
-
-
-@requires_interpreter
-@pytest.mark.parametrize("delta_from", list(DELTAS))
-def test_single_pass_equals_two_pass_with_every_delta(delta_from, poisoned):
-    """delta from O and from the fp32 O (the kernel's own first step) and from P (kernels.bwd_delta's pass over
-    the keys, before the kernel): the two-pass backward's bits."""
-    shape = (1, 2, 130, 64)
-    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    ours = grads(single_pass_attention, q, k, v, do, fix="off", numerics=DELTAS[delta_from])
-    want = grads(kernels.flash_attention, q, k, v, do, fix="off", numerics=DELTAS[delta_from])
-    assert_same_bits(ours, want, "two passes")
-
-
-@requires_interpreter
-@pytest.mark.parametrize("shape", [(1, 2, 130, 64), (2, 1, 77, 32)])
-@pytest.mark.parametrize("precision", ["fa2", "autocast"])
-@pytest.mark.parametrize("fix", ["off", "on"])
-def test_single_pass_gradients_bitwise_equal_emulation(shape, precision, fix, poisoned):
-    """Against the emulation of its order (dQ over key tiles ascending from zero, emulate._dq_one_pass at its
-    tiles), causal and not, in both precisions, with exact ties for the shift."""
-    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
-    k[..., 5, :] = k[..., 3, :]
-    numerics = Numerics(precision=precision)
-    for causal in (True, False):
-        ours = grads(single_pass_attention, q, k, v, do, causal=causal, fix=fix, numerics=numerics)
-        want = grads(emulate.emulate_attention, q, k, v, do, causal=causal, fix=fix, numerics=numerics,
-                     one_pass=SINGLE_PASS_TUNING[shape[-1]][:2])
-        assert_same_bits(ours, want, "the emulation")
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_single_pass_gradients_against_float64(seed, poisoned):
-    """Within twice plain bf16 attention's error of float64, at every head_dim, in bf16 and fp16, causal or not,
-    with the fix on and off; on a GPU this is the single-pass backward's correctness test."""
-    g = torch.Generator().manual_seed(200 + seed)
-    B, H = (int(x) for x in torch.randint(1, 3, (2,), generator=g))
-    N = int(torch.randint(1, 200, (1,), generator=g))
-    D = [16, 32, 64, 128][seed]
-    dtype = [torch.bfloat16, torch.float16][seed % 2]
-    q, k, v = (rand((B, H, N, D), dtype, seed=seed * 3 + i) for i in range(3))
-    check_against_float64(q, k, v, seed % 3 != 0, fix="on" if seed % 2 == 0 else "off",
-                          attention=single_pass_attention)
-
-
-def test_single_pass_refuses_long_sequences():
-    """Past SINGLE_PASS_MAX_SEQ keys: one line saying so, before any work (experiments/bench.py skips the row)."""
-    q = rand((1, 1, SINGLE_PASS_MAX_SEQ + 1, 16))
-    with pytest.raises(ValueError, match=f"up to {SINGLE_PASS_MAX_SEQ} keys .* got {SINGLE_PASS_MAX_SEQ + 1}") as error:
-        single_pass_attention(q, q, q)
-    assert "\n" not in str(error.value)
-
-
-@pytest.mark.parametrize("seq_major", [True, False])
-def test_single_pass_keeps_the_inputs_layout(seq_major, poisoned):
-    """tests/test_kernels.py's layout test for the single-pass backward (its fp32 dQ buffer in O's layout)."""
-    check_keeps_layout(seq_major, single_pass_attention)
-# ---------------------------------------------------------------------------------------------------------
-# dQ in a fixed order (one_pass_attention(..., ordered=True))
-
-@triton.jit
-def _program_order_kernel(COUNT, ORDER):
-    tl.store(ORDER + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.atomic_add(COUNT, 1))
-
-
-@requires_interpreter
-def test_interpreter_runs_key_tiles_outermost():
-    """The ordered dQ's waits never spin under the interpreter only if it runs the programs one after another,
-    program_id(0) (the key tile) outermost and ascending: all of key tile j - 1's programs before any of j's.
-    (Were it otherwise, the ordered tests below would hang in their first wait.)"""
-    count, order = torch.zeros(1, dtype=torch.int32), torch.full((3, 4), -1, dtype=torch.int32)
-    _program_order_kernel[(3, 4)](count, order)
-    assert torch.equal(order, torch.arange(12, dtype=torch.int32).view(3, 4))
-
-
-def ordered_grads(q, k, v, do, monkeypatch, **kw):
-    """dQ, dK, dV of the one-pass backward with ordered dQ, and the semaphores it leaves (batch, head, query tile)."""
-    semaphores = []
-    make = launch_variants.dq_semaphores
-    monkeypatch.setattr(launch_variants, "dq_semaphores", lambda *a: semaphores.append(make(*a)) or semaphores[-1])
-    return grads(one_pass_attention, q, k, v, do, ordered=True, **kw), semaphores[0]
-
-
-def contributors(N, D, causal):
-    """The key tiles that add to each query tile's dQ in the one-pass backward (ONE_PASS_TUNING's tiles): all of
-    them, or (causal) those whose diagonal starts at or before the query tile's first row."""
-    block_m, block_n = ONE_PASS_TUNING[D][:2]
-    starts = torch.arange(0, N, block_m, dtype=torch.int32)
-    return starts // block_n + 1 if causal else torch.full_like(starts, -(-N // block_n))
-
-
-@requires_interpreter
-@pytest.mark.parametrize("fix, dtype", [("off", torch.bfloat16), ("on", torch.float16)])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("D", [16, 32, 64, 128])
-def test_ordered_one_pass_bitwise_equal_two_pass_and_emulation(D, causal, fix, dtype, monkeypatch, poisoned):
-    """With ordered dQ the one-pass backward gives the two-pass backward's dQ, dK, dV (kernels.flash_attention)
-    and the emulation's, bit for bit, at each head_dim's ONE_PASS_TUNING (64 queries x 128 keys at d128, whose
-    shares are added as the dQ kernel's 64-key tiles), a length that leaves ragged last tiles, two batches and
-    two heads. And the protocol ran: each semaphore ends at the number of key tiles that added to its query
-    tile."""
-    shape = (2, 2, 197, D)
-    q, k, v, do = rand(shape, dtype, 2.0), rand(shape, dtype), rand(shape, dtype), rand(shape, dtype)
-    k[..., 5, :] = k[..., 3, :]                                   # exact ties, so the shift has work to do
-    ours, semaphores = ordered_grads(q, k, v, do, monkeypatch, causal=causal, fix=fix)
-    two_pass = grads(kernels.flash_attention, q, k, v, do, causal=causal, fix=fix)
-    emulated = grads(emulate.emulate_attention, q, k, v, do, causal=causal, fix=fix)
-    for name, a, b, c in zip(("dQ", "dK", "dV"), ours, two_pass, emulated):
-        assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
-            f"{name} differs from the two-pass backward's"
-        assert torch.equal(a.view(torch.int16), c.view(torch.int16)), f"{name} differs from the emulation"
-    assert torch.equal(semaphores, contributors(shape[-2], D, causal).expand(shape[:2] + (-1,)))
-
-
-@pytest.mark.skipif(INTERPRETED, reason="the interpreter has one order of programs; this is for the GPU's")
-@pytest.mark.parametrize("D", [64, 128])
-def test_ordered_one_pass_same_bits_every_run_on_the_gpu(D, monkeypatch):
-    """On a GPU, with many programs in flight (the benchmark's 16k tokens x 2048 channels at seq 1024): the
-    ordered dQ is the same bits on every run, and the two-pass backward's (the same chains of MMAs that
-    accumulate, in the same order), and the semaphores end at the contributors' count."""
-    shape = (16, 2048 // D, 1024, D)
-    q, k, v, do = rand(shape), rand(shape), rand(shape), rand(shape)
-    runs = [ordered_grads(q, k, v, do, monkeypatch) for _ in range(3)]
-    two_pass = grads(kernels.flash_attention, q, k, v, do)
-    for grads_run, semaphores in runs:
-        for name, a, b in zip(("dQ", "dK", "dV"), grads_run, two_pass):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs from the two-pass one's"
-        assert torch.equal(semaphores, contributors(shape[-2], D, True).to(semaphores.device).expand(shape[:2] + (-1,)))
