@@ -789,6 +789,21 @@ def test_custom_ops_pass_torch_opcheck(seq_major, delta, stochastic):
     torch.library.opcheck(kernels.flash_bwd_op, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False, True))
 
 
+def test_eager_calls_run_the_ops_functions(monkeypatch):
+    """An eager call skips the custom ops' dispatch (kernels.direct), which cost more host time than the kernels
+    take at seq 256 (results/speed/host_path); only O is differentiable, so no zero gradients are made for lse and
+    the fp32 O. torch.compile still goes through the ops (the test below)."""
+    def dispatched(*args):
+        raise AssertionError("an eager call went through the op's dispatch")
+    monkeypatch.setattr(kernels, "flash_fwd_op", dispatched)
+    monkeypatch.setattr(kernels, "flash_bwd_op", dispatched)
+    q, k, v = (rand((1, 2, 70, 32), seed=s).requires_grad_() for s in range(3))
+    out = kernels.forward(q, k, v, fix="on")
+    assert out.o.requires_grad and not out.lse.requires_grad and not out.o_delta.requires_grad
+    out.o.float().square().sum().backward()
+    assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
 @pytest.mark.parametrize("amplify, delta", [("p", "o"), ("vo", "o"), ("p", "fp32-o")])
 def test_torch_compile_traces_through_the_op(amplify, delta):
     """train.py compiles the model: the custom ops' fake implementations must accept exactly what the ops do,
