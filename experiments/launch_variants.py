@@ -187,11 +187,13 @@ def one_pass_attention(q, k, v, causal=True, fix="on", numerics=None):
 # ---------------------------------------------------------------------------------------------------------
 # A persistent forward
 
-# The grid: SMs x PROGRAMS_PER_SM[head_dim] programs, the most the GPU runs at once, so none waits for a second
-# wave. PROGRAMS_PER_SM: what the sm_90 compile of FWD_TUNING's setting leaves room for on one SM (registers and
-# shared memory; python -m experiments.sass --persistent, results/speed/persistent_forward.md). STAND_IN_SMS: the
-# SMs counted where no GPU answers (the interpreter, the compile on a CPU): an H100's or H200's.
-PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 2, 128: 1}
+# The grid: SMs x programs per SM, the most the GPU runs at once, so none waits for a second wave. Per head_dim,
+# (programs per SM, register cap or None): what the sm_90 compile of FWD_TUNING's setting leaves room for on one SM
+# (python -m experiments.sass --persistent, results/speed/persistent_forward.md). The loop over work items costs
+# registers: at head_dim 64 the persistent kernel takes 164-199 (kernels.py's 114-127), one program per SM, so it
+# is capped at 128 (no spills with fix "off", 8 bytes with fix "on") to run two, as kernels.py's forward does.
+# STAND_IN_SMS: the SMs counted where no GPU answers (the interpreter, the compile on a CPU): an H100's or H200's.
+PERSISTENT_TUNING = {16: (2, None), 32: (2, None), 64: (2, 128), 128: (1, None)}
 STAND_IN_SMS = 132
 
 
@@ -222,14 +224,15 @@ def _fwd_persistent_kernel(Q, K, V, O, O32, LSE,
 
 
 def resident_programs(device, head_dim):
-    """The persistent grid's size: the GPU's SMs (STAND_IN_SMS off a GPU) x PROGRAMS_PER_SM at head_dim."""
+    """The persistent grid's size: the GPU's SMs (STAND_IN_SMS off a GPU) x PERSISTENT_TUNING's programs per SM."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else STAND_IN_SMS
-    return sms * PROGRAMS_PER_SM[head_dim]
+    return sms * PERSISTENT_TUNING[head_dim][0]
 
 
 class _PersistentLaunch:
     """Stands in for kernels._fwd_kernel: its launch on grid (query tiles, batch * heads) runs
-    _fwd_persistent_kernel on min(programs, work items) programs (programs None: resident_programs')."""
+    _fwd_persistent_kernel on min(programs, work items) programs (programs None: resident_programs'), with
+    PERSISTENT_TUNING's register cap."""
 
     def __init__(self, programs):
         self.programs = programs
@@ -239,7 +242,9 @@ class _PersistentLaunch:
 
         def launch(*args, **meta):
             programs = self.programs or resident_programs(args[0].device, meta["HEAD_DIM"])
-            _fwd_persistent_kernel[(min(programs, tiles * bh),)](*args, bh, **meta)
+            maxnreg = PERSISTENT_TUNING[meta["HEAD_DIM"]][1]
+            _fwd_persistent_kernel[(min(programs, tiles * bh),)](*args, bh, **meta,
+                                                                 **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         return launch
 
 

@@ -180,17 +180,23 @@ def test_persistent_attention_gradients_equal_kernels(fix, poisoned):
 
 
 def test_persistent_grid_holds_what_the_gpu_runs_at_once(monkeypatch):
-    """Without a program count the persistent forward launches SMs x PROGRAMS_PER_SM programs (STAND_IN_SMS off
-    a GPU, the GPU's own count on one), never more than its work items; kernels._fwd_kernel is restored after."""
+    """Without a program count the persistent forward launches SMs x PERSISTENT_TUNING's programs per SM
+    (STAND_IN_SMS off a GPU, the GPU's own count on one), never more than its work items, with its register cap;
+    kernels._fwd_kernel is restored after."""
     launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid, meta.get("maxnreg")))
     kernel = kernels._fwd_kernel
-    monkeypatch.setattr(launch_variants, "_fwd_persistent_kernel",
-                        type("Record", (), {"__getitem__": lambda self, grid: lambda *a, **kw: launches.append(grid)})())
+    monkeypatch.setattr(launch_variants, "_fwd_persistent_kernel", Recorder())
     q = torch.zeros(1, 1, 1, 64)
     with persistent():
         kernels._fwd_kernel[(64, 16)](q, HEAD_DIM=64)
         kernels._fwd_kernel[(2, 3)](q, HEAD_DIM=64)
-    assert launches == [(launch_variants.STAND_IN_SMS * launch_variants.PROGRAMS_PER_SM[64],), (6,)]
+    programs, maxnreg = launch_variants.PERSISTENT_TUNING[64]
+    assert launches == [((launch_variants.STAND_IN_SMS * programs,), maxnreg), ((6,), maxnreg)]
     assert kernels._fwd_kernel is kernel
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 7}))
-    assert launch_variants.resident_programs(torch.device("cuda", 0), 128) == 7 * launch_variants.PROGRAMS_PER_SM[128]
+    programs = launch_variants.PERSISTENT_TUNING[128][0]
+    assert launch_variants.resident_programs(torch.device("cuda", 0), 128) == 7 * programs
