@@ -82,18 +82,39 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
                 FMA: tl.constexpr, KEEP_O32: tl.constexpr):
-    # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
+    # One program per (query tile, batch * head): _fwd_tile's work for the ones its ids give (None, None below).
+    # O32 (KEEP_O32 only, else None): THE FIX's fp32 O (_fwd_tile).
     # SHIFT: THE FIX's shift constants (fix_constants; None with the shift off). P_BITS, O_BITS, FMA: appendix.
+    _fwd_tile(Q, K, V, O, O32, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, None, None,
+              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, AUTOCAST, SHIFT, P_BITS, O_BITS, FMA, KEEP_O32)
+
+
+@triton.jit
+def _fwd_tile(Q, K, V, O, O32, LSE,
+              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, tile, bh,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
+              FMA: tl.constexpr, KEEP_O32: tl.constexpr):
+    """O and lse of one query tile (`tile`) of one batch * head (`bh`, int64): the forward's work, apart from
+    which tile a program takes. None: the program's own, from its ids (_fwd_kernel); the experiments' persistent
+    forward passes its work items (experiments/launch_variants.py). Each is read where the ids were read before
+    this split, so kernels.py's compiled code did not change."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
-    bh = tl.program_id(1).to(tl.int64)
+    if bh is None:
+        bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     O += b * stride_ob + h * stride_oh
     LSE += bh * N
-    # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The kernel")
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    if tile is None:
+        # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The
+        # kernel")
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -190,7 +211,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
 
 # ---------------------------------------------------------------------------------------------------------
 # THE FIX, the forward part: the paper's shift of a tied row's max, once per key tile (_fwd_inner above). The
-# cure, delta read from the fp32 O, is the forward's last store (_fwd_kernel) and the host's choice
+# cure, delta read from the fp32 O, is the forward's last store (_fwd_tile) and the host's choice
 # (delta_reads). Why: docs/kernel.md, "The fix".
 
 # The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9; docs/kernel.md, "Half 1").

@@ -19,6 +19,11 @@ With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with f
 FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
 optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
 (results/speed/forward_d128_candidates.md).
+
+    PYTHONPATH=/tmp/triton36 python -m experiments.sass --persistent       # ~1 minute
+
+With --persistent, only the forward at head_dim 64 and 128 with fix "off" and "on", kernels.py's beside the
+persistent forward (experiments/launch_variants.py; results/speed/persistent_forward.md).
 """
 import argparse
 import os
@@ -57,7 +62,7 @@ CLASSES = {
 
 # The kernels record() records: kernels.py's and the one-pass backward's
 RECORDED = ((kernels, ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
-            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel")))
+            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel", "_fwd_persistent_kernel")))
 
 
 def record(run):
@@ -108,6 +113,24 @@ def launches():
         (_, one_pass, cast) = record(lambda: launch_variants.one_pass_backward(q, q, q, q, q, lse, True, "fa2", False,
                                                                               True, tma=False))
         out += [(f"bwd one-pass dkdv+dq d{D}", *one_pass), (f"bwd one-pass dq cast d{D}", *cast)]
+    return out
+
+
+def persistent_launches():
+    """(label, kernel, args, meta) for the forward at head_dim 64 and 128, fix "off" and "on": kernels.py's launch,
+    then the persistent forward's (launch_variants.persistent, on STAND_IN_SMS's programs: the grid changes no
+    code)."""
+    out = []
+    for D in (64, 128):
+        q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
+        for label, (fix, delta) in FIXES.items():
+            if fix == "paper":
+                continue
+            for name, launch in (("fwd", nullcontext), ("persistent fwd", launch_variants.persistent)):
+                def run():
+                    with launch():   # inside record(): the persistent launch's own kernel is recorded
+                        kernels.flash_fwd_op(q, q, q, True, fix, delta, "fa2", 0, 0, False, True)
+                out.append((f"{name} d{D} {label}", *record(run)[0]))
     return out
 
 
@@ -197,12 +220,15 @@ def main():
                         "[/block_n=N] (experiments/forward_split.py)")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING),
                    help="the forward's head_dim with --fwd")
+    p.add_argument("--persistent", action="store_true",
+                   help="only the forward, kernels.py's and the persistent one (experiments/launch_variants.py)")
     options = p.parse_args()
     print(f"triton {triton.__version__}, sm_90; batch {BATCH}, {CHANNELS} channels, seq {SEQ}, causal, fa2. "
           "Loop columns: SASS instructions in one iteration of the main key loop, per thread.\n")
     if options.fwd:
         return print_candidates(options.head_dim, options.fwd)
-    rows = [(label, measure(compile_launch(kernel, args, meta))) for label, kernel, args, meta in launches()]
+    rows = [(label, measure(compile_launch(kernel, args, meta)))
+            for label, kernel, args, meta in (persistent_launches() if options.persistent else launches())]
     print(table(rows))
 
 

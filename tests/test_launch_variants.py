@@ -1,13 +1,14 @@
 """The one-pass backward (experiments/launch_variants.py): dQ summed over key tiles by fp32 atomics in the
 dK/dV pass, or by TMA reductions (DQ_TMA, the interpreter's through nanolp/interp_patch.py), against the
-emulation of its order, the two-pass backward and float64; and tuned's settings. Runs where tests/test_kernels.py
+emulation of its order, the two-pass backward and float64; tuned's settings; the persistent forward against
+kernels.py's. Runs where tests/test_kernels.py
 does (the interpreter on the CPU, the compiled kernel on a GPU)."""
 import pytest
 import torch
 
 import kernels
 from experiments import launch_variants
-from experiments.launch_variants import ONE_PASS_TUNING, one_pass_attention
+from experiments.launch_variants import ONE_PASS_TUNING, one_pass_attention, persistent, persistent_attention
 from nanolp.numerics import Numerics
 from nanolp import emulate
 from tests.test_kernels import (DELTAS, INTERPRETED, check_against_float64, check_keeps_layout, grads,  # noqa: F401
@@ -146,3 +147,56 @@ def test_one_pass_keeps_the_inputs_layout(seq_major, dq_tma, poisoned):
     """tests/test_kernels.py's layout test for the one-pass backward; with TMA, the descriptor of its dQ buffer
     too (seq-major, its strides are not in descending order)."""
     check_keeps_layout(seq_major, one_pass_attention)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("fix", ["off", "on"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_persistent_forward_bitwise_equal_kernels(causal, fix, poisoned):
+    """The persistent forward's O, lse and fp32 O (fix "on"), bit for bit kernels.py's, at lengths from one query
+    to a ragged third tile, on one program (it loops over every work item), three (each loops over several, in
+    both directions) and more programs than work items; every element written (the buffers start as NaN)."""
+    for (B, H, N), programs in [((1, 1, 1), 3), ((1, 2, 100), 3), ((2, 3, 200), 3), ((1, 1, 333), 1),
+                                ((2, 1, 100), 50)]:
+        q, k, v = rand((B, H, N, 32), scale=2.0), rand((B, H, N, 32)), rand((B, H, N, 32))
+        k[..., N // 2, :] = k[..., N // 3, :]                       # exact ties, so the shift has work to do
+        want = kernels.forward(q, k, v, causal=causal, fix=fix)
+        with persistent(programs):
+            ours = kernels.forward(q, k, v, causal=causal, fix=fix)
+        for name, a, b in zip(want._fields, ours, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{(B, H, N)}, {programs} programs: {name} differs"
+
+
+@requires_interpreter
+@pytest.mark.parametrize("fix", ["off", "on"])
+def test_persistent_attention_gradients_equal_kernels(fix, poisoned):
+    """persistent_attention's O and gradients are flash_attention's bits: the same forward, the same backward."""
+    shape = (1, 2, 130, 32)
+    q, k, v, do = rand(shape, scale=2.0), rand(shape), rand(shape), rand(shape)
+    ours = grads(persistent_attention, q, k, v, do, fix=fix, programs=3)
+    want = grads(kernels.flash_attention, q, k, v, do, fix=fix)
+    for name, a, b in zip(("dQ", "dK", "dV"), ours, want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs"
+
+
+def test_persistent_grid_holds_what_the_gpu_runs_at_once(monkeypatch):
+    """Without a program count the persistent forward launches SMs x PERSISTENT_TUNING's programs per SM
+    (STAND_IN_SMS off a GPU, the GPU's own count on one), never more than its work items, with its register cap;
+    kernels._fwd_kernel is restored after."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid, meta.get("maxnreg")))
+    kernel = kernels._fwd_kernel
+    monkeypatch.setattr(launch_variants, "_fwd_persistent_kernel", Recorder())
+    q = torch.zeros(1, 1, 1, 64)
+    with persistent():
+        kernels._fwd_kernel[(64, 16)](q, HEAD_DIM=64)
+        kernels._fwd_kernel[(2, 3)](q, HEAD_DIM=64)
+    programs, maxnreg = launch_variants.PERSISTENT_TUNING[64]
+    assert launches == [((launch_variants.STAND_IN_SMS * programs,), maxnreg), ((6,), maxnreg)]
+    assert kernels._fwd_kernel is kernel
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 7}))
+    programs = launch_variants.PERSISTENT_TUNING[128][0]
+    assert launch_variants.resident_programs(torch.device("cuda", 0), 128) == 7 * programs
