@@ -17,7 +17,7 @@ not the one that ran). Prints markdown tables (results/speed/sass.md).
 
 With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix "off", "paper" and "on", at
 FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
-optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
+optionally /maxnreg=R, /block_n=N and /wide), which times the same settings on a GPU
 (results/speed/forward_d128_candidates.md).
 
     PYTHONPATH=/tmp/triton36 python -m experiments.sass --persistent       # ~1 minute
@@ -60,9 +60,11 @@ CLASSES = {
 }
 
 
-# The kernels record() records: kernels.py's and the one-pass backward's
+# The kernels record() records: kernels.py's, the one-pass backward's, the persistent forward's and the forward with
+# score tiles of 128 keys (which launch_variants.wide puts in kernels.py's place when entered, inside record or out)
 RECORDED = ((kernels, ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
-            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel", "_fwd_persistent_kernel")))
+            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel", "_fwd_persistent_kernel",
+                               "_fwd_kernel_wide")))
 
 
 def record(run):
@@ -199,14 +201,14 @@ def print_candidates(D, configs):
     """The forward at head_dim D in each fix variant, with FWD_TUNING and with each FwdConfig, printed row by row
     as it compiles: table()'s columns, whether ptxas serialized the wgmma, the warps an SM holds (the warp groups
     that can hide each other's softmax behind their MMAs) and the loop's warp-instructions per 64 x 64 (query x
-    key) tile, the instruction cost of the same work across tile shapes."""
+    key) tile, the instruction cost of the same work across tile shapes (a wide setting's loop covers 2 key tiles)."""
     head = ["setting", "fix", "regs", "STL+LDL / stack bytes", "wgmma serialized", "warps", "stages", "smem KiB",
             "CTAs/SM", "warps/SM", "SASS total", "loop", "loop warp-instr. per 64x64 tile"]
     print("| " + " | ".join(head + list(CLASSES)) + " |\n|" + "---|" * (len(head) + len(CLASSES)))
     for config in [FwdConfig(*kernels.FWD_TUNING[D])] + configs:
         for label, launch in forward_launches(D, FIXES, config):
             m = measure(compile_launch(*launch))
-            per_tile = m["loop"] * m["warps"] * 64 * 64 / (config.block_m * config.block_n)
+            per_tile = m["loop"] * m["warps"] * 64 * 64 / (config.block_m * config.loop_keys)
             serialized = "?" if m["serialized"] == "?" else f"yes ({m['serialized']})" if m["serialized"] else "no"
             cells = [config, label, m["regs"], m["spills"], serialized, m["warps"], m["stages"], f"{m['smem_kib']:g}",
                      m["ctas"], m["ctas"] * m["warps"], m["total"], m["loop"], f"{per_tile:.0f}", *m["counts"].values()]
@@ -217,7 +219,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
                    help="only the forward, with FWD_TUNING and these settings: BLOCK_M/WARPS/STAGES[/maxnreg=R]"
-                        "[/block_n=N] (experiments/forward_split.py)")
+                        "[/block_n=N][/wide] (experiments/forward_split.py)")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING),
                    help="the forward's head_dim with --fwd")
     p.add_argument("--persistent", action="store_true",

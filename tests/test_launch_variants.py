@@ -1,8 +1,8 @@
 """The one-pass backward (experiments/launch_variants.py): dQ summed over key tiles by fp32 atomics in the
 dK/dV pass, or by TMA reductions (DQ_TMA, the interpreter's through nanolp/interp_patch.py), against the
-emulation of its order, the two-pass backward and float64; tuned's settings; the persistent forward against
-kernels.py's. Runs where tests/test_kernels.py
-does (the interpreter on the CPU, the compiled kernel on a GPU)."""
+emulation of its order, the two-pass backward and float64; tuned's settings; the persistent forward and the
+forward with score tiles of 128 keys against kernels.py's. Runs where tests/test_kernels.py does (the
+interpreter on the CPU, the compiled kernel on a GPU)."""
 import pytest
 import torch
 
@@ -200,3 +200,69 @@ def test_persistent_grid_holds_what_the_gpu_runs_at_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 7}))
     programs = launch_variants.PERSISTENT_TUNING[128][0]
     assert launch_variants.resident_programs(torch.device("cuda", 0), 128) == 7 * programs
+
+
+# Score tiles of 128 keys (launch_variants.wide): the same bits as kernels.py's forward, run where the tests run
+
+def forward_bits(q, k, v, causal, fix, precision):
+    """O, lse and the fp32 O (delta "fp32-o", whatever the fix) of kernels.py's forward as launched now."""
+    return kernels.forward(q, k, v, causal=causal, fix=fix, numerics=Numerics(precision=precision), delta="fp32-o")
+
+
+def assert_same_bits(ours, want, where):
+    for name, a, b in zip(("O", "lse", "fp32 O"), ours, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: {name} differs from kernels.py's forward"
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
+@pytest.mark.parametrize("fix", ["off", "paper", "on"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_wide_forward_bitwise_equals_kernels(causal, fix, precision):
+    """O, lse and the fp32 O with S computed 128 keys at a time, bit for bit kernels.py's (so the emulation's),
+    at lengths from one key to an odd number of 64-key tiles with a ragged last one: pairs, an odd unmasked tile
+    (non-causal, or causal with the interpreter's query tiles of 64), the masked tiles."""
+    for N in (1, 64, 100, 200, 300, 513):
+        q, k, v = rand((1, 1, N, 32), scale=2.0), rand((1, 1, N, 32)), rand((1, 1, N, 32))
+        k[..., N // 2, :] = k[..., N // 3, :]                     # a tied max, for the shift
+        with launch_variants.wide():
+            ours = forward_bits(q, k, v, causal, fix, precision)
+        assert_same_bits(ours, forward_bits(q, k, v, causal, fix, precision), f"N={N}")
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("precision", ["fa2", "autocast"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_wide_forward_ties_across_the_halves(causal, precision):
+    """Keys 64-127 a copy of keys 0-63, so every row's max over a pair appears in both halves: the shift's tie
+    test must see the second half's as a tie across tiles, as kernels.py does (same bits), not as a tie within
+    one tile of 128 (a forward with 128-key tiles, tuned(block_n=128), gives other bits here). Query tiles of
+    128, the GPU's, so causal rows also see whole pairs."""
+    N, D = 300, 32
+    q, k, v = rand((1, 2, N, D), scale=2.0), rand((1, 2, N, D)), rand((1, 2, N, D))
+    k[..., 64:128, :] = k[..., 0:64, :]
+    k[..., 192:256, :] = k[..., 128:192, :]
+    with launch_variants.tuned(fwd={D: (128, 4, 1)}):
+        with launch_variants.wide():
+            ours = forward_bits(q, k, v, causal, "on", precision)
+        assert_same_bits(ours, forward_bits(q, k, v, causal, "on", precision), "ties across the halves")
+        with launch_variants.tuned(block_n=128):
+            one_tile = forward_bits(q, k, v, causal, "on", precision)
+    assert not all(torch.equal(a, b) for a, b in zip(ours, one_tile)), "the ties did not reach the shift"
+
+
+@requires_interpreter
+def test_wide_forward_computes_128_scores_at_a_time(monkeypatch):
+    """The wide forward's unmasked loop computes S for 128 keys per product (launch_variants._scores); the
+    masked tiles and an odd last tile go through kernels.py's loop (kernels._scores), and kernels.py's own
+    forward is left as it was."""
+    widths = []
+    monkeypatch.setattr(launch_variants, "_scores", lambda q, kT, *args: widths.append(int(kT.shape[1])) or
+                        kernels._scores(q, kT, *args))
+    q = rand((1, 1, 200, 32))
+    kernel = kernels._fwd_kernel
+    with launch_variants.wide():
+        assert kernels._fwd_kernel is not kernel
+        kernels.forward(q, q, q, causal=False, fix="on")
+    assert kernels._fwd_kernel is kernel
+    assert widths == [128] * 4                    # 4 query tiles of 64, each 1 pair of its 3 unmasked key tiles
