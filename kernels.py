@@ -82,39 +82,18 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
                 FMA: tl.constexpr, KEEP_O32: tl.constexpr):
-    # One program per (query tile, batch * head): _fwd_tile's work for the ones its ids give (None, None below).
-    # O32 (KEEP_O32 only, else None): THE FIX's fp32 O (_fwd_tile).
+    # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
     # SHIFT: THE FIX's shift constants (fix_constants; None with the shift off). P_BITS, O_BITS, FMA: appendix.
-    _fwd_tile(Q, K, V, O, O32, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, None, None,
-              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, AUTOCAST, SHIFT, P_BITS, O_BITS, FMA, KEEP_O32)
-
-
-@triton.jit
-def _fwd_tile(Q, K, V, O, O32, LSE,
-              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale, tile, bh,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
-              FMA: tl.constexpr, KEEP_O32: tl.constexpr):
-    """O and lse of one query tile (`tile`) of one batch * head (`bh`, int64): the forward's work, apart from
-    which tile a program takes. None: the program's own, from its ids (_fwd_kernel); the experiments' persistent
-    forward passes its work items (experiments/launch_variants.py). Each is read where the ids were read before
-    this split, so kernels.py's compiled code did not change."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
-    if bh is None:
-        bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     O += b * stride_ob + h * stride_oh
     LSE += bh * N
-    if tile is None:
-        # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The
-        # kernel")
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    start_m = tile * BLOCK_M
+    # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The kernel")
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -165,62 +144,53 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         else:
             kT = tl.load(kT_ptrs)
             v = tl.load(v_ptrs)
-        # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max (_fwd_update)
-        # and per score inside the exponent (_exp2)
+        # S = Q_i K_j^T * scale: in "fa2" s is Q_i K_j^T and the scale is applied per row to its max here and per
+        # score inside the exponent (_exp2); rounding is monotone, so rowmax(s) * scale is rowmax(S) exactly
         s = _scores(q, kT, qk_scale, AUTOCAST)
+        if not AUTOCAST:
+            scale = qk_scale
+        else:
+            scale = 1.0
         if MASKED:
             valid = cols[None, :] < N
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             s = tl.where(valid, s, float("-inf"))
-        acc, l_i, m_i, t_i = _fwd_update(acc, l_i, m_i, t_i, s, v, q, qk_scale, AUTOCAST, SHIFT, P_BITS, FMA)
+        # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
+        if SHIFT is None:
+            r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
+        else:
+            r, t_i = _shifted_max(s, scale, t_i, SHIFT)      # THE FIX (the forward part): a tied max shifted up
+        if not AUTOCAST:
+            m_new = tl.maximum(m_i, r)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = _exp2(s, qk_scale, m_new[:, None], FMA)
+            # l = exp(m - m') l + rowsum(P), from the unrounded P
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # acc = exp(m - m') acc + P V_j
+            acc = acc * alpha[:, None]
+            acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
+        else:
+            m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
+            alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
+            alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
+            p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))               # ROUND: S - m'
+            p = _round_bits(p, P_BITS).to(q.dtype)                                    # ROUND: P
+            # l = exp(m - m') l + rowsum(P)
+            l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
+            l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
+            l_i = l_i.to(q.dtype).to(tl.float32)                                      # ROUND: l in bf16
+            # acc = exp(m - m') acc + P V_j
+            pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                              # ROUND: P V in bf16
+            acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                   # ROUND
+            acc = (acc + pv).to(q.dtype).to(tl.float32)                               # ROUND: acc in bf16
+        m_i = m_new
     return acc, l_i, m_i, t_i
 
 
-@triton.jit
-def _fwd_update(acc, l_i, m_i, t_i, s, v, q, qk_scale, AUTOCAST: tl.constexpr, SHIFT: tl.constexpr,
-                P_BITS: tl.constexpr, FMA: tl.constexpr):
-    """The FA2 recurrence over one key tile, from its scores s (_scores, masked) and its V_j; q gives the input
-    dtype. In "fa2" the scale is applied per row to the max here: rounding is monotone, so rowmax(s) * scale is
-    rowmax(S) exactly."""
-    if not AUTOCAST:
-        scale = qk_scale
-    else:
-        scale = 1.0
-    # m' = max(m, rowmax(S))   (the shift changes only rowmax(S) here; t_i: the unshifted running max)
-    if SHIFT is None:
-        r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
-    else:
-        r, t_i = _shifted_max(s, scale, t_i, SHIFT)      # THE FIX (the forward part): a tied max shifted up
-    if not AUTOCAST:
-        m_new = tl.maximum(m_i, r)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = _exp2(s, qk_scale, m_new[:, None], FMA)
-        # l = exp(m - m') l + rowsum(P), from the unrounded P
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # acc = exp(m - m') acc + P V_j
-        acc = acc * alpha[:, None]
-        acc = tl.dot(_round_bits(p, P_BITS).to(q.dtype), v, acc)                  # ROUND: P to bf16
-    else:
-        m_new = tl.maximum(m_i, r).to(q.dtype).to(tl.float32)                     # ROUND: m in bf16
-        alpha = tl.exp((m_i - m_new).to(q.dtype).to(tl.float32))                  # ROUND: m - m'
-        alpha = alpha.to(q.dtype).to(tl.float32)                                  # ROUND: exp(m - m')
-        p = tl.exp((s - m_new[:, None]).to(q.dtype).to(tl.float32))               # ROUND: S - m'
-        p = _round_bits(p, P_BITS).to(q.dtype)                                    # ROUND: P
-        # l = exp(m - m') l + rowsum(P)
-        l_i = (alpha * l_i).to(q.dtype).to(tl.float32)                            # ROUND
-        l_i = (l_i + tl.sum(p.to(tl.float32), 1).to(q.dtype).to(tl.float32))     # ROUND: rowsum(P)
-        l_i = l_i.to(q.dtype).to(tl.float32)                                      # ROUND: l in bf16
-        # acc = exp(m - m') acc + P V_j
-        pv = tl.dot(p, v).to(q.dtype).to(tl.float32)                              # ROUND: P V in bf16
-        acc = (acc * alpha[:, None]).to(q.dtype).to(tl.float32)                   # ROUND
-        acc = (acc + pv).to(q.dtype).to(tl.float32)                               # ROUND: acc in bf16
-    return acc, l_i, m_new, t_i
-
-
 # ---------------------------------------------------------------------------------------------------------
-# THE FIX, the forward part: the paper's shift of a tied row's max, once per key tile (_fwd_update above). The
-# cure, delta read from the fp32 O, is the forward's last store (_fwd_tile) and the host's choice
+# THE FIX, the forward part: the paper's shift of a tied row's max, once per key tile (_fwd_inner above). The
+# cure, delta read from the fp32 O, is the forward's last store (_fwd_kernel) and the host's choice
 # (delta_reads). Why: docs/kernel.md, "The fix".
 
 # The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9; docs/kernel.md, "Half 1").

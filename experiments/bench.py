@@ -1,6 +1,6 @@
 """Benchmark: our kernel (fix off, the complete fix, the paper's rule alone, delta from P; the first two also with
-the one-pass backward, with the persistent forward and with score tiles of 128 keys, experiments/launch_variants.py)
-against torch SDPA's flash and cuDNN backends, side by side in one run.
+the one-pass backward, experiments/launch_variants.py) against torch SDPA's flash and cuDNN backends, side by
+side in one run.
 
     python -m experiments.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
     python -m experiments.bench --table results/speed/bench.csv    # README's speed table, from the CSV (CPU)
@@ -21,7 +21,7 @@ from triton.testing import do_bench
 
 from kernels import flash_attention
 from nanolp.numerics import Numerics
-from experiments.launch_variants import one_pass_attention, persistent_attention, wide_attention
+from experiments.launch_variants import one_pass_attention
 
 TOKENS, CHANNELS = 16384, 2048
 
@@ -47,12 +47,6 @@ IMPLS = {
     # the one-pass backward: dQ through fp32 atomics in the dK/dV pass (5 matrix products per tile pair, not 7)
     "ours_1pass": lambda q, k, v: one_pass_attention(q, k, v, causal=True, fix="off"),
     "ours_fix_1pass": lambda q, k, v: one_pass_attention(q, k, v, causal=True, fix="on"),
-    # the persistent forward: as many programs as the GPU holds, each looping over (query tile, head) items
-    "ours_persist": lambda q, k, v: persistent_attention(q, k, v, causal=True, fix="off"),
-    "ours_fix_persist": lambda q, k, v: persistent_attention(q, k, v, causal=True, fix="on"),
-    # the forward's S for 128 keys per product, the recurrence over its two 64-key halves (the same bits)
-    "ours_wide": lambda q, k, v: wide_attention(q, k, v, causal=True, fix="off"),
-    "ours_fix_wide": lambda q, k, v: wide_attention(q, k, v, causal=True, fix="on"),
     "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }

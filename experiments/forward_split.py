@@ -9,14 +9,11 @@ With --fwd, the forward at one head_dim (--head-dim, 128 by default) in each var
 and with each candidate setting, side by side, beside torch SDPA's cuDNN forward (which has no fix), as a markdown
 table; a candidate's column also says whether its outputs (O, lse and the fp32 O) have FWD_TUNING's bits. A candidate is
 BLOCK_M/WARPS/STAGES as in FWD_TUNING, then optionally /maxnreg=R (Triton's cap on registers per thread, a
-compile option), /block_n=N (keys per tile; anything but kernels.TILE_N changes the numerics: the shift
-looks for ties within one tile, and nanolp/emulate.py follows TILE_N) and /wide (S for two key tiles in one
-product, the same bits: experiments/launch_variants.py, "Score tiles of 128 keys"). --seq sets the sequence
-length (4096 by default). experiments/sass.py --fwd compiles the same settings for sm_90 on a CPU
-(results/speed/forward_d128_candidates.md).
+compile option) and /block_n=N (keys per tile; anything but kernels.TILE_N changes the numerics: the shift
+looks for ties within one tile, and nanolp/emulate.py follows TILE_N). --seq sets the sequence length (4096 by
+default). experiments/sass.py --fwd compiles the same settings for sm_90 on a CPU (results/speed/forward_d128_candidates.md).
 """
 import argparse
-from contextlib import contextmanager, nullcontext
 from typing import NamedTuple, Optional
 
 import torch
@@ -24,40 +21,30 @@ import torch
 import kernels
 from kernels import flash_attention
 from nanolp.numerics import Numerics
-from experiments.launch_variants import tuned, wide
+from experiments.launch_variants import tuned
 
 VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"),
             "o32": dict(fix="off", numerics=Numerics(delta="fp32-o")), "both": dict(fix="on")}
 
 
 class FwdConfig(NamedTuple):
-    """A forward setting: FWD_TUNING's three numbers, Triton's maxnreg (None: no cap), the key tile and whether
-    S is computed for two key tiles per product (wide)."""
+    """A forward setting: FWD_TUNING's three numbers, Triton's maxnreg (None: no cap) and the key tile."""
     block_m: int
     warps: int
     stages: int
     maxnreg: Optional[int] = None
     block_n: int = kernels.TILE_N
-    wide: bool = False
-
-    @property
-    def loop_keys(self):
-        """Keys per iteration of the main key loop."""
-        return self.block_n * (2 if self.wide else 1)
 
     @classmethod
     def parse(cls, text):
-        """From "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/wide]", the form __str__ writes."""
+        """From "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]", the form __str__ writes."""
         numbers, options, extra = text.split("/")[:3], text.split("/")[3:], {}
-        expected = f"{text}: expected BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/wide]"
+        expected = f"{text}: expected BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]"
         for option in options:
             name, _, value = option.partition("=")
-            if option == "wide":
-                extra["wide"] = True
-            elif name not in ("maxnreg", "block_n") or not value.isdigit():
+            if name not in ("maxnreg", "block_n") or not value.isdigit():
                 raise argparse.ArgumentTypeError(expected)
-            else:
-                extra[name] = int(value)
+            extra[name] = int(value)
         if len(numbers) != 3 or not all(n.isdigit() for n in numbers):
             raise argparse.ArgumentTypeError(expected)
         return cls(*map(int, numbers), **extra)
@@ -65,17 +52,14 @@ class FwdConfig(NamedTuple):
     def __str__(self):
         return "/".join([f"{self.block_m}/{self.warps}/{self.stages}"]
                         + ([f"maxnreg={self.maxnreg}"] if self.maxnreg else [])
-                        + ([f"block_n={self.block_n}"] if self.block_n != kernels.TILE_N else [])
-                        + (["wide"] if self.wide else []))
+                        + ([f"block_n={self.block_n}"] if self.block_n != kernels.TILE_N else []))
 
 
-@contextmanager
 def forward_config(head_dim, config):
     """kernels.py's forward at head_dim launched with config inside the block, as FWD_TUNING is otherwise
     (experiments/launch_variants.py)."""
-    with tuned(fwd={head_dim: (config.block_m, config.warps, config.stages)}, block_n=config.block_n,
-               maxnreg=config.maxnreg), wide() if config.wide else nullcontext():
-        yield
+    return tuned(fwd={head_dim: (config.block_m, config.warps, config.stages)}, block_n=config.block_n,
+                         maxnreg=config.maxnreg)
 
 
 def inputs(D, N=4096, channels=2048):
@@ -123,8 +107,7 @@ def compare(D, candidates, N=4096):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
-                   help="forward settings to time beside FWD_TUNING's: "
-                        "BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N][/wide]")
+                   help="forward settings to time beside FWD_TUNING's: BLOCK_M/WARPS/STAGES[/maxnreg=R][/block_n=N]")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING))
     p.add_argument("--seq", type=int, default=4096, help="sequence length with --fwd")
     args = p.parse_args()

@@ -17,13 +17,8 @@ not the one that ran). Prints markdown tables (results/speed/sass.md).
 
 With --fwd, only the forward at one head_dim (--head-dim, 128 by default) with fix "off", "paper" and "on", at
 FWD_TUNING's setting and at each one given, in experiments/forward_split.py's form (BLOCK_M/WARPS/STAGES, then
-optionally /maxnreg=R, /block_n=N and /wide), which times the same settings on a GPU
+optionally /maxnreg=R and /block_n=N), which times the same settings on a GPU
 (results/speed/forward_d128_candidates.md).
-
-    PYTHONPATH=/tmp/triton36 python -m experiments.sass --persistent       # ~1 minute
-
-With --persistent, only the forward at head_dim 64 and 128 with fix "off" and "on", kernels.py's beside the
-persistent forward (experiments/launch_variants.py; results/speed/persistent_forward.md).
 """
 import argparse
 import os
@@ -60,11 +55,9 @@ CLASSES = {
 }
 
 
-# The kernels record() records: kernels.py's, the one-pass backward's, the persistent forward's and the forward with
-# score tiles of 128 keys (which launch_variants.wide puts in kernels.py's place when entered, inside record or out)
+# The kernels record() records: kernels.py's and the one-pass backward's
 RECORDED = ((kernels, ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
-            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel", "_fwd_persistent_kernel",
-                               "_fwd_kernel_wide")))
+            (launch_variants, ("_bwd_dkdv_dq_kernel", "_bwd_dq_cast_kernel")))
 
 
 def record(run):
@@ -115,24 +108,6 @@ def launches():
         (_, one_pass, cast) = record(lambda: launch_variants.one_pass_backward(q, q, q, q, q, lse, True, "fa2", False,
                                                                               True, tma=False))
         out += [(f"bwd one-pass dkdv+dq d{D}", *one_pass), (f"bwd one-pass dq cast d{D}", *cast)]
-    return out
-
-
-def persistent_launches():
-    """(label, kernel, args, meta) for the forward at head_dim 64 and 128, fix "off" and "on": kernels.py's launch,
-    then the persistent forward's (launch_variants.persistent, on STAND_IN_SMS's programs: the grid changes no
-    code)."""
-    out = []
-    for D in (64, 128):
-        q = torch.empty(BATCH, CHANNELS // D, SEQ, D, dtype=torch.bfloat16)
-        for label, (fix, delta) in FIXES.items():
-            if fix == "paper":
-                continue
-            for name, launch in (("fwd", nullcontext), ("persistent fwd", launch_variants.persistent)):
-                def run():
-                    with launch():   # inside record(): the persistent launch's own kernel is recorded
-                        kernels.flash_fwd_op(q, q, q, True, fix, delta, "fa2", 0, 0, False, True)
-                out.append((f"{name} d{D} {label}", *record(run)[0]))
     return out
 
 
@@ -201,14 +176,14 @@ def print_candidates(D, configs):
     """The forward at head_dim D in each fix variant, with FWD_TUNING and with each FwdConfig, printed row by row
     as it compiles: table()'s columns, whether ptxas serialized the wgmma, the warps an SM holds (the warp groups
     that can hide each other's softmax behind their MMAs) and the loop's warp-instructions per 64 x 64 (query x
-    key) tile, the instruction cost of the same work across tile shapes (a wide setting's loop covers 2 key tiles)."""
+    key) tile, the instruction cost of the same work across tile shapes."""
     head = ["setting", "fix", "regs", "STL+LDL / stack bytes", "wgmma serialized", "warps", "stages", "smem KiB",
             "CTAs/SM", "warps/SM", "SASS total", "loop", "loop warp-instr. per 64x64 tile"]
     print("| " + " | ".join(head + list(CLASSES)) + " |\n|" + "---|" * (len(head) + len(CLASSES)))
     for config in [FwdConfig(*kernels.FWD_TUNING[D])] + configs:
         for label, launch in forward_launches(D, FIXES, config):
             m = measure(compile_launch(*launch))
-            per_tile = m["loop"] * m["warps"] * 64 * 64 / (config.block_m * config.loop_keys)
+            per_tile = m["loop"] * m["warps"] * 64 * 64 / (config.block_m * config.block_n)
             serialized = "?" if m["serialized"] == "?" else f"yes ({m['serialized']})" if m["serialized"] else "no"
             cells = [config, label, m["regs"], m["spills"], serialized, m["warps"], m["stages"], f"{m['smem_kib']:g}",
                      m["ctas"], m["ctas"] * m["warps"], m["total"], m["loop"], f"{per_tile:.0f}", *m["counts"].values()]
@@ -219,18 +194,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fwd", type=FwdConfig.parse, nargs="+", metavar="CONFIG",
                    help="only the forward, with FWD_TUNING and these settings: BLOCK_M/WARPS/STAGES[/maxnreg=R]"
-                        "[/block_n=N][/wide] (experiments/forward_split.py)")
+                        "[/block_n=N] (experiments/forward_split.py)")
     p.add_argument("--head-dim", type=int, default=128, choices=sorted(kernels.FWD_TUNING),
                    help="the forward's head_dim with --fwd")
-    p.add_argument("--persistent", action="store_true",
-                   help="only the forward, kernels.py's and the persistent one (experiments/launch_variants.py)")
     options = p.parse_args()
     print(f"triton {triton.__version__}, sm_90; batch {BATCH}, {CHANNELS} channels, seq {SEQ}, causal, fa2. "
           "Loop columns: SASS instructions in one iteration of the main key loop, per thread.\n")
     if options.fwd:
         return print_candidates(options.head_dim, options.fwd)
-    rows = [(label, measure(compile_launch(kernel, args, meta)))
-            for label, kernel, args, meta in (persistent_launches() if options.persistent else launches())]
+    rows = [(label, measure(compile_launch(kernel, args, meta))) for label, kernel, args, meta in launches()]
     print(table(rows))
 
 

@@ -119,22 +119,19 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
 @requires_interpreter
 def test_forward_candidate_settings_keep_the_bits_and_leave_the_tuning():
     """experiments/forward_split.py --fwd times other forward settings against FWD_TUNING's; other query tiles,
-    warps, stages, a register cap and S for two key tiles per product (wide) change where a row is computed, not
-    how, and kernels.py is as before after."""
+    warps, stages and a register cap change where a row is computed, not how, and kernels.py is as before after."""
     from experiments.forward_split import FwdConfig, forward_config
     before = dict(kernels.FWD_TUNING), kernels.TILE_N, kernels._fwd_kernel
     q, k, v = rand((1, 2, 300, 128), scale=3.0), rand((1, 2, 300, 128)), rand((1, 2, 300, 128))
     for fix in ("off", "paper", "on"):
         reference = kernels.forward(q, k, v, fix=fix)
-        for config in (FwdConfig(64, 4, 1, 168), FwdConfig(128, 8, 2, 128), FwdConfig(128, 8, 3, wide=True)):
+        for config in (FwdConfig(64, 4, 1, 168), FwdConfig(128, 8, 2, 128)):
             with forward_config(128, config):
                 out = kernels.forward(q, k, v, fix=fix)
             assert all(torch.equal(a, b) for a, b in zip(out, reference)), (config, fix)
     assert (dict(kernels.FWD_TUNING), kernels.TILE_N, kernels._fwd_kernel) == before
     assert FwdConfig.parse("128/8/2/block_n=32/maxnreg=128") == FwdConfig(128, 8, 2, 128, 32)
     assert str(FwdConfig(128, 8, 2, 128, 32)) == "128/8/2/maxnreg=128/block_n=32"
-    assert FwdConfig.parse("128/8/3/wide") == FwdConfig(128, 8, 3, wide=True)
-    assert str(FwdConfig(128, 8, 3, wide=True)) == "128/8/3/wide"
 
 
 @requires_interpreter
