@@ -77,6 +77,11 @@ def test_readme_numbers_are_their_files():
     assert f"CPU only: {min(suite):.0f}-{max(suite):.0f} minutes on a 2-core machine" in readme
     speed = {row["name"]: row["tokens_per_s"] for row in read_table(root / "results/speed/train_step/runs.csv")}
     assert f"steps at {speed['fix-on-8000'] / speed['sdpa-8000']:.2f}x the tokens/s of `--attn sdpa`" in readme
+    # the kernel against torch's flash backend, forward+backward, at every shape of the benchmark
+    bench = read_table(root / "results/speed/bench.csv")
+    ms = {(row["impl"], row["head_dim"], row["seq"]): row["fwd_bwd_ms"] for row in bench}
+    ratios = [ms["sdpa_flash", D, N] / t for (impl, D, N), t in ms.items() if impl == "ours_fix"]
+    assert len(ratios) == 8 and f'(`fix="on"`: {min(ratios):.2f}-{max(ratios):.2f}x)' in readme
     # the settings it names: train.py's
     d, tiny = train.PRESETS["default"], train.PRESETS["tiny"]
     assert (f"({d['n_layer']} layers, {d['n_head']} heads, {d['n_embd']} channels, context {d['block_size']}, batch "
