@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -14,7 +15,7 @@ import train
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
-from nanolp.runs import Run, as_current, load_run, read_table, study_runs, write_csv
+from nanolp.runs import Run, as_current, find_runs, load_run, load_runs, read_table, study_runs, write_csv
 
 N_LAYER, N_HEAD = 2, 2  # the tiny preset's
 STEPS = np.arange(0, 400, 10)
@@ -608,3 +609,24 @@ def test_headline_hues_are_one_per_arm():
     hues = plots.arm_hues({"off": "fix off", "flash": "sdpa", "cudnn": "sdpa", "on": "fix on", "on2": "fix on"})
     assert (hues["off"], hues["flash"], hues["on"]) == ("tab:red", "dimgray", "tab:blue")
     assert len(set(hues.values())) == 5
+
+
+def test_the_committed_probe_tables_pool_the_committed_runs():
+    """results/delta_probe's probe_phases.csv is the pooling of the run folders its regenerate command (in
+    results/README.md) names, as they are committed: a run added or replaced since it was written shows here."""
+    root = Path(analyze.__file__).resolve().parent
+    command = re.search(r"`python analyze\.py --probe ([^`]+) --out results/delta_probe`",
+                        (root / "results" / "README.md").read_text())
+    assert command, "results/README.md names no command for results/delta_probe's tables"
+    runs = [run for run in load_runs(find_runs([root / p for p in command.group(1).split()]))
+            if run.series(probe.column("total")) is not None]
+    with open(root / "results" / "delta_probe" / "probe_phases.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    pooled = probe.pooled_phases(runs, analyze.arm)
+    assert [(r["arm"], r["probe_batches"], r["phase"], r["term"]) for r in rows] == \
+           [(p["arm"], p["probe_batches"], str(p["phase"]), p["term"]) for p in pooled]
+    for row, new in zip(rows, pooled):
+        assert [int(row[c]) for c in ("checkpoints", "runs", "first_step", "last_step")] == \
+               [new[c] for c in ("checkpoints", "runs", "first_step", "last_step")], row
+        assert float(row["mean"]) == pytest.approx(new["mean"], rel=1e-4), row
+        assert float(row["se"]) == pytest.approx(new["se"], rel=1e-4), row
