@@ -1,7 +1,9 @@
-"""experiments/onset.py: the late-stage row read from a log, and one clear line for bad input."""
+"""experiments/onset.py: the late-stage row read from a log, one clear line for bad input, and the committed tables
+equal to what their runs' logs give."""
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +38,23 @@ def test_bad_input_is_one_line(argv, message):
     with pytest.raises(SystemExit) as exit:
         onset.main(argv)
     assert str(exit.value).startswith(message)
+
+
+RESULTS = Path(onset.__file__).resolve().parent.parent / "results"
+TABLES = {"onset.txt": onset.onset, "lead_heads.txt": onset.heads, "late_stage.txt": onset.late}
+
+
+@pytest.mark.parametrize("table", [p.relative_to(RESULTS).as_posix() for name in TABLES
+                                   for p in sorted(RESULTS.glob(f"*/{name}"))])
+def test_committed_rows_are_their_runs_logs(table):
+    """Each row of a committed table whose run keeps its log under the study's runs/ is what that log gives now: a
+    run replaced by a rerun of the same name shows here. Rows of runs whose logs were not kept are left as they are;
+    onset.txt and lead_heads.txt have a row for every kept run (late_stage.txt only for runs past 1e3)."""
+    path = RESULTS / table
+    rows = {line.split()[0]: line.rstrip() for line in path.read_text().splitlines() if line.strip()}
+    kept = [run for run in sorted((path.parent / "runs").glob("*")) if onset.log_path(run).exists()]
+    for run in kept:
+        if run.name in rows:
+            assert rows[run.name] == TABLES[path.name](run), run
+        else:
+            assert path.name == "late_stage.txt", f"{table} has no row for {run.name}"
