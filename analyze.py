@@ -8,8 +8,9 @@
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
                                                  phase of layer 0's runaway; delta_probe_ARM.png: per run
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
-    python analyze.py --table STUDY/runs.csv     the tables of a study in README.md, results/README.md and
-                                                 docs/findings.md: per command, how many collapsed, when
+    python analyze.py --table STUDY/runs.csv...  the tables of a study (or one of several) in README.md,
+                                                 results/README.md and docs/findings.md: per command, how many
+                                                 collapsed, when
 
 What the runs show, and why: docs/findings.md.
 Runs are named by their arm: the train.py flags that set them apart from their preset.
@@ -376,7 +377,7 @@ def analyze_runs(runs, out):
         lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
     for table in tables:   # a study's runs: results/README.md's table, the rows of runs whose logs were not kept too
         lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in results/README.md):",
-                  ""] + study_table(read_table(table), table.parent) + ["", "The runs with logs:", ""]
+                  ""] + study_table(table_rows([table])) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
               "only; a run ended by itself in a collapse or at its --steps or --minutes. Also in rates.csv.",
@@ -450,10 +451,23 @@ def alone_minutes(group, kin=()):
     return [end(row)[1] if row in alone else end(row)[0] / pace for row in group]
 
 
-def shipped_table(rows, folder):
-    """README's table: one line per train.py command of the runs of the kernel as it ships (as_shipped), in the
-    order they first appear: its runs, how many collapsed, at which step (or how long they ran without one), the
-    minutes that takes alone on the H200 (alone_minutes) and layer 0's peak (from the logs kept in folder/runs/)."""
+def table_rows(tables):
+    """The rows of one or more studies' runs.csv (nanolp.runs.read_table), in order, each with its study's `folder`,
+    where the runs whose logs are kept are (folder/runs/NAME)."""
+    return [dict(row, folder=Path(table).parent) for table in tables for row in read_table(table)]
+
+
+def kept_peaks(group):
+    """Layer 0's peak max logit in each run of the group (table_rows) whose log is kept."""
+    return [peak_logit(run) for run in load_runs(row["folder"] / "runs" / row["name"] for row in group
+                                                 if row.get("log_kept"))]
+
+
+def shipped_table(rows):
+    """README's table: one line per train.py command of the runs of the kernel as it ships (as_shipped) among rows
+    (table_rows), in the order they first appear: its runs, how many collapsed, at which step (or how long they ran
+    without one), the minutes that takes alone on the H200 (alone_minutes) and layer 0's peak (from the kept
+    logs)."""
     shipped = [row for row in rows if as_shipped(row)]
     arms = by_flags(shipped)
     lines = ["| command | runs (seeds) | collapsed | steps: to the collapse, or run without one | minutes alone on "
@@ -465,8 +479,7 @@ def shipped_table(rows, folder):
         minutes = alone_minutes(group, [row for row in shipped if row.get("attn") == group[0].get("attn")])
         cells = [f"`python train.py {group[0]['flags']}`", f"{len(group)} ({seed_list(row['seed'] for row in group)})",
                  f"**{len(fell)} / {len(group)}**", "; ".join(steps), "-" if minutes is None else span(minutes, ".1f"),
-                 span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
-                                                            if row.get("log_kept"))], ".3g")]
+                 span(kept_peaks(group), ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (over {ALONE_PACE:,} steps a "
                         f"minute), else its steps at the pace of its command's runs that did, or where none did, of "
@@ -481,9 +494,9 @@ def run_lines(rows):
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
         minutes = alone_minutes(group, [row for row in shipped if row.get("attn") == group[0].get("attn")])
         what = (f"collapsed on {len(fell)} of {len(group)} seeds" if fell else
-                f"no collapse on {len(group)} seeds in {span([row['steps'] for row in group])} steps")
+                f"no collapse on {len(group)} seed{'s' * (len(group) > 1)} in {span([row['steps'] for row in group])} steps")
         when = "" if minutes is None else f", {between(minutes)} min alone on an H200"
-        lines.append(f"    {'python train.py ' + group[0]['flags']:<34}# {what}{when}")
+        lines.append(f"    {'python train.py ' + group[0]['flags']:<33} # {what}{when}")
     return lines
 
 
@@ -493,11 +506,11 @@ def between(values, spec=".1f"):
     return low if low == high else f"{low}-{high}"
 
 
-def study_table(rows, folder):
-    """The markdown table of all of a study's runs.csv rows (nanolp.runs.read_table), one line per arm in the order
-    the arms first appear, a line on the arms that ran away without a collapse, and one on how long the fix-off
-    arms take to collapse alone on the GPU. The peak max logit over all layers is every row's (runs.csv's
-    max_logit), layer 0's comes from the runs whose logs are kept in folder/runs/."""
+def study_table(rows):
+    """The markdown table of all of a study's runs.csv rows (table_rows), one line per arm in the order the arms
+    first appear, a line on the arms that ran away without a collapse, and one on how long the fix-off arms take to
+    collapse alone on the GPU. The peak max logit over all layers is every row's (runs.csv's max_logit), layer 0's
+    comes from the runs whose logs are kept."""
     arms, variants = by_flags(rows), [row for row in rows if row.get("variant")]
     lines = ["| arm | command | runs (seeds) | logs kept | collapsed | steps to collapse: median (range) "
              "| steps without a collapse: median (range) | training minutes to collapse | peak max logit, any layer "
@@ -511,8 +524,7 @@ def study_table(rows, folder):
                  span([row["collapse_step"] for row in fell]), span([row["steps"] for row in stood]),
                  span([row["collapse_minute"] for row in fell], ".1f"),
                  span([row["max_logit"] for row in group if row["max_logit"] is not None], ".3g"),
-                 span([peak_logit(run) for run in load_runs(folder / "runs" / row["name"] for row in group
-                                                            if row.get("log_kept"))], ".3g")]
+                 span(kept_peaks(group), ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     if variants:
         lines += ["", f"Not in the table: {len(variants)} runs of patched kernels (runs.csv's `variant` column)."]
@@ -535,19 +547,20 @@ def study_table(rows, folder):
     return lines
 
 
-BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": lambda rows, folder: run_lines(rows)}
+BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": run_lines}
 
 
-def update_docs(root, table):
-    """Replace the lines between each marker of this runs.csv in DOCS (<!-- KIND: python analyze.py --table
-    CSV --> ... <!-- end of KIND -->, KIND a key of BLOCKS) with that block, regenerated from its rows."""
-    rows, found = read_table(table), []
+def update_docs(root, tables):
+    """Replace the lines between each marker of these runs.csv in DOCS (<!-- KIND: python analyze.py --table
+    CSV [CSV ...] --> ... <!-- end of KIND -->, KIND a key of BLOCKS) with that block, regenerated from their rows:
+    one table of several studies' runs where a marker names several."""
+    rows, found, named = table_rows(tables), [], " ".join(map(str, tables))
     for doc in map(root.joinpath, DOCS):
         text = doc.read_text() if doc.exists() else ""
         for kind, block in BLOCKS.items():
-            begin, end = f"<!-- {kind}: python analyze.py --table {table} -->", f"<!-- end of {kind} -->"
+            begin, end = f"<!-- {kind}: python analyze.py --table {named} -->", f"<!-- end of {kind} -->"
             if begin in text:
-                lines = "\n".join(block(rows, table.parent))
+                lines = "\n".join(block(rows))
                 parts = text.split(begin)
                 text = parts[0] + "".join(begin + "\n" + lines + "\n" + end + part.split(end, 1)[1]
                                           for part in parts[1:])
@@ -555,7 +568,7 @@ def update_docs(root, table):
         if doc in found:
             doc.write_text(text)
     if not found:
-        fail(f"no block of {table} in {', '.join(DOCS)}: add a line <!-- table: python analyze.py --table {table} "
+        fail(f"no block of {named} in {', '.join(DOCS)}: add a line <!-- table: python analyze.py --table {named} "
              f"--> and <!-- end of table --> where it goes")
 
 
@@ -603,13 +616,13 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--probe", action="store_true", help="the delta probe's columns of the runs")
     mode.add_argument("--mechanism", action="store_true", help="the rounding bias on synthetic rows; no runs")
-    mode.add_argument("--table", type=Path, metavar="CSV",
-                      help="rewrite the tables of a study's runs.csv in README.md, results/README.md and "
-                           "docs/findings.md (between their markers); no runs")
+    mode.add_argument("--table", type=Path, nargs="+", metavar="CSV",
+                      help="rewrite the tables of a study's runs.csv (or of several studies', in one table) in "
+                           "README.md, results/README.md and docs/findings.md (between their markers); no runs")
     args = parser.parse_args(argv)
     if args.mechanism and args.runs:
         parser.error("--mechanism reads no runs")
-    given = [args.table] if args.table else [] if args.mechanism else args.runs or ["runs"]
+    given = args.table if args.table else [] if args.mechanism else args.runs or ["runs"]
     missing = [str(path) for path in given if not Path(path).exists()]
     if missing:   # one line, not a traceback
         fail(f"no such file or folder: {', '.join(missing)}")

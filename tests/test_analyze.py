@@ -222,7 +222,7 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
     assert texts[:2] == ["python train.py --fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
                          "python train.py --attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
-    table = analyze.study_table(read_table(study / "runs.csv"), study)
+    table = analyze.study_table(analyze.table_rows([study / "runs.csv"]))
     assert "| **3 / 3** | 600 (300-900) |" in table[2] and "| **0 / 1** | - | 1,000 |" in table[3]
     alive = [line for line in fig.axes[2].lines if line.get_marker() != "|"]
     assert alive[0].get_xdata().tolist() == [0, 300, 600, 900, 900]   # falls at each of the table's collapses
@@ -383,10 +383,44 @@ def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
     assert "off-s0" in report and "on-s" not in report
     # the study's table: layer 0's peak from the kept logs that can be read
     rows = [dict(name=name, arm=name[:-3], flags="", seed=int(name[-1]), collapsed=False, collapse_step=None,
-                 collapse_minute=None, steps=390, tokens_per_s=None, max_logit=None, log_kept=True)
+                 collapse_minute=None, steps=390, tokens_per_s=None, max_logit=None, log_kept=True, folder=tmp_path)
             for name in ("off-s0", "on-s0", "on-s1")]
-    table = analyze.study_table(rows, tmp_path)
+    table = analyze.study_table(rows)
     assert not table[2].endswith("| - |") and table[3].endswith("| - |")
+
+
+def test_one_table_of_two_studies(tmp_path, monkeypatch):
+    """A marker naming two runs.csv gets one table of both studies' rows, each run's layer-0 peak read from its own
+    study's kept log; a marker naming one of them alone is a block of its own, left to its own command."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    tables = []
+    for study, name, flags, collapse in (("base", "off-s0", "--fix off", True), ("modern", "rope-s0", "--fix off --pos rope", False)):
+        write_run(tmp_path / study / "runs", name, 0, collapse, rng, pos="rope" if "rope" in flags else "learned")
+        if study == "modern":   # its own peak: layer 0's logits doubled
+            log = tmp_path / study / "runs" / name / "log.csv"
+            rows = list(csv.DictReader(open(log)))
+            for row in rows:
+                row["max_logit_L0"] = row["max_logit_L0"] and 2 * float(row["max_logit_L0"])
+            write_csv(log, rows, list(rows[0]))
+        summary = json.loads((tmp_path / study / "runs" / name / "summary.json").read_text())
+        write_csv(tmp_path / study / "runs.csv", [dict(summary, arm=name[:-3], flags=flags, log_kept=True)],
+                  list(summary) + ["arm", "flags", "log_kept"])
+        tables.append(f"{study}/runs.csv")
+    both, alone = (f"<!-- table: python analyze.py --table {t} -->\nold\n<!-- end of table -->\n"
+                   for t in (" ".join(tables), tables[0]))
+    (tmp_path / "README.md").write_text(both + alone)
+    analyze.update_docs(tmp_path, [Path(t) for t in tables])   # as `python analyze.py --table base/... modern/...`
+    lines = (tmp_path / "README.md").read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| `python train.py")]
+    peaks = [peak_of(tmp_path / study / "runs" / name) for study, name in (("base", "off-s0"), ("modern", "rope-s0"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| `python train.py --fix off`", "| `python train.py --fix off --pos rope`"]
+    assert [row.split(" | ")[-1] for row in rows] == [f"{p:.3g} |" for p in peaks] and peaks[0] != peaks[1]
+    assert lines[-2] == "old"   # the block of base/runs.csv alone is not this command's
+
+
+def peak_of(run):
+    return max(float(r["max_logit_L0"]) for r in csv.DictReader(open(run / "log.csv")) if r["max_logit_L0"])
 
 
 def test_a_killed_run_is_counted_as_stopped(tmp_path):
@@ -582,7 +616,7 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
     rows += [dict(name=f"sdpa-s{s}-nolog", arm="sdpa", flags="--attn sdpa", seed=s, collapsed=False,
                   collapse_step=None, collapse_minute=None, steps=400, tokens_per_s=3e6, max_logit=logit,
                   log_kept=False) for s, logit in ((0, 3e5), (1, None))]
-    lines = analyze.study_table(rows, tmp_path)
+    lines = analyze.study_table(rows)
     assert lines[2] == "| `off` | `python train.py --fix off` | 2 (0, 1) | 0 | **2 / 2** | 20,000 (10,000-30,000) | - " \
                        "| 3.5 (1.0-6.0) | 5.01e+08 (2e+06-1e+09) | - |"
     assert lines[3] == "| `on` | `python train.py --fix on` | 1 (0) | 0 | **0 / 1** | - | 500 | - | 120 | - |"
@@ -595,7 +629,7 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
     assert lines[-1] == "Alone on one H200 the fix-off runs of `off` would collapse after 2.0 (1.0-3.0) minutes " \
                         "(alone_minutes)."
     # README's table: the rows that record the exponent (on-s0 does not; sdpa's neither), one line per command
-    shipped = analyze.shipped_table(rows, tmp_path)
+    shipped = analyze.shipped_table(rows)
     assert shipped[2:] == ["| `python train.py --fix off` | 2 (0, 1) | **2 / 2** | 20,000 (10,000-30,000) "
                            "| 2.0 (1.0-3.0) | - |", "", shipped[-1]]
     assert shipped[-1].startswith("Minutes alone: a run's own where it had the GPU to itself (over 8,000 steps")

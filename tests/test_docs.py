@@ -19,13 +19,14 @@ def test_doc_tables_are_generated_from_their_runs_csv():
     blocks = []
     for doc in analyze.DOCS:
         text = (root / doc).read_text()
-        for kind, table in re.findall(r"<!-- (table|all runs|commands): python analyze.py --table (\S+) -->\n", text):
-            lines = analyze.BLOCKS[kind](read_table(root / table), root / Path(table).parent)
+        for kind, table in re.findall(r"<!-- (table|all runs|commands): python analyze.py --table ([^>]+) -->\n", text):
+            lines = analyze.BLOCKS[kind](analyze.table_rows([root / csv for csv in table.split()]))
             block = text.split(f"<!-- {kind}: python analyze.py --table {table} -->\n")[1]
             assert block.split(f"<!-- end of {kind} -->")[0] == "\n".join(lines) + "\n", (doc, kind, table)
             blocks.append((doc, kind, table))
     seed, stochastic = "results/seed_study/runs.csv", "results/stochastic_rounding/runs.csv"
-    assert {("README.md", "table", seed), ("README.md", "commands", seed), ("results/README.md", "all runs", seed),
+    shipped = f"{seed} results/modern_block/runs.csv"   # README's: the kernel as it ships, in both studies
+    assert {("README.md", "table", shipped), ("README.md", "commands", shipped), ("results/README.md", "all runs", seed),
             ("docs/findings.md", "table", stochastic)} <= set(blocks)
 
 
@@ -33,7 +34,7 @@ def test_readme_table_is_one_row_per_command_of_the_kernel_as_it_ships():
     """Four commands (off, on, paper, the fp32 control), six columns; the headline draws those arms and no other."""
     root = Path(analyze.__file__).parent
     rows = read_table(root / "results/seed_study/runs.csv")
-    lines = analyze.shipped_table(rows, root / "results/seed_study")
+    lines = analyze.shipped_table(analyze.table_rows([root / "results/seed_study/runs.csv"]))
     commands = [line.split(" | ")[0].strip("|` ") for line in lines[2:] if line.startswith("| `")]
     assert commands == ["python train.py --fix off", "python train.py --fix on", "python train.py --fix paper",
                         "python train.py --attn fp32"]
@@ -60,6 +61,13 @@ def test_readme_numbers_are_their_files():
     at_10k = [float(np.interp(10_000, *run.series(analyze.LOGIT))) for run in off]
     assert len(off) >= 2 and 10 <= min(at_10k) and max(at_10k) <= 30 and "sits at 10-30" in readme
     assert all(1e8 <= analyze.peak_logit(run) <= 1e9 for run in off) and "on to 1e8-1e9" in readme
+    # the modern block: rotary positions against learned ones on the same seed
+    rope = next(row for row in read_table(root / "results/modern_block/runs.csv") if row["name"] == "rope-s0")
+    learned = next(row for row in rows if row["name"] == "off-fma-s0")
+    peak = analyze.peak_logit(load_run(root / "results/modern_block/runs/rope-s0"))
+    assert not rope["collapsed"] and rope["seed"] == learned["seed"] == 0 and learned["collapsed"]
+    assert f"seed 0 trained {rope['steps']:,} steps without a collapse (layer 0 at most {peak:.1f}), where learned " \
+           f"positions collapsed at {learned['collapse_step']:,}" in readme
     # the late stage: the fork's step, and how long each exponent trained past it
     late = {row["name"]: row for row in read_table(root / "results/late_stage/runs.csv")}
     fork = int(json.loads((root / "results/late_stage/runs/torch/config.json").read_text())["forked_from"].split("@")[1])
@@ -88,6 +96,4 @@ def test_readme_numbers_are_their_files():
             f"{d['batch_size']}, lr {d['lr']:g}, bf16, TinyShakespeare)") in readme and d["dtype"] == "bf16"
     assert f"smoothed loss more than {train.SPIKE_NATS:g} nat above its minimum" in readme
     assert f"`--steps` ({d['steps']:,} by default" in readme
-    stood = {row["steps"] for row in rows if analyze.as_shipped(row) and not row["collapsed"]}
-    assert len(stood) == 1 and f"the table's runs without a collapse ran {stood.pop():,})" in readme
     assert f"trains a {tiny['n_layer']}-layer model for {tiny['steps']} steps" in readme
