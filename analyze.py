@@ -496,7 +496,7 @@ def run_lines(rows):
         what = (f"collapsed on {len(fell)} of {len(group)} seeds" if fell else
                 f"no collapse on {len(group)} seed{'s' * (len(group) > 1)} in {span([row['steps'] for row in group])} steps")
         when = "" if minutes is None else f", {between(minutes)} min alone on an H200"
-        lines.append(f"    {'python train.py ' + group[0]['flags']:<33} # {what}{when}")
+        lines.append(f"    {'python train.py ' + group[0]['flags']:<36} # {what}{when}")
     return lines
 
 
