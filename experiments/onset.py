@@ -3,6 +3,7 @@
     python -m experiments.onset RUN_DIR [RUN_DIR ...]            -> results/seed_study/onset.txt
     python -m experiments.onset --heads RUN_DIR [RUN_DIR ...]    -> results/seed_study/lead_heads.txt
     python -m experiments.onset --late RUN_DIR [RUN_DIR ...]     -> results/seed_study/late_stage.txt
+    python -m experiments.onset --growth RUN_DIR [RUN_DIR ...]   -> results/modern_block/growth.txt
 
 Default: layer 0's max logit at step 10,000 (the base), the first logged step where it exceeds twice the base and
 100, the sharp rate (rows whose largest P exceeds 1 - 1e-3) up to the doubling, the first step where the sharp
@@ -18,6 +19,10 @@ whose top two scores are within tol), mean over steps 2,000 to the reference + 5
 --late: the first logged step where layer 0's max logit passes 1e3 and 1e6, the steps between the two, the
 collapse step (summary.json; "-" without one) and the steps from 1e6 to the collapse or to the run's last step,
 and layer 0's max logit at the last logged step and at its largest.
+
+--growth: what grows in layer 0, at step 10,000, at the last logged step and at its largest: the max logit, the
+spectral norms of W_Q and W_K and, with QK-norm, the largest q and k gains, which bound the logits (at most
+gain_q * gain_k * sqrt(head_dim)).
 
 Reads log.csv or the thinned log.csv.gz of results/*/runs/ (nanolp.runs.log_path).
 """
@@ -95,11 +100,24 @@ def late(run):
             f"largest {max(v for _, v in rows):.1e}")
 
 
+GROWTH = ("max_logit_L0", "sn_q_L0", "sn_k_L0", "gain_q_L0", "gain_k_L0")   # the gains: QK-norm's runs only
+
+
+def growth(run):
+    rows = [r for r in log_rows(run) if r.get("max_logit_L0")]
+    base, last = next(r for r in rows if int(r["step"]) == 10000), rows[-1]
+    cells = []
+    for column in (c for c in GROWTH if rows[0].get(c)):
+        value = lambda r: float(r[column])
+        cells.append(f"{column} {value(base):.3g} -> {value(last):.3g} (largest {max(map(value, rows)):.3g})")
+    return f"{Path(run).name:{NAME}s} step 10,000 -> {int(last['step']):,}: " + ", ".join(cells)
+
+
 def main(argv):
-    report = {"--heads": heads, "--late": late}.get((argv[:1] or [""])[0], onset)
+    report = {"--heads": heads, "--late": late, "--growth": growth}.get((argv[:1] or [""])[0], onset)
     runs = argv[(report is not onset):]
     if not runs or any(a.startswith("-") for a in runs):
-        sys.exit("usage: python -m experiments.onset [--heads | --late] RUN_DIR [RUN_DIR ...]")
+        sys.exit("usage: python -m experiments.onset [--heads | --late | --growth] RUN_DIR [RUN_DIR ...]")
     missing = [run for run in runs if not log_path(run).exists()]
     if missing:
         sys.exit(f"onset: no log.csv or log.csv.gz in {', '.join(missing)}")

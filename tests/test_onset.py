@@ -28,6 +28,25 @@ def test_late_counts_steps_from_1e3_to_1e6_and_to_the_collapse(tmp_path):
     assert "last 4.0e+08  largest 4.0e+08" in row
 
 
+def test_growth_reads_step_10000_the_end_and_the_largest(tmp_path):
+    """Layer 0's columns at step 10,000, at the last row and at their largest; the gains only where logged."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "log.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "max_logit_L0", "sn_q_L0", "sn_k_L0", "gain_q_L0", "gain_k_L0", "val_loss"])
+        w.writerow([5000, 9, 1, 1, 1.0, 1.0, 3.0])
+        w.writerow([10000, 10, 2, 3, 1.5, 1.25, ""])   # a row without a diagnostic is skipped:
+        w.writerow([12000, "", "", "", "", "", 2.0])
+        w.writerow([15000, 30, 8, 3, 2.5, 1.0, ""])
+        w.writerow([20000, 20, 4, 6, 2.0, 1.5, ""])
+    assert onset.growth(run) == ("run              step 10,000 -> 20,000: max_logit_L0 10 -> 20 (largest 30), sn_q_L0 "
+                                 "2 -> 4 (largest 8), sn_k_L0 3 -> 6 (largest 6), gain_q_L0 1.5 -> 2 (largest 2.5), "
+                                 "gain_k_L0 1.25 -> 1.5 (largest 1.5)")
+    (run / "log.csv").write_text("step,max_logit_L0,sn_q_L0,sn_k_L0\n10000,10,2,3\n20000,20,4,6\n")
+    assert onset.growth(run).endswith("sn_k_L0 3 -> 6 (largest 6)")
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "usage: python -m experiments.onset"),
     (["--late"], "usage: python -m experiments.onset"),
@@ -41,7 +60,8 @@ def test_bad_input_is_one_line(argv, message):
 
 
 RESULTS = Path(onset.__file__).resolve().parent.parent / "results"
-TABLES = {"onset.txt": onset.onset, "lead_heads.txt": onset.heads, "late_stage.txt": onset.late}
+TABLES = {"onset.txt": onset.onset, "lead_heads.txt": onset.heads, "late_stage.txt": onset.late,
+          "growth.txt": onset.growth}
 
 
 @pytest.mark.parametrize("table", [p.relative_to(RESULTS).as_posix() for name in TABLES
