@@ -493,8 +493,9 @@ def run_lines(rows):
     for group in by_flags(shipped).values():
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
         minutes = alone_minutes(group, [row for row in shipped if row.get("attn") == group[0].get("attn")])
-        what = (f"collapsed on {len(fell)} of {len(group)} seeds" if fell else
-                f"no collapse on {len(group)} seed{'s' * (len(group) > 1)} in {span([row['steps'] for row in group])} steps")
+        seeds = f"{len(group)} seed{'s' * (len(group) > 1)}"
+        what = (f"collapsed on {len(fell)} of {seeds}" if fell else
+                f"no collapse on {seeds} in {span([row['steps'] for row in group])} steps")
         when = "" if minutes is None else f", {between(minutes)} min alone on an H200"
         lines.append(f"    {'python train.py ' + group[0]['flags']:<36} # {what}{when}")
     return lines

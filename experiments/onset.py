@@ -105,7 +105,9 @@ GROWTH = ("max_logit_L0", "sn_q_L0", "sn_k_L0", "gain_q_L0", "gain_k_L0")   # th
 
 def growth(run):
     rows = [r for r in log_rows(run) if r.get("max_logit_L0")]
-    base, last = next(r for r in rows if int(r["step"]) == 10000), rows[-1]
+    base, last = next((r for r in rows if int(r["step"]) == 10000), None), rows[-1] if rows else None
+    if base is None:
+        return f"{Path(run).name:{NAME}s} no diagnostic row at step 10,000"
     cells = []
     for column in (c for c in GROWTH if rows[0].get(c)):
         value = lambda r: float(r[column])

@@ -395,7 +395,8 @@ def test_one_table_of_two_studies(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rng = np.random.default_rng(0)
     tables = []
-    for study, name, flags, collapse in (("base", "off-s0", "--fix off", True), ("modern", "rope-s0", "--fix off --pos rope", False)):
+    arms = (("base", "off-s0", "--fix off", True), ("modern", "rope-s0", "--fix off --pos rope", False))
+    for study, name, flags, collapse in arms:
         write_run(tmp_path / study / "runs", name, 0, collapse, rng, pos="rope" if "rope" in flags else "learned")
         if study == "modern":   # its own peak: layer 0's logits doubled
             log = tmp_path / study / "runs" / name / "log.csv"
@@ -414,7 +415,7 @@ def test_one_table_of_two_studies(tmp_path, monkeypatch):
     lines = (tmp_path / "README.md").read_text().splitlines()
     rows = [line for line in lines if line.startswith("| `python train.py")]
     peaks = [peak_of(tmp_path / study / "runs" / name) for study, name in (("base", "off-s0"), ("modern", "rope-s0"))]
-    assert [row.split(" | ")[0] for row in rows] == ["| `python train.py --fix off`", "| `python train.py --fix off --pos rope`"]
+    assert [row.split(" | ")[0] for row in rows] == [f"| `python train.py {flags}`" for _, _, flags, _ in arms]
     assert [row.split(" | ")[-1] for row in rows] == [f"{p:.3g} |" for p in peaks] and peaks[0] != peaks[1]
     assert lines[-2] == "old"   # the block of base/runs.csv alone is not this command's
 

@@ -45,6 +45,8 @@ def test_growth_reads_step_10000_the_end_and_the_largest(tmp_path):
                                  "gain_k_L0 1.25 -> 1.5 (largest 1.5)")
     (run / "log.csv").write_text("step,max_logit_L0,sn_q_L0,sn_k_L0\n10000,10,2,3\n20000,20,4,6\n")
     assert onset.growth(run).endswith("sn_k_L0 3 -> 6 (largest 6)")
+    (run / "log.csv").write_text("step,max_logit_L0,sn_q_L0,sn_k_L0\n5000,10,2,3\n")   # stopped before step 10,000
+    assert onset.growth(run) == "run              no diagnostic row at step 10,000"
 
 
 @pytest.mark.parametrize("argv, message", [
