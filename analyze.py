@@ -29,7 +29,7 @@ from experiments.mechanism import demonstrate   # --mechanism: a study on synthe
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
-from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
+from nanolp.runs import GPT2_BLOCK, find_runs, load_runs, read_table, study_runs, write_csv
 from nanolp.runconfig import BEFORE_OPTION, NUMERICS, changed_settings
 from train import PRESETS, TINY_NOTE
 
@@ -60,6 +60,8 @@ def arm(run):
 
 def flag_text(key, value):
     name = "--" + key.replace("_", "-")
+    if isinstance(value, bool):   # a switch (--qk-norm): on where it differs from the preset, which has it off
+        return name
     return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
 
 
@@ -438,8 +440,8 @@ def by_flags(rows):
 
 def alone_minutes(group, kin=()):
     """Each run's minutes to its collapse (or its end) alone on the H200: its own where it had the GPU alone, else
-    its steps at the median pace of the arm's runs that did, or where none did, of the runs of kin (the same
-    attention at the same preset: the fix costs a training step ~1%); None where none of either did."""
+    its steps at the median pace of the arm's runs that did, or where none did, of the runs of kin (kin_of: the
+    fix costs a training step ~1%); None where none of either did."""
     end = lambda row: (row["collapse_step"], row["collapse_minute"]) if row["collapsed"] else (row["steps"],
                                                                                                 row["minutes"])
     alone = [row for row in group if end(row)[0] / end(row)[1] > ALONE_PACE]
@@ -449,6 +451,14 @@ def alone_minutes(group, kin=()):
         return None
     pace = median([end(row)[0] / end(row)[1] for row in alone])
     return [end(row)[1] if row in alone else end(row)[0] / pace for row in group]
+
+
+def kin_of(group, rows):
+    """The rows that train at an arm's pace: the same attention and block (rotary positions and QK-norm, done in
+    PyTorch, cost a step 12-16%: rope-s0 and qk-norm-s0 trained 8,690 and 8,360 steps a minute alone, the fix's runs
+    that had the GPU alone 9,900-10,200)."""
+    same = lambda row: all(row.get(key) == group[0].get(key) for key in ("attn", *GPT2_BLOCK))
+    return [row for row in rows if same(row)]
 
 
 def table_rows(tables):
@@ -476,14 +486,14 @@ def shipped_table(rows):
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
         stood = [row["steps"] for row in group if not row["collapsed"]]
         steps = ([span(fell)] if fell else []) + ([f"{span(stood)}, no collapse"] if stood else [])
-        minutes = alone_minutes(group, [row for row in shipped if row.get("attn") == group[0].get("attn")])
+        minutes = alone_minutes(group, kin_of(group, shipped))
         cells = [f"`python train.py {group[0]['flags']}`", f"{len(group)} ({seed_list(row['seed'] for row in group)})",
                  f"**{len(fell)} / {len(group)}**", "; ".join(steps), "-" if minutes is None else span(minutes, ".1f"),
                  span(kept_peaks(group), ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (over {ALONE_PACE:,} steps a "
                         f"minute), else its steps at the pace of its command's runs that did, or where none did, of "
-                        f"the other commands' runs of the same attention that did; `-` where none did."]
+                        f"the other commands' runs of the same attention and block that did; `-` where none did."]
 
 
 def run_lines(rows):
@@ -492,7 +502,7 @@ def run_lines(rows):
     shipped = [row for row in rows if as_shipped(row)]
     for group in by_flags(shipped).values():
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
-        minutes = alone_minutes(group, [row for row in shipped if row.get("attn") == group[0].get("attn")])
+        minutes = alone_minutes(group, kin_of(group, shipped))
         seeds = f"{len(group)} seed{'s' * (len(group) > 1)}"
         what = (f"collapsed on {len(fell)} of {seeds}" if fell else
                 f"no collapse on {seeds} in {span([row['steps'] for row in group])} steps")

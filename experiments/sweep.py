@@ -54,8 +54,8 @@ from pathlib import Path
 import numpy as np
 
 from nanolp.runconfig import BEFORE_OPTION, NUMERICS, PLAIN_NUMERICS
-from nanolp.runs import (DamagedFile, as_current, find_runs, latest_checkpoint, load_run, load_runs, log_path,
-                         read_json, thin_log, write_csv)
+from nanolp.runs import (GPT2_BLOCK, DamagedFile, as_current, find_runs, latest_checkpoint, load_run, load_runs,
+                         log_path, read_json, thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -69,8 +69,8 @@ DONE = ("finished", "collected")
 # (early training triples every norm from its initial value, so the first rows are no baseline)
 GROWTH = 3.0
 
-COLUMNS = ["name", "arm", "flags", "seed", "attn", "fix", *NUMERICS, "lr", "batch_size", "block_size", "n_layer",
-           "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit",
+COLUMNS = ["name", "arm", "flags", "seed", "attn", "fix", *NUMERICS, *GPT2_BLOCK, "lr", "batch_size", "block_size",
+           "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit",
            "tie_rate_final", "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s",
            "peak_mem_gb", "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
 # a row whose run folder was never kept (an earlier sample of the same arm and seed, known by its summary alone)

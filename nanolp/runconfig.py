@@ -26,7 +26,7 @@ import torch
 
 from kernels import delta_reads
 from nanolp.numerics import Numerics
-from nanolp.runs import DAMAGED, RunError, latest_checkpoint, read_json
+from nanolp.runs import DAMAGED, GPT2_BLOCK, RunError, latest_checkpoint, read_json
 
 
 # The attention's numerics (nanolp.numerics.Numerics): a run holds each field as a setting of its own (a flag, a key of
@@ -39,7 +39,7 @@ PLAIN_NUMERICS = asdict(Numerics())
 # The arm: every setting that decides a run's numbers (its numerics and its data order). The default name spells
 # out each one that differs from the preset, --resume refuses to change any, summary.json records them all.
 # Not in it: the run's length and intervals, and --device/--compile (where and how fast the same steps run).
-ARM = ("preset", "attn", "fix", *NUMERICS, "pos", "qk_norm", "lr", "warmup", "beta1", "beta2", "weight_decay",
+ARM = ("preset", "attn", "fix", *NUMERICS, *GPT2_BLOCK, "lr", "warmup", "beta1", "beta2", "weight_decay",
        "grad_clip", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "dtype", "data", "seed")
 NAMED = ("preset", "attn", "fix", "seed")  # always in the name
 # Settings that a run made before they existed did not have: it ran neither value (before Numerics.exponent the

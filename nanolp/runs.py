@@ -269,14 +269,21 @@ def read_json(path):
     return as_current(value)
 
 
+# The block's options (model.py) as every run recorded before they existed ran them: GPT-2's block
+GPT2_BLOCK = {"pos": "learned", "qk_norm": False}
+
+
 def as_current(settings):
     """A run's settings as an older train.py wrote them (a config.json, a summary.json, a row of runs.csv, typed or
     as text), in today's spellings; every reader of those files gets them through here, and the files, being
     data, stay as written. Before, fix was a bool in some runs (True: "on"); what delta reads was three settings,
     delta_from_p ("p"), delta_fp32 ("fp32-o") and stochastic_o "delta" ("stochastic-o"), now the one setting
-    delta; precision "paper", the paper's rounding points under autocast, is "autocast". A row's flags (its arm's
-    train.py flags) read likewise. Today's settings come back unchanged."""
+    delta; precision "paper", the paper's rounding points under autocast, is "autocast"; a run's settings without
+    the block's options ran GPT2_BLOCK. A row's flags (its arm's train.py flags) read likewise. Today's settings
+    come back unchanged."""
     settings = dict(settings)
+    if "attn" in settings:   # (a run's settings, not another table's row)
+        settings = {**GPT2_BLOCK, **settings}
     yes = lambda value: value in (True, "True")   # (a runs.csv cell read as text)
     if settings.get("fix") in (True, False, "True", "False"):
         settings["fix"] = "on" if yes(settings["fix"]) else "off"

@@ -103,6 +103,7 @@ def test_runs_before_the_exponent_option_are_named_so():
     (dict(fix="off", precision="paper"), "--fix off --precision autocast"),
     (dict(fix="on", attn="sdpa", precision="paper", delta_from_p=True), "--attn sdpa"),
     (dict(attn="fp32", pos="none"), "--attn fp32 --pos none"),
+    (dict(fix="off", pos="rope", qk_norm=True), "--fix off --pos rope --qk-norm"),   # a switch: its flag alone
     (dict(fix=True), "--fix on"),  # an older run: a bool, and keys added since missing
     (dict(preset="tiny", fix="off", lr=3e-3, n_layer=2), "--preset tiny --fix off"),  # the preset's own values
     (dict(preset="tiny", fix="off", n_layer=4, delta_from_p=False), "--preset tiny --fix off --n-layer 4"),
@@ -604,6 +605,20 @@ def test_step_labels_read_as_steps(last, labels):
     fig.canvas.draw()
     assert [t.get_text() for t in ax.get_xticklabels()] == labels
     plt.close(fig)
+
+
+def test_minutes_alone_borrow_the_pace_of_the_same_block_only():
+    """An arm none of whose runs had the GPU alone takes the pace of the runs of its attention and block that did: a
+    run of another block (QK-norm, slower a step) lends it none."""
+    row = lambda name, flags, steps, minutes, **block: dict(
+        name=name, arm=name, flags=flags, seed=0, attn="kernel", collapsed=False, collapse_step=None,
+        collapse_minute=None, steps=steps, minutes=minutes, exponent="fma", **(dict(pos="learned", qk_norm=False)
+                                                                             | block))
+    rows = [row("off", "--fix off", 10_000, 2.0), row("on", "--fix on", 100_000, 10.0),
+            row("qk-off", "--fix off --qk-norm", 18_000, 4.0, qk_norm=True),
+            row("qk", "--fix on --qk-norm", 90_000, 10.0, qk_norm=True)]
+    minutes = {r["name"]: analyze.alone_minutes([r], analyze.kin_of([r], rows)) for r in rows}
+    assert minutes == {"off": [1.0], "on": [10.0], "qk-off": [2.0], "qk": [10.0]}   # (not 18,000 / 9,500)
 
 
 def test_study_table_counts_collapses_per_arm(tmp_path):

@@ -1,4 +1,5 @@
-"""README.md's numbers and tables against the committed files they come from (analyze.py regenerates them)."""
+"""README.md's numbers and tables, and findings' on a modern block, against the committed files they come from
+(analyze.py regenerates them)."""
 
 import json
 import re
@@ -8,6 +9,7 @@ import numpy as np
 
 import analyze
 import train
+from experiments.onset import log_rows
 from nanolp.runs import load_run, read_table, study_runs
 
 
@@ -61,13 +63,15 @@ def test_readme_numbers_are_their_files():
     at_10k = [float(np.interp(10_000, *run.series(analyze.LOGIT))) for run in off]
     assert len(off) >= 2 and 10 <= min(at_10k) and max(at_10k) <= 30 and "sits at 10-30" in readme
     assert all(1e8 <= analyze.peak_logit(run) <= 1e9 for run in off) and "on to 1e8-1e9" in readme
-    # the modern block: rotary positions against learned ones on the same seed
-    rope = next(row for row in read_table(root / "results/modern_block/runs.csv") if row["name"] == "rope-s0")
+    # the modern block: rotary positions and QK-norm against GPT-2's block on the same seed
+    block = {row["name"]: row for row in read_table(root / "results/modern_block/runs.csv")}
     learned = next(row for row in rows if row["name"] == "off-fma-s0")
-    peak = analyze.peak_logit(load_run(root / "results/modern_block/runs/rope-s0"))
-    assert not rope["collapsed"] and rope["seed"] == learned["seed"] == 0 and learned["collapsed"]
-    assert f"seed 0 trained {rope['steps']:,} steps without a collapse (layer 0 at most {peak:.1f}), where learned " \
-           f"positions collapsed at {learned['collapse_step']:,}" in readme
+    names = ("rope-s0", "qk-norm-s0")
+    peaks = [analyze.peak_logit(load_run(root / "results/modern_block/runs" / name)) for name in names]
+    assert block["rope-s0"]["steps"] == block["qk-norm-s0"]["steps"] and learned["collapsed"]
+    assert all(not block[name]["collapsed"] and block[name]["seed"] == learned["seed"] == 0 for name in names)
+    assert f"fix off trained {block['rope-s0']['steps']:,} steps on seed 0 without a collapse (layer 0 at most " \
+           f"{peaks[0]:.1f}, {peaks[1]:.1f}); GPT-2's block collapsed at {learned['collapse_step']:,}" in readme
     # the late stage: the fork's step, and how long each exponent trained past it
     late = {row["name"]: row for row in read_table(root / "results/late_stage/runs.csv")}
     fork = int(json.loads((root / "results/late_stage/runs/torch/config.json").read_text())["forked_from"].split("@")[1])
@@ -97,3 +101,47 @@ def test_readme_numbers_are_their_files():
     assert f"smoothed loss more than {train.SPIKE_NATS:g} nat above its minimum" in readme
     assert f"`--steps` ({d['steps']:,} by default" in readme
     assert f"trains a {tiny['n_layer']}-layer model for {tiny['steps']} steps" in readme
+
+
+def test_findings_modern_block_numbers_are_their_files():
+    """docs/findings.md's section on a modern block against its runs' logs (layer 0's logit, the norms, the gains,
+    the sharp rows) and the probe's pooled phases: a run added or replaced, or the probe rerun, shows here."""
+    root = Path(analyze.__file__).parent
+    text = " ".join((root / "docs/findings.md").read_text().split("## 8. ")[1].split("## 9. ")[0].split())
+    diag = lambda run: {int(r["step"]): {k: float(v) for k, v in r.items() if v} for r in log_rows(run)
+                        if r.get("max_logit_L0")}
+    rope, qk, on = (diag(root / "results" / run) for run in ("modern_block/runs/rope-s0",
+                                                              "modern_block/runs/qk-norm-s0", "seed_study/runs/on-s4"))
+    grew = lambda log, col: f"{log[10_000][col]:.3g} -> {log[max(log)][col]:.3g}"
+    logit = lambda log, step: log[step]["max_logit_L0"]
+    assert f"max logit {logit(rope, 10_000):.1f} at step 10,000 and at most " \
+           f"{max(r['max_logit_L0'] for r in rope.values()):.1f}" in text
+    assert f"({grew(rope, 'sn_q_L0')} and {grew(rope, 'sn_k_L0')}; on-s4: {grew(on, 'sn_q_L0')} and " \
+           f"{grew(on, 'sn_k_L0')})" in text
+    # the probe: rope-s0 over all its checkpoints, qk-norm-s0 before its doubling, GPT-2's block before its doubling
+    probe = {(row["arm"], row["phase"], row["term"]): row
+             for row in read_table(root / "results/delta_probe/probe_phases.csv") if row["probe_batches"] == "train"}
+    cell = lambda row, t=".1f": f"{row['mean']:+.1e}, t {row['t']:+{t}}"
+    off, rope_total, qk_total = probe["--fix off", 1, "total"], probe["--fix off --pos rope", 1, "total"], \
+        probe["--fix off --qk-norm", 1, "total"]
+    assert ("--fix off --pos rope", 2, "total") not in probe and rope_total["last_step"] == max(rope)
+    assert f"total {cell(rope_total)}, over {rope_total['checkpoints']} checkpoints" in text and cell(off) in text
+    curv = probe["--fix off --pos rope", 1, "curv"]["mean"], probe["--fix off", 1, "curv"]["mean"]
+    assert f"{curv[1] / curv[0]:.0f}x smaller ({curv[0]:+.1e} against {curv[1]:+.1e})" in text
+    assert f"steps {qk_total['first_step']:,}-{qk_total['last_step']:,}: total {cell(qk_total)}; curvature term " \
+           f"{cell(probe['--fix off --qk-norm', 1, 'curv'], '.0f')}" in text
+    # QK-norm: the logit against its gains, when it doubled, and the sharp rows
+    doubled = next(step for step, row in qk.items() if row["max_logit_L0"] > 2 * logit(qk, 10_000))
+    end, gains = qk[max(qk)], lambda row: (row["gain_q_L0"], row["gain_k_L0"])
+    assert all(row["max_logit_L0"] <= 8 * np.prod(gains(row)) for row in qk.values())   # sqrt(64) g_q g_k
+    assert doubled == qk_total["last_step"] + 1_000
+    assert f"W_Q's norm grows {grew(qk, 'sn_q_L0')}" in text
+    assert f"from {logit(qk, 10_000):.1f} (gains {qk[10_000]['gain_q_L0']:.2f}) to {end['max_logit_L0']:.1f} " \
+           f"(gains {end['gain_q_L0']:.2f} and {end['gain_k_L0']:.2f}), doubling at step {doubled:,}, " \
+           f"{logit(qk, 150_000) / logit(qk, 10_000):.1f}x its step-10,000 value at 150,000" in text
+    sharp = [row["sharp_rate_L0"] for step, row in qk.items() if step >= 10_000]
+    learned = [row["sharp_rate_L0"] for run in sorted((root / "results/seed_study/runs").glob("off-fma-s*"))
+               for log in [diag(run)] for step, row in log.items()
+               if step <= next(s for s in log if log[s]["max_logit_L0"] > 2 * logit(log, 10_000))]
+    assert f"{100 * min(sharp):.0f}-{100 * max(sharp):.0f}% of layer 0's rows are sharp (GPT-2's block: at " \
+           f"most {100 * max(learned):.2f}% before the doubling)" in text

@@ -34,15 +34,18 @@ def test_log_outcome_reads_a_log_as_train_py_summarises_it(tmp_path):
 
 
 def test_a_config_in_the_older_spellings_loads_in_todays(tmp_path):
-    """A committed run's config.json, as train.py wrote it before fix, delta and precision took today's spellings,
-    loads in today's: delta_from_p / delta_fp32 / stochastic_o "delta" as the one setting delta, precision "paper"
-    as "autocast", a fix that was a bool as "off" / "on"; the file itself is left as it was."""
+    """A committed run's config.json, as train.py wrote it before fix, delta and precision took today's spellings
+    and before --qk-norm, loads in today's: delta_from_p / delta_fp32 / stochastic_o "delta" as the one setting
+    delta, precision "paper" as "autocast", a fix that was a bool as "off" / "on", the block it ran (GPT-2's) as
+    today's settings of it; the file itself is left as it was."""
     committed = Path(__file__).resolve().parents[1] / "results" / "seed_study" / "runs" / "on-s0" / "config.json"
     original = json.loads(committed.read_text())
     assert original["delta_from_p"] is False and original["delta_fp32"] is False and "delta" not in original
+    assert "qk_norm" not in original
     loaded = runs.read_json(committed)
     assert (loaded["fix"], loaded["precision"], loaded["delta"], loaded["stochastic_o"]) == ("on", "fa2", "o", "off")
-    assert loaded == {k: v for k, v in original.items() if k not in ("delta_from_p", "delta_fp32")} | dict(delta="o")
+    assert loaded == {k: v for k, v in original.items() if k not in ("delta_from_p", "delta_fp32")} | dict(
+        delta="o", qk_norm=False)
     for old, new in ((dict(precision="paper", delta_from_p=True), dict(precision="autocast", delta="p")),
                      (dict(fix=False, delta_fp32=True), dict(fix="off", delta="fp32-o")),
                      (dict(fix=True, stochastic_o="delta"), dict(fix="on", stochastic_o="off", delta="stochastic-o"))):
@@ -53,3 +56,16 @@ def test_a_config_in_the_older_spellings_loads_in_todays(tmp_path):
             k: new.get(k, original.get(k, "o")) for k in ("fix", "precision", "delta", "stochastic_o")}, old
         assert runs.read_json(tmp_path / "config.json") == runs.as_current(loaded)   # today's come back unchanged
     assert json.loads(committed.read_text()) == original
+
+
+def test_a_table_without_the_block_options_reads_as_gpt2s_block(tmp_path):
+    """A study's runs.csv written before --pos and --qk-norm reads its runs as GPT-2's block; today's rows keep
+    their block, and a table of something other than runs (no attn column) gains no columns."""
+    (tmp_path / "runs.csv").write_text("name,attn,fix\nold,kernel,off\n")
+    (tmp_path / "new.csv").write_text("name,attn,pos,qk_norm\nr,kernel,rope,False\nq,kernel,learned,True\n")
+    (tmp_path / "probe.csv").write_text("arm,total\noff,1.5\n")
+    assert runs.read_table(tmp_path / "runs.csv") == [dict(name="old", attn="kernel", fix="off", pos="learned",
+                                                           qk_norm=False)]
+    assert [(r["pos"], r["qk_norm"]) for r in runs.read_table(tmp_path / "new.csv")] == [("rope", False),
+                                                                                          ("learned", True)]
+    assert runs.read_table(tmp_path / "probe.csv") == [dict(arm="off", total=1.5)]
