@@ -454,9 +454,9 @@ def alone_minutes(group, kin=()):
 
 
 def kin_of(group, rows):
-    """The rows that train at an arm's pace: the same attention and block (rotary positions and QK-norm, done in
-    PyTorch, cost a step 12-16%: rope-s0 and qk-norm-s0 trained 8,690 and 8,360 steps a minute alone, the fix's runs
-    that had the GPU alone 9,900-10,200)."""
+    """The rows that train at an arm's pace: the same attention and block (rotary positions and QK-norm cost a step
+    12-18%: rope-s0 and qk-norm-s0 trained 8,690 and 8,360 steps a minute alone, the fix's runs that had the GPU
+    alone 9,900-10,200; runs.csv's steps over minutes)."""
     same = lambda row: all(row.get(key) == group[0].get(key) for key in ("attn", *GPT2_BLOCK))
     return [row for row in rows if same(row)]
 
