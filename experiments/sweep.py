@@ -421,6 +421,7 @@ def collect_row(run, arm=None, flags=""):
         **{key: run.setting(key) for key in ("attn", "fix")},
         # a run older than an option ran without it, as its default, but for those of BEFORE_OPTION: left blank
         **{key: run.setting(key, None if key in BEFORE_OPTION else PLAIN_NUMERICS[key]) for key in NUMERICS},
+        **{key: run.setting(key) for key in GPT2_BLOCK},
         **{key: run.setting(key) for key in ("lr", "batch_size", "block_size", "n_layer", "n_embd")},
         steps=o["steps"], minutes=o["minutes"],
         **{key: s.get(key) for key in ("collapsed", "collapse_step", "collapse_minute", "reason")},

@@ -10,6 +10,7 @@ import numpy as np
 import analyze
 import train
 from experiments.onset import log_rows
+from experiments.sweep import load_study
 from nanolp.runs import load_run, read_table, study_runs
 
 
@@ -63,15 +64,18 @@ def test_readme_numbers_are_their_files():
     at_10k = [float(np.interp(10_000, *run.series(analyze.LOGIT))) for run in off]
     assert len(off) >= 2 and 10 <= min(at_10k) and max(at_10k) <= 30 and "sits at 10-30" in readme
     assert all(1e8 <= analyze.peak_logit(run) <= 1e9 for run in off) and "on to 1e8-1e9" in readme
-    # the modern block: rotary positions and QK-norm against GPT-2's block on the same seed
-    block = {row["name"]: row for row in read_table(root / "results/modern_block/runs.csv")}
-    learned = next(row for row in rows if row["name"] == "off-fma-s0")
-    names = ("rope-s0", "qk-norm-s0")
-    peaks = [analyze.peak_logit(load_run(root / "results/modern_block/runs" / name)) for name in names]
-    assert block["rope-s0"]["steps"] == block["qk-norm-s0"]["steps"] and learned["collapsed"]
-    assert all(not block[name]["collapsed"] and block[name]["seed"] == learned["seed"] == 0 for name in names)
-    assert f"fix off trained {block['rope-s0']['steps']:,} steps on seed 0 without a collapse (layer 0 at most " \
-           f"{peaks[0]:.1f}, {peaks[1]:.1f}); GPT-2's block collapsed at {learned['collapse_step']:,}" in readme
+    # the modern block: rotary positions and QK-norm against GPT-2's block on the same seeds
+    learned = {row["seed"]: row for row in rows if row["name"].startswith("off-fma-s")}
+    peaks, seeds = {}, {}
+    for arm, runs in modern_block_runs(root).items():
+        assert all(not row["collapsed"] and row["steps"] == 200_000 and learned[row["seed"]]["collapsed"]
+                   for row in runs)
+        peaks[arm] = ", ".join(f"{analyze.peak_logit(load_run(root / 'results/modern_block/runs' / row['name'])):.1f}"
+                               for row in runs)
+        seeds[arm] = seeds_text([row["seed"] for row in runs])
+    assert f"With rotary positions (`--pos rope`, {seeds['rope']}) or QK-norm (`--qk-norm`, {seeds['qk-norm']}), " \
+           f"fix off trained 200,000 steps without a collapse (layer 0 at most {peaks['rope']}; {peaks['qk-norm']}); " \
+           f"GPT-2's block collapsed on each" in readme
     # the late stage: the fork's step, and how long each exponent trained past it
     late = {row["name"]: row for row in read_table(root / "results/late_stage/runs.csv")}
     fork = int(json.loads((root / "results/late_stage/runs/torch/config.json").read_text())["forked_from"].split("@")[1])
@@ -103,6 +107,18 @@ def test_readme_numbers_are_their_files():
     assert f"trains a {tiny['n_layer']}-layer model for {tiny['steps']} steps" in readme
 
 
+def seeds_text(seeds):
+    """[0] -> "seed 0", [0, 1, 2] -> "seeds 0-2" (consecutive seeds, as the studies run them)."""
+    assert seeds == list(range(seeds[0], seeds[-1] + 1)), seeds
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}"
+
+
+def modern_block_runs(root):
+    """results/modern_block/runs.csv's rows by arm, in seed order."""
+    rows = sorted(read_table(root / "results/modern_block/runs.csv"), key=lambda row: row["seed"])
+    return {arm: [row for row in rows if row["arm"] == arm] for arm in ("rope", "qk-norm")}
+
+
 def test_findings_modern_block_numbers_are_their_files():
     """docs/findings.md's section on a modern block against its runs' logs (layer 0's logit, the norms, the gains,
     the sharp rows) and the probe's pooled phases: a run added or replaced, or the probe rerun, shows here."""
@@ -110,15 +126,28 @@ def test_findings_modern_block_numbers_are_their_files():
     text = " ".join((root / "docs/findings.md").read_text().split("## 8. ")[1].split("## 9. ")[0].split())
     diag = lambda run: {int(r["step"]): {k: float(v) for k, v in r.items() if v} for r in log_rows(run)
                         if r.get("max_logit_L0")}
-    rope, qk, on = (diag(root / "results" / run) for run in ("modern_block/runs/rope-s0",
-                                                              "modern_block/runs/qk-norm-s0", "seed_study/runs/on-s4"))
+    rope, on = (diag(root / "results" / run) for run in ("modern_block/runs/rope-s0", "seed_study/runs/on-s4"))
+    # the answer: which seeds ran, none collapsed, GPT-2's block collapsed on each; the seeds still to run
+    gpt2 = {row["seed"]: row for row in read_table(root / "results/seed_study/runs.csv")
+            if row["name"].startswith("off-fma-s")}
+    runs = modern_block_runs(root)
+    assert all(not row["collapsed"] and gpt2[row["seed"]]["collapsed"] for arm in runs.values() for row in arm)
+    seeds = {arm: [row["seed"] for row in rows] for arm, rows in runs.items()}
+    assert f"200,000 steps (rotary positions: {seeds_text(seeds['rope'])}; QK-norm: {seeds_text(seeds['qk-norm'])})" \
+           in text
+    left = {arm: sorted(set(declared) - set(seeds[arm]))
+            for arm, (_, declared) in load_study(root / "results/studies.toml", "modern_block").arms.items()}
+    still = " and ".join(f"{seeds_text(left[arm])} of {option}" for arm, option in
+                         (("rope", "rotary positions"), ("qk-norm", "QK-norm")) if left[arm])
+    verb = "is" if sum(map(len, left.values())) == 1 else "are"
+    assert (f"{still[:1].upper()}{still[1:]} {verb} still to run." in text) if still else "still to run" not in text
     grew = lambda log, col: f"{log[10_000][col]:.3g} -> {log[max(log)][col]:.3g}"
     logit = lambda log, step: log[step]["max_logit_L0"]
     assert f"max logit {logit(rope, 10_000):.1f} at step 10,000 and at most " \
            f"{max(r['max_logit_L0'] for r in rope.values()):.1f}" in text
     assert f"({grew(rope, 'sn_q_L0')} and {grew(rope, 'sn_k_L0')}; on-s4: {grew(on, 'sn_q_L0')} and " \
            f"{grew(on, 'sn_k_L0')})" in text
-    # the probe: rope-s0 over all its checkpoints, qk-norm-s0 before its doubling, GPT-2's block before its doubling
+    # the probe: rope over all its checkpoints, QK-norm before its doublings, GPT-2's block before its doubling
     probe = {(row["arm"], row["phase"], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_phases.csv") if row["probe_batches"] == "train"}
     cell = lambda row, t=".1f": f"{row['mean']:+.1e}, t {row['t']:+{t}}"
@@ -130,16 +159,26 @@ def test_findings_modern_block_numbers_are_their_files():
     assert f"{curv[1] / curv[0]:.0f}x smaller ({curv[0]:+.1e} against {curv[1]:+.1e})" in text
     assert f"steps {qk_total['first_step']:,}-{qk_total['last_step']:,}: total {cell(qk_total)}; curvature term " \
            f"{cell(probe['--fix off --qk-norm', 1, 'curv'], '.0f')}" in text
-    # QK-norm: the logit against its gains, when it doubled, and the sharp rows
-    doubled = next(step for step, row in qk.items() if row["max_logit_L0"] > 2 * logit(qk, 10_000))
-    end, gains = qk[max(qk)], lambda row: (row["gain_q_L0"], row["gain_k_L0"])
-    assert all(row["max_logit_L0"] <= 8 * np.prod(gains(row)) for row in qk.values())   # sqrt(64) g_q g_k
-    assert doubled == qk_total["last_step"] + 1_000
-    assert f"W_Q's norm grows {grew(qk, 'sn_q_L0')}" in text
-    assert f"from {logit(qk, 10_000):.1f} (gains {qk[10_000]['gain_q_L0']:.2f}) to {end['max_logit_L0']:.1f} " \
-           f"(gains {end['gain_q_L0']:.2f} and {end['gain_k_L0']:.2f}), doubling at step {doubled:,}, " \
-           f"{logit(qk, 150_000) / logit(qk, 10_000):.1f}x its step-10,000 value at 150,000" in text
-    sharp = [row["sharp_rate_L0"] for step, row in qk.items() if step >= 10_000]
+    # QK-norm, per seed: the logit against its gains, when it doubled, and the sharp rows
+    qks = [diag(root / "results/modern_block/runs" / row["name"]) for row in modern_block_runs(root)["qk-norm"]]
+    doubled = [next(step for step, row in qk.items() if row["max_logit_L0"] > 2 * logit(qk, 10_000)) for qk in qks]
+    gains = lambda row: (row["gain_q_L0"], row["gain_k_L0"])
+    assert all(row["max_logit_L0"] <= 8 * np.prod(gains(row)) for qk in qks for row in qk.values())  # sqrt(64) g_q g_k
+    assert probe["--fix off --qk-norm", 2, "total"]["first_step"] == min(doubled)
+    assert f"W_Q's norm grows ({' and '.join(grew(qk, 'sn_q_L0') for qk in qks)})" in text
+    for seed, qk in enumerate(qks):
+        end = qk[max(qk)]
+        assert f"from {logit(qk, 10_000):.1f} to {end['max_logit_L0']:.1f} on seed {seed} (gains " \
+               f"{qk[10_000]['gain_q_L0']:.2f} -> {end['gain_q_L0']:.2f} and {end['gain_k_L0']:.2f})" in text
+        past_100 = [step for step, row in qk.items() if row["max_logit_L0"] > 100]
+        peak = max(row["max_logit_L0"] for row in qk.values())
+        assert bool(past_100) == (f"On seed {seed} it passed 100 at step {min(past_100 or [0]):,} and peaked at "
+                                  f"{peak:.1f}, and the loss trained on; GPT-2's block collapsed on that seed at "
+                                  f"{gpt2[seed]['collapse_step']:,}." in text)
+    assert f"doubling at steps {' and '.join(f'{step:,}' for step in doubled)}, at 150,000 " \
+           f"{' and '.join(f'{logit(qk, 150_000) / logit(qk, 10_000):.1f}x' for qk in qks)} its step-10,000 value" \
+           in text
+    sharp = [row["sharp_rate_L0"] for qk in qks for step, row in qk.items() if step >= 10_000]
     learned = [row["sharp_rate_L0"] for run in sorted((root / "results/seed_study/runs").glob("off-fma-s*"))
                for log in [diag(run)] for step, row in log.items()
                if step <= next(s for s in log if log[s]["max_logit_L0"] > 2 * logit(log, 10_000))]
