@@ -173,19 +173,20 @@ def test_findings_modern_block_numbers_are_their_files():
     assert f"W_Q's norm grows ({listed([grew(qk, 'sn_q_L0') for qk in qks])})" in text
     went = [f"from {logit(qk, 10_000):.1f} to {qk[max(qk)]['max_logit_L0']:.1f} on seed {seed} (gains "
             f"{qk[10_000]['gain_q_L0']:.2f} -> {qk[max(qk)]['gain_q_L0']:.2f} and {qk[max(qk)]['gain_k_L0']:.2f})"
-            for seed, qk in enumerate(qks)]
+            for seed, qk in zip(seeds['qk-norm'], qks)]
     assert f"layer 0's max logit went {listed(went)}, doubling at steps {listed([f'{s:,}' for s in doubled])}, at " \
            f"150,000 {listed([f'{logit(qk, 150_000) / logit(qk, 10_000):.1f}x' for qk in qks])} its step-10,000 " \
            f"value" in text
     # the seeds on which it passed 100 and trained on, against GPT-2's block's collapse on each
-    past = {seed: min(step for step, row in qk.items() if row["max_logit_L0"] > 100)
-            for seed, qk in enumerate(qks) if any(row["max_logit_L0"] > 100 for row in qk.values())}
+    past = {seed: (min(over), max(row["max_logit_L0"] for row in qk.values())) for seed, qk in
+            zip(seeds["qk-norm"], qks) if (over := [s for s, r in qk.items() if r["max_logit_L0"] > 100])}
     if past:
         many = len(past) > 1
-        peaks = [f"{max(row['max_logit_L0'] for row in qks[seed].values()):.1f}" for seed in past]
+        firsts = [f"{step:,}" for step, _ in past.values()]
+        peaks = [f"{peak:.1f}" for _, peak in past.values()]
         collapses = [f"{gpt2[seed]['collapse_step']:,}" for seed in past]
         assert f"On seed{'s' * many} {listed([str(seed) for seed in past])} it passed 100 (at step{'s' * many} " \
-               f"{listed([f'{step:,}' for step in past.values()])}, peaking at {listed(peaks)}) and the loss trained " \
+               f"{listed(firsts)}, peaking at {listed(peaks)}) and the loss trained " \
                f"on; GPT-2's block collapsed on {'those seeds' if many else 'that seed'} at step{'s' * many} " \
                f"{listed(collapses)}." in text
     else:
