@@ -131,7 +131,7 @@ def test_findings_modern_block_numbers_are_their_files():
     text = " ".join((root / "docs/findings.md").read_text().split("## 8. ")[1].split("## 9. ")[0].split())
     diag = lambda run: {int(r["step"]): {k: float(v) for k, v in r.items() if v} for r in log_rows(run)
                         if r.get("max_logit_L0")}
-    rope, on = (diag(root / "results" / run) for run in ("modern_block/runs/rope-s0", "seed_study/runs/on-s4"))
+    on = diag(root / "results/seed_study/runs/on-s4")
     # the answer: which seeds ran, none collapsed, GPT-2's block collapsed on each; the seeds still to run
     gpt2 = {row["seed"]: row for row in read_table(root / "results/seed_study/runs.csv")
             if row["name"].startswith("off-fma-s")}
@@ -148,24 +148,37 @@ def test_findings_modern_block_numbers_are_their_files():
     assert (f"{still[:1].upper()}{still[1:]} {verb} still to run." in text) if still else "still to run" not in text
     grew = lambda log, col: f"{log[10_000][col]:.3g} -> {log[max(log)][col]:.3g}"
     logit = lambda log, step: log[step]["max_logit_L0"]
-    assert f"max logit {logit(rope, 10_000):.1f} at step 10,000 and at most " \
-           f"{max(r['max_logit_L0'] for r in rope.values()):.1f}" in text
-    assert f"({grew(rope, 'sn_q_L0')} and {grew(rope, 'sn_k_L0')}; on-s4: {grew(on, 'sn_q_L0')} and " \
-           f"{grew(on, 'sn_k_L0')})" in text
+    peak = lambda log: max(row["max_logit_L0"] for row in log.values())
+    # rotary positions, per seed: layer 0's logit and W_Q's and W_K's norms against the complete fix's
+    ropes = [diag(root / "results/modern_block/runs" / row["name"]) for row in runs["rope"]]
+    assert f"max logit {listed([f'{logit(log, 10_000):.1f}' for log in ropes])} at step 10,000 on " \
+           f"seed{'s' * (len(ropes) > 1)} {listed([str(seed) for seed in seeds['rope']])} and at most " \
+           f"{listed([f'{peak(log):.1f}' for log in ropes])}" in text
+    norms = [f"seed {seed}: {grew(log, 'sn_q_L0')} and {grew(log, 'sn_k_L0')}"
+             for seed, log in zip(seeds["rope"], ropes)]
+    assert f"({'; '.join(norms)}; on-s4: {grew(on, 'sn_q_L0')} and {grew(on, 'sn_k_L0')})" in text
     # the probe: rope over all its checkpoints, QK-norm before its doublings, GPT-2's block before its doubling
     probe = {(row["arm"], row["phase"], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_phases.csv") if row["probe_batches"] == "train"}
     cell = lambda row, t=".1f": f"{row['mean']:+.1e}, t {row['t']:+{t}}"
     off, rope_total, qk_total = probe["--fix off", 1, "total"], probe["--fix off --pos rope", 1, "total"], \
         probe["--fix off --qk-norm", 1, "total"]
-    assert ("--fix off --pos rope", 2, "total") not in probe and rope_total["last_step"] == max(rope)
-    assert f"total {cell(rope_total)}, over {rope_total['checkpoints']} checkpoints" in text and cell(off) in text
-    curv = probe["--fix off --pos rope", 1, "curv"]["mean"], probe["--fix off", 1, "curv"]["mean"]
-    assert f"{curv[1] / curv[0]:.0f}x smaller ({curv[0]:+.1e} against {curv[1]:+.1e})" in text
+    assert ("--fix off --pos rope", 2, "total") not in probe and rope_total["runs"] == len(ropes)
+    assert rope_total["last_step"] == min(max(log) for log in ropes)
+    by_seed = {row["run"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
+               if row["probe_batches"] == "train" and row["term"] == "total"}
+    each = listed([f"{by_seed[row['name']]['t']:+.1f}" for row in runs["rope"]])
+    assert f"over {'both' if len(ropes) == 2 else 'the'} seeds' {rope_total['checkpoints']} checkpoints the probe " \
+           f"finds total {cell(rope_total)} (seed by seed t {each}), {off['mean'] / rope_total['mean']:.0f}x less " \
+           f"than GPT-2's block before its doubling (four seeds: {cell(off)})" in text and off["runs"] == 4
+    curv, lin = probe["--fix off --pos rope", 1, "curv"], probe["--fix off --pos rope", 1, "lin"]
+    assert f"{probe['--fix off', 1, 'curv']['mean'] / curv['mean']:.0f}x smaller ({curv['mean']:+.1e} against " \
+           f"{probe['--fix off', 1, 'curv']['mean']:+.1e}) and its linear term is negative " \
+           f"({lin['mean']:+.1e}, t {lin['t']:+.1f})" in text and lin["t"] < -2
     assert f"steps {qk_total['first_step']:,}-{qk_total['last_step']:,}: total {cell(qk_total)}; curvature term " \
            f"{cell(probe['--fix off --qk-norm', 1, 'curv'], '.0f')}" in text
     # QK-norm, per seed: the logit against its gains, when it doubled, and the sharp rows
-    qks = [diag(root / "results/modern_block/runs" / row["name"]) for row in modern_block_runs(root)["qk-norm"]]
+    qks = [diag(root / "results/modern_block/runs" / row["name"]) for row in runs["qk-norm"]]
     doubled = [next(step for step, row in qk.items() if row["max_logit_L0"] > 2 * logit(qk, 10_000)) for qk in qks]
     gains = lambda row: (row["gain_q_L0"], row["gain_k_L0"])
     assert all(row["max_logit_L0"] <= 8 * np.prod(gains(row)) for qk in qks for row in qk.values())  # sqrt(64) g_q g_k
@@ -178,12 +191,12 @@ def test_findings_modern_block_numbers_are_their_files():
            f"150,000 {listed([f'{logit(qk, 150_000) / logit(qk, 10_000):.1f}x' for qk in qks])} its step-10,000 " \
            f"value" in text
     # the seeds on which it passed 100 and trained on, against GPT-2's block's collapse on each
-    past = {seed: (min(over), max(row["max_logit_L0"] for row in qk.values())) for seed, qk in
-            zip(seeds["qk-norm"], qks) if (over := [s for s, r in qk.items() if r["max_logit_L0"] > 100])}
+    past = {seed: (min(over), peak(qk)) for seed, qk in zip(seeds["qk-norm"], qks)
+            if (over := [s for s, r in qk.items() if r["max_logit_L0"] > 100])}
     if past:
         many = len(past) > 1
         firsts = [f"{step:,}" for step, _ in past.values()]
-        peaks = [f"{peak:.1f}" for _, peak in past.values()]
+        peaks = [f"{top:.1f}" for _, top in past.values()]
         collapses = [f"{gpt2[seed]['collapse_step']:,}" for seed in past]
         assert f"On seed{'s' * many} {listed([str(seed) for seed in past])} it passed 100 (at step{'s' * many} " \
                f"{listed(firsts)}, peaking at {listed(peaks)}) and the loss trained " \
