@@ -168,7 +168,8 @@ def test_findings_modern_block_numbers_are_their_files():
     by_seed = {row["run"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
                if row["probe_batches"] == "train" and row["term"] == "total"}
     each = listed([f"{by_seed[row['name']]['t']:+.1f}" for row in runs["rope"]])
-    assert f"over {'both' if len(ropes) == 2 else 'the'} seeds' {rope_total['checkpoints']} checkpoints the probe " \
+    pooled = {2: "both", 3: "the three"}[len(ropes)]
+    assert f"over {pooled} seeds' {rope_total['checkpoints']} checkpoints the probe " \
            f"finds total {cell(rope_total)} (seed by seed t {each}), {off['mean'] / rope_total['mean']:.0f}x less " \
            f"than GPT-2's block before its doubling (four seeds: {cell(off)})" in text and off["runs"] == 4
     curv, lin = probe["--fix off --pos rope", 1, "curv"], probe["--fix off --pos rope", 1, "lin"]
