@@ -1,7 +1,8 @@
 """
 A small GPT in the style of nanoGPT: learned positions, pre-LayerNorm blocks, a GELU MLP and an output
-layer tied to the token embedding (GPT-2's block; rotary positions and QK-norm, a modern block's, are options). The one thing that differs is that the attention inside every block
-is pluggable, because the attention numerics are what this project studies:
+layer tied to the token embedding (GPT-2's block; rotary positions and QK-norm, a modern block's, are options).
+The one thing that differs is that the attention inside every block is pluggable, because the attention numerics
+are what this project studies:
 
     kernel      our Triton FlashAttention-2 kernel (kernels.py); on CPU tensors its PyTorch emulation
     emulate     the tile-by-tile PyTorch emulation (nanolp/emulate.py), with the kernel's rounding points
