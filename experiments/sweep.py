@@ -70,8 +70,8 @@ DONE = ("finished", "collected")
 GROWTH = 3.0
 
 COLUMNS = ["name", "arm", "flags", "seed", "attn", "fix", *NUMERICS, *GPT2_BLOCK, "lr", "batch_size", "block_size",
-           "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute", "reason", "max_logit",
-           "tie_rate_final", "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s",
+           "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute", "reason",
+           "max_logit", "tie_rate_final", "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s",
            "peak_mem_gb", "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
 # a row whose run folder was never kept (an earlier sample of the same arm and seed, known by its summary alone)
 # is named ARM-sSEED-nolog, so that a new run of that arm and seed, with its log, takes the plain name
