@@ -13,36 +13,34 @@ and in the backward, from the loss's gradient dO of O:
     delta = rowsum(dO * O)      dP = dO V^T      dS = P * (dP - delta)      dQ = dS K * scale
 
 The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with
-a one-signed error, which piles up in W_Q / W_K until the loss explodes. The paper blames rows with tied maxima
-(P exactly 1) and shifts their max up; in our runs the error that fails them is O's final cast as delta reads
-it. So the fix has two parts, each hop of them marked "THE FIX":
-    1. the forward: the paper's shifted row max (_shifted_max, with ties across key tiles counted too);
-    2. the cure: delta reads the forward's fp32 O, before its final cast (stored by the forward's epilogue,
-       chosen by delta_reads, saved for the backward by _FlashAttention, read by _bwd_delta_kernel).
-fix="on" is both (the default); fix="paper" the first alone (an ablation); fix="off" neither. Each is exact in
-real arithmetic. Why, and the evidence: docs/kernel.md, "The fix".
+a one-signed error, which piles up in W_Q / W_K until the loss explodes. THE FIX: delta reads the forward's fp32
+O, before its final cast. Each hop is marked "THE FIX": the forward's epilogue stores the fp32 O (_fwd_kernel),
+delta_reads chooses it, _FlashAttention hands it to the backward, _bwd_delta_kernel reads it. The O returned and
+every other number are plain FlashAttention-2's, so the fix costs one fp32 store and its memory until the backward.
+fix="on" is the fix (the default); fix="off" plain FlashAttention-2; fix="paper" the paper's own rule, which
+blames rows with tied maxima (P exactly 1) and shifts their max up (its section after the backward): in our runs
+it does not cure. Why, and the evidence: docs/kernel.md, "The fix".
 
 Every rounding point is marked "ROUND", in both precision modes ("fa2", as production kernels; "autocast", as the
 paper's PyTorch code), and nanolp/emulate.py computes the same bits (docs/kernel.md, "Two precision modes, ...").
-Reading order: S and P (the scores and the exponent every kernel shares); forward (the fix's forward part after the
-loop it changes); backward; host code; appendix (the amplifier's rounding; the experiments' switches, Numerics, are
-nanolp/numerics.py's). Speed: docs/kernel.md, "Speed".
+Reading order: S and P (the scores and the exponent every kernel shares); forward; backward; the paper's rule; host
+code; appendix (the experiments' switches, Numerics, and their roundings). This file imports nothing of the project:
+copied alone it runs. Speed: docs/kernel.md, "Speed".
 """
 import functools
 import math
 import os
 import struct
 from collections import namedtuple
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 
 import torch
 import triton
 import triton.language as tl
 
-from nanolp.numerics import Numerics, amplified_v, stochastic_round, widening   # the experiments' switches
-
 LOG2E = math.log2(math.e)
-TILE_N = 64                    # keys per tile (fixed: the fix looks for ties within one tile)
+TILE_N = 64                    # keys per tile (fixed: the paper's rule looks for ties within one tile)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -83,7 +81,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
                 FMA: tl.constexpr, KEEP_O32: tl.constexpr):
     # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
-    # SHIFT: THE FIX's shift constants (fix_constants; None with the shift off). P_BITS, O_BITS, FMA: appendix.
+    # SHIFT: the paper's rule's constants (fix_constants; None without it). P_BITS, O_BITS: appendix; FMA: _exp2.
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -120,8 +118,8 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
              mask=offs_m[:, None] < N)
     if KEEP_O32:
-        # THE FIX (the cure, 1: the store): the fp32 o the cast above rounded, stored beside O for the
-        # backward's delta (delta_reads, output_and_delta_o). O32 is laid out as O: O's strides serve it.
+        # THE FIX (1, the store): the fp32 o the cast above rounded, stored beside O for the backward's delta
+        # (delta_reads, output_and_delta_o). O32 is laid out as O: O's strides serve it.
         O32 += b * stride_ob + h * stride_oh
         tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
@@ -160,7 +158,7 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
         if SHIFT is None:
             r = tl.max(s, 1) * scale                                                  # ROUND: as S's scale
         else:
-            r, t_i = _shifted_max(s, scale, t_i, SHIFT)      # THE FIX (the forward part): a tied max shifted up
+            r, t_i = _shifted_max(s, scale, t_i, SHIFT)      # the paper's rule: a tied max shifted up
         if not AUTOCAST:
             m_new = tl.maximum(m_i, r)
             alpha = tl.math.exp2(m_i - m_new)
@@ -189,77 +187,6 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
 
 
 # ---------------------------------------------------------------------------------------------------------
-# THE FIX, the forward part: the paper's shift of a tied row's max, once per key tile (_fwd_inner above). The
-# cure, delta read from the fp32 O, is the forward's last store (_fwd_kernel) and the host's choice
-# (delta_reads). Why: docs/kernel.md, "The fix".
-
-# The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9; docs/kernel.md, "Half 1").
-TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
-BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
-SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
-# Its constants in the kernel's units, a compile-time constant (None with the shift off); inv: _fold's 1 / span.
-Shift = namedtuple("Shift", "beta tol lo hi span inv")
-
-
-@triton.jit
-def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
-    """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
-    earlier tiles); returns it and the new raw row max max(t, r). The paper's rule (Sec. 5): a row with two
-    scores within tol of r (top-2: r2 >= r - tol), or here r within tol of t (a tie across tiles), moves its
-    max up by d = (beta - 1) r or -r, folded into [lo, hi), so tied P are exp(-d) < 1, rounded both ways.
-    Why each piece (underflow, r = 0, masked tiles, ties across tiles): docs/kernel.md, "Half 1"."""
-    tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
-    tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
-    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
-    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
-    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
-    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
-    # (beta - 1) r = r for r > 0 and -r below: |r|, free (an operand modifier); r = +-0 folds to lo either way
-    d = tl.abs(r)
-    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
-    return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
-
-
-@triton.jit
-def _top2(a1, a2, b1, b2):
-    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice. The second's
-    maxima propagate NaN (none occur), so -inf is their identity and the compiler drops a max per score."""
-    ALL: tl.constexpr = tl.PropagateNan.ALL
-    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
-
-
-@triton.jit
-def _fold(d, SHIFT: tl.constexpr):
-    """lo + fmod(d, span) for 0 <= d <= |r| without a division (d % span has a slow path): floor(d * inv) in
-    float64, inv = 1 / span rounded up. fmod's bits wherever they matter; the proof: docs/kernel.md, "The fold
-    without a division"."""
-    tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
-    tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
-    d64 = d.to(tl.float64)
-    n = tl.floor(d64 * tl.full([], SHIFT.inv, tl.float64))
-    rem = d64 - n * tl.full([], SHIFT.span, tl.float32).to(tl.float64)   # span as the float32 fmod reads
-    return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
-
-
-@functools.cache   # (each call of the forward asks; the answer never changes)
-def fix_constants(precision, p_bits=0):
-    """The shift's constants in the kernel's units (log2 units in "fa2"), in float64; tol and lo widen with
-    the amplifier's p_bits (widening), as the band of scores whose P rounds to 1.0 does."""
-    unit = LOG2E if precision == "fa2" else 1.0
-    lo = SHIFT_LO * widening(p_bits)
-    span = (SHIFT_HI - lo) * unit
-    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, span, reciprocal_up(span))
-
-
-def reciprocal_up(span):
-    """The float64 nearest to 1 / span from above, for span as the kernel holds it (rounded to float32): _fold's
-    quotient d * inv is then never below d / span."""
-    span = struct.unpack("f", struct.pack("f", span))[0]
-    inv = 1.0 / span
-    return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Backward, FA2 style, in two passes: delta first, then dK/dV (one program per key tile, looping over queries)
 # and dQ (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
 #     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
@@ -270,7 +197,7 @@ def reciprocal_up(span):
 def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr):
     # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
-    # THE FIX (the cure, 4: the read): with fix "on" this O is the forward's fp32 O (_FlashAttention saved it).
+    # THE FIX (4, the read): with fix "on" this O is the forward's fp32 O (_FlashAttention saved it).
     bh = tl.program_id(1).to(tl.int64)
     O += (bh // H) * stride_ob + (bh % H) * stride_oh
     DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
@@ -406,8 +333,81 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The paper's rule (fix="paper"): a tied row's max shifted up, once per key tile (_fwd_inner). Softmax is shift
+# invariant, so it is exact in real arithmetic; no tied P is exactly 1 after it, so P V's rounding is no longer
+# one-sided. It leaves O's final cast's error that delta reads, and does not cure our runs (docs/kernel.md, "The
+# paper's rule"). Each piece of its code guards a sharp edge of the rule (underflow, r = 0, masked tiles, ties
+# across tiles).
+
+# The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9; docs/kernel.md, "Half 1").
+TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
+BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
+SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
+# Its constants in the kernel's units, a compile-time constant (None with the shift off); inv: _fold's 1 / span.
+Shift = namedtuple("Shift", "beta tol lo hi span inv")
+
+
+@triton.jit
+def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
+    """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
+    earlier tiles); returns it and the new raw row max max(t, r). The paper's rule (Sec. 5): a row with two
+    scores within tol of r (top-2: r2 >= r - tol), or here r within tol of t (a tie across tiles), moves its
+    max up by d = (beta - 1) r or -r, folded into [lo, hi), so tied P are exp(-d) < 1, rounded both ways.
+    Why each piece (underflow, r = 0, masked tiles, ties across tiles): docs/kernel.md, "Half 1"."""
+    tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
+    tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
+    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
+    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
+    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
+    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
+    # (beta - 1) r = r for r > 0 and -r below: |r|, free (an operand modifier); r = +-0 folds to lo either way
+    d = tl.abs(r)
+    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
+    return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
+
+
+@triton.jit
+def _top2(a1, a2, b1, b2):
+    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice. The second's
+    maxima propagate NaN (none occur), so -inf is their identity and the compiler drops a max per score."""
+    ALL: tl.constexpr = tl.PropagateNan.ALL
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
+
+
+@triton.jit
+def _fold(d, SHIFT: tl.constexpr):
+    """lo + fmod(d, span) for 0 <= d <= |r| without a division (d % span has a slow path): floor(d * inv) in
+    float64, inv = 1 / span rounded up. fmod's bits wherever they matter; the proof: docs/kernel.md, "The fold
+    without a division"."""
+    tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
+    tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
+    d64 = d.to(tl.float64)
+    n = tl.floor(d64 * tl.full([], SHIFT.inv, tl.float64))
+    rem = d64 - n * tl.full([], SHIFT.span, tl.float32).to(tl.float64)   # span as the float32 fmod reads
+    return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
+
+
+@functools.cache   # (each call of the forward asks; the answer never changes)
+def fix_constants(precision, p_bits=0):
+    """The shift's constants in the kernel's units (log2 units in "fa2"), in float64; tol and lo widen with
+    the amplifier's p_bits (widening), as the band of scores whose P rounds to 1.0 does."""
+    unit = LOG2E if precision == "fa2" else 1.0
+    lo = SHIFT_LO * widening(p_bits)
+    span = (SHIFT_HI - lo) * unit
+    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, span, reciprocal_up(span))
+
+
+def reciprocal_up(span):
+    """The float64 nearest to 1 / span from above, for span as the kernel holds it (rounded to float32): _fold's
+    quotient d * inv is then never below d / span."""
+    span = struct.unpack("f", struct.pack("f", span))[0]
+    inv = 1.0 / span
+    return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Host side: the entry points, THE FIX's choice of the O that delta reads, the custom ops and their launches,
-# the checks. (Numerics, flash_attention's switches for the experiments: nanolp/numerics.py.)
+# the checks. (Numerics, flash_attention's switches for the experiments: the appendix.)
 
 # Tuning per head_dim, fixed (no autotune: the summation order never depends on a timing). Forward: (BLOCK_M,
 # warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (docs/kernel.md,
@@ -427,11 +427,11 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
         the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
-    fix: "on" (the default), the complete fix: the paper's row-max shift plus delta read from the forward's
-            fp32 O (costs forward time and that fp32 O's memory until the backward).
+    fix: "on" (the default): the backward's delta reads the forward's fp32 O (costs that fp32 O's store and
+            its memory until the backward); O and every other number are fix "off"'s.
         "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
-        "paper": the shift alone, an ablation (it leaves O's final cast's error, which fails our runs).
-        The returned O is the fix-off O up to the shift's rounding (docs/kernel.md, "The fix").
+        "paper": the paper's rule, a tied row's max shifted up, for the experiments (it leaves O's final cast's
+            error, which fails our runs); O is fix "off"'s up to the shift's rounding (docs/kernel.md).
     numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
     Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward (two
     passes, no atomics: the same bits every run).
@@ -447,7 +447,7 @@ def forward(q, k, v, *, fix, causal=True, numerics=None, delta=None):
     """The forward as flash_attention runs it, for tests and experiments.
 
     causal, fix, numerics: flash_attention's. delta: what the backward's delta reads (one of Numerics.delta's
-    values) in place of delta_reads'; the shift stays fix's. v is read as given (the "vo" amplifier's rounding,
+    values) in place of delta_reads'; the paper's rule stays fix's. v is read as given (the "vo" amplifier's rounding,
     amplified_v, is the caller's).
     Returns Forward(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
     each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O delta reads where it is not o (the fp32
@@ -478,8 +478,8 @@ FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
 
 
 def delta_reads(fix, numerics):
-    """THE FIX (the cure, 2: the choice): the O the backward's delta reads, the forward's fp32 O ("fp32-o")
-    with fix "on", else numerics.delta (Numerics); the one check of fix and of fix against the numerics."""
+    """THE FIX (2, the choice): the O the backward's delta reads, the forward's fp32 O ("fp32-o") with fix
+    "on", else numerics.delta (Numerics); the one check of fix and of fix against the numerics."""
     if fix not in FIXES:
         raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
     if fix == "on" and numerics.delta not in ("o", "fp32-o"):
@@ -517,7 +517,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, f
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
-        AUTOCAST=precision == "autocast", SHIFT=None if fix == "off" else fix_constants(precision, p_bits),
+        AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if fix == "paper" else None,
         P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=o32 is not None, num_warps=warps, num_stages=stages,
         **UNFUSED)
     o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
@@ -607,7 +607,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, fix, delta, precision, p_bits, o_bits, stochastic, fma):
         o, lse, o_delta = direct(flash_fwd_op, flash_fwd)(q, k, v, causal, fix, delta, precision, p_bits, o_bits,
                                                           stochastic, fma)
-        # THE FIX (the cure, 3: the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
+        # THE FIX (3, the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
         ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)
         ctx.args = (causal, precision, delta == "p", fma)
         ctx.mark_non_differentiable(lse, o_delta)
@@ -675,8 +675,106 @@ def empty_in_layout_of(t, dtype=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Appendix: the experiments' variant of the kernels' rounding. The switches themselves (flash_attention's numerics,
-# Numerics) and their host-side roundings live in nanolp/numerics.py.
+# Appendix: the experiments' switches (flash_attention's numerics=): how the kernel rounds, for studying the
+# failure, and the roundings they need on the host and in the kernels. The defaults are plain FlashAttention-2;
+# training a model needs none of this.
+
+def option(help, default, choices=None):
+    """A field of Numerics: what it does (also its train.py flag's help), its default, the values it takes."""
+    return field(default=default, metadata=dict(help=help, choices=choices))
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How the attention rounds, for studying the failure; the defaults are plain FlashAttention-2. Each field
+    is also a train.py flag, a config.json/summary.json key and a runs.csv column of the project's runs."""
+    precision: str = option("fa2: S, m, l and acc in fp32 (production kernels); autocast: the rounding points of "
+                            "the paper's PyTorch code under bf16 autocast", "fa2", ("fa2", "autocast"))
+    delta: str = option("what the backward's delta reads (fp32-o with fix on): o, the O returned (the paper's "
+                        "channel); fp32-o, the forward's fp32 O, before its final cast (what fix on reads: with fix "
+                        "paper, the paper's rule and the fix together); p, rowsum(dP * P) from P recomputed in fp32 "
+                        "(the paper's control); stochastic-o, an independent stochastic rounding of the fp32 O", "o",
+                        ("o", "fp32-o", "p", "stochastic-o"))
+    stochastic_o: str = option("forward: O stochastically rounded in the forward, the O that the next layer reads "
+                               "(and delta, with delta o)", "off", ("off", "forward"))
+    mantissa_bits: int = option("the amplifier: P (or V and O) rounded to 1-6 mantissa bits (3: FP8); 0: off",
+                                0, range(7))
+    amplify: str = option("what mantissa_bits rounds: P before P V, or V and O (amplifies the tie bias)",
+                          "p", ("p", "vo"))
+    exponent: str = option("softmax's exponent S * scale - m: fma, one fused multiply-add (FlashAttention-2 as "
+                           "its authors ship it); torch, S * scale rounded first (PyTorch's build of FA2)",
+                           "fma", ("fma", "torch"))
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if type(value) is not f.type:
+                raise ValueError(f"{f.name} must be a {f.type.__name__}, got {value!r}")
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        if self.amplify != "p" and self.mantissa_bits == 0:
+            raise ValueError(f"amplify={self.amplify!r} says what mantissa_bits rounds: "
+                             "give mantissa_bits 1-6")
+        if self.exponent != "fma" and self.precision == "autocast":
+            raise ValueError('exponent="torch" is a form of the "fa2" exponent; precision="autocast" rounds S on its '
+                             "own (in natural units): choose one")
+        if self.stochastic_o == "forward" and self.delta == "stochastic-o":
+            raise ValueError('stochastic_o="forward" and delta="stochastic-o" are different stochastic roundings of '
+                             "the O that delta reads: choose one")
+
+    @property
+    def fma(self):
+        """Whether the exponent is one fused multiply-add (kernels._exp2)."""
+        return self.exponent == "fma"
+
+    @property
+    def p_bits(self):
+        """The amplifier on P: mantissa bits P is rounded to before P V (0: the input dtype's)."""
+        return self.mantissa_bits if self.amplify == "p" else 0
+
+    @property
+    def o_bits(self):
+        """The amplifier on V and O: mantissa bits V is rounded to before attention reads it, and O before its
+        final cast (0: none)."""
+        return self.mantissa_bits if self.amplify == "vo" else 0
+
+
+def stochastic_round(x, generator=None):
+    """Round fp32 x to bfloat16 stochastically, unbiased (E[result] = x): 16 random bits added below bf16's
+    mantissa, then truncated. For the stochastic-rounding experiments only."""
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: |x| rounded up or down, to bf16
+    rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
+    return torch.empty_like(x, dtype=torch.bfloat16).copy_(rounded)    # in x's layout
+
+
+def round_mantissa(x, bits):
+    """Round values to `bits` explicit mantissa bits (ties to even) on their float32 bit pattern, keeping
+    float32's exponent range; returned as float32. bits=7 is bfloat16, 3 the mantissa of FP8 e4m3."""
+    assert 0 <= bits <= 23
+    drop = 23 - bits
+    if drop == 0:
+        return x.float()
+    b = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    half = (1 << (drop - 1)) - 1
+    b = (b + half + ((b >> drop) & 1)) >> drop << drop
+    out = (b & 0xFFFFFFFF).to(torch.int64)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isfinite(x), out, x.float())
+
+
+def amplified_v(v, bits):
+    """amplify="vo" (bits: Numerics.o_bits): V rounded to bits before attention sees it, so the forward and
+    the backward read the same V; its gradient passes straight through to the unrounded V."""
+    if not bits:
+        return v
+    return round_mantissa(v, bits).to(v.dtype).detach() + (v - v.detach())
+
+
+def widening(bits):
+    """How much wider than bf16's the band of scores whose P rounds to 1.0 is, P at `bits` bits (0: bf16)."""
+    return 2.0 ** (7 - bits) if bits else 1.0
+
 
 @triton.jit
 def _round_bits(x, BITS: tl.constexpr):

@@ -11,7 +11,7 @@ are what this project studies:
     sdpa-cudnn  SDPA forced to its cuDNN backend
     fp32        plain softmax attention in float32: the control with no low-precision attention at all
 
-GPTConfig's second block holds the experiments (variants of our kernel's numerics, nanolp/numerics.py, and the
+GPTConfig's second block holds the experiments (variants of our kernel's numerics, kernels.Numerics, and the
 block: positions learned, rotary or none, QK-norm); the demo leaves them at their defaults.
 """
 
@@ -23,8 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import flash_attention
-from nanolp.numerics import Numerics
+from kernels import Numerics, flash_attention
 
 ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
 POSITIONS = ("learned", "rope", "none")

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kernels import FIXES
-from nanolp.numerics import Numerics
+from kernels import FIXES, Numerics
 from model import ATTN_BACKENDS, GPT, POSITIONS, GPTConfig, implementation
 from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
@@ -171,7 +170,7 @@ def parser(preset="default"):
                       ("n_embd", "channels; each head gets n_embd / n_head"),
                       ("block_size", "context length, in characters")):
         shape.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=what + show(dim))
-    experiments = p.add_argument_group("experiments", "the attention's numerics (nanolp/numerics.py; --attn kernel "
+    experiments = p.add_argument_group("experiments", "the attention's numerics (kernels.Numerics; --attn kernel "
                                                       "or emulate only) and the model, to test the mechanism")
     for f in fields(Numerics):   # a flag per field, with the help and values it declares
         experiments.add_argument("--" + f.name.replace("_", "-"), type=f.type, choices=f.metadata["choices"],

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from nanolp.numerics import stochastic_round
+from kernels import stochastic_round
 
 ROUNDINGS = ("nearest", "stochastic", "independent")
 

@@ -19,8 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 import kernels
-from kernels import flash_attention
-from nanolp.numerics import Numerics
+from kernels import Numerics, flash_attention
 from experiments.launch_variants import tuned
 
 VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"),

@@ -3,7 +3,7 @@ its SASS for sm_90 on a machine without a GPU (results/speed/gluon_forward.md).
 
     python -m experiments.gluon_sass [--head-dim 128] [--variants sync tma ws overlap]    # no TRITON_INTERPRET
 
-For each variant at causal, fix "off" and "on": registers, spills, shared memory (nanolp/compile_gluon_sm90.py's
+For each variant at causal, fix "off" and "on": registers, spills, shared memory (experiments/compile_gluon_sm90.py's
 compile of the launch), and the kernel's SASS as a sequence of runs of the instructions that order the loop:
 HGMMA (an MMA instruction), ARRIVE (WARPGROUP.ARRIVE: MMAs issued), DEPBAR (WARPGROUP.DEPBAR: the wait for them),
 EX2 (MUFU.EX2: an exponential), BAR (BAR.SYNC: a CTA or named barrier), SYNCS (mbarrier operations), TMA (UTMALDG),
@@ -14,7 +14,7 @@ import argparse
 import re
 import tempfile
 
-from nanolp.compile_gluon_sm90 import compile_launch, launches, resources  # first: it asserts no TRITON_INTERPRET
+from experiments.compile_gluon_sm90 import compile_launch, launches, resources  # first: it asserts no TRITON_INTERPRET
 import triton
 
 EVENTS = {"HGMMA": "HGMMA", "WARPGROUP.ARRIVE": "ARRIVE", "WARPGROUP.DEPBAR": "DEPBAR", "MUFU.EX2": "EX2",

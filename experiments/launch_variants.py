@@ -16,8 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kernels
-from kernels import _bwd_dkdv_tile
-from nanolp.numerics import Numerics, amplified_v
+from kernels import Numerics, _bwd_dkdv_tile, amplified_v
 
 # Tuning, as kernels.BWD_TUNING's (docs/kernel.md, "Speed", "kernels.py's settings").
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}

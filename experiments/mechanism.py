@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from experiments.curvature import ROUNDINGS, synthetic_delta_error
 from experiments.tied import INPUTS, grad_out, mean_error, reference, tied_rows
-from nanolp.numerics import Numerics
+from kernels import Numerics
 from nanolp.emulate import emulate_attention, emulate_forward_fp32, round_bf16
 from nanolp.plots import PALETTE, save
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from nanolp.numerics import Numerics
+from kernels import Numerics
 from model import GPT, GPTConfig
 
 VOCAB, T, B, WIDTH = 32, 32, 32, 32

@@ -14,7 +14,7 @@ rows); the arm "autocast, from P, undivided" leaves out the division.
 """
 import torch
 
-from nanolp.numerics import Numerics
+from kernels import Numerics
 from nanolp import emulate
 
 

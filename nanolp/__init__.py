@@ -1,6 +1,5 @@
 """nanolp: the library that train.py, analyze.py, the experiments and the tests import (data, runs, a run's
 configuration and arm, diagnostics, the kernel's emulation, plots, the probe's tables, the CPU interpreter patch,
 the sm_90 compile check).
-It imports the top-level kernels.py and model.py (but numerics.py, the attention's experiment switches, which
-imports nothing of this project: kernels.py reads it), never train.py, analyze.py or experiments/ (the presets' values
-open train.py; the functions here that need them take them as an argument)."""
+It imports the top-level kernels.py (which imports nothing of this project) and model.py, never train.py, analyze.py
+or experiments/ (the presets' values open train.py; the functions here that need them take them as an argument)."""

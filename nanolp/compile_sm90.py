@@ -8,12 +8,12 @@ a block shape the layouts cannot take) and runs no constexpr branch it is not gi
 change would meet the compiler only on the next GPU run. The custom ops (kernels.flash_fwd_op, flash_bwd_op) run on
 CPU tensors with the GPU's tuning, the launches are recorded instead of run, and each distinct one is compiled
 as the GPU's JIT specializes it (specialize): the code that runs, not a generic version with scalar loads and
-other pipelining. At head_dim 64 the forward in every combination of causal, shift, precision and amplifier
-(causal only with an amplifier), both forms of the exponent (kernels._exp2), with and without the fp32 O kept
-beside O (KEEP_O32; causal only), and the backward in both precisions with delta from O and from P and both
-exponents; at every head_dim the plain forward, fix "on"'s forward (the shift and KEEP_O32) and the plain
-backward, the backward at a short and a long (pipelined) sequence. Each must compile to the exponent it says,
-which the interpreter would never show: a kernel that computes "fa2"'s exponent as one fused multiply-add
+other pipelining. At head_dim 64 the forward in every combination of causal, the paper's shift, precision and
+amplifier (causal only with an amplifier), both forms of the exponent (kernels._exp2), with and without the fp32
+O kept beside O (KEEP_O32; causal only), and the backward in both precisions with delta from O and from P and
+both exponents; at every head_dim the plain forward, fix "on"'s forward (KEEP_O32) and the plain backward, the
+backward at a short and a long (pipelined) sequence. Each must compile to the exponent it says, which the
+interpreter would never show: a kernel that computes "fa2"'s exponent as one fused multiply-add
 (FMA) has fma.rn in its PTX, and no other kernel has any (kernels.UNFUSED: the compiler contracts nothing itself).
 The experiments' one-pass backward: experiments/sass.py and backward_variants.py compile it.
 Compilation only: the numbers are the GPU tests' job.
@@ -58,7 +58,7 @@ def record_launches():
         setattr(kernels, name, Recorder(getattr(kernels, name), launches))
     for D in (16, 32, 64, 128):
         q = k = v = torch.zeros(1, 2, kernels.SHORT_SEQ, D, dtype=torch.bfloat16)
-        # the plain forward and fix "on"'s (the shift, and the fp32 O kept beside O: KEEP_O32)
+        # the plain forward and fix "on"'s (the fp32 O kept beside O: KEEP_O32)
         forward = [(True, "off", "fa2", (0, 0), True, "o"), (True, "on", "fa2", (0, 0), True, "fp32-o")]
         if D == 64:  # every constexpr combination: the amplifiers (P_BITS, O_BITS) with causal masking only,
             amplifiers = ((0, 0), (3, 0), (0, 2))   # the unfused exponent without them ("autocast" has its own),

@@ -30,9 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import TIE_TOL, amplified_v, stochastic_round, widening   # TIE_TOL: exp(-x) rounds to 1.0
 from nanolp.emulate import causal_scores, emulate_forward_fp32, scores
-from kernels import TIE_TOL  # TIE_TOL: exp(-x) rounds to 1.0
-from nanolp.numerics import amplified_v, stochastic_round, widening
 
 SHARP_EPS = 1e-3  # below it, delta's error from O's cast copies the dominant logit's gradient
 PROBE_LAYER = 0    # the layer that runs away

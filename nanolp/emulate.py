@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import BWD_TUNING, TILE_N, check_inputs, delta_reads, fix_constants, output_and_delta_o, qk_scale
-from nanolp.numerics import Numerics, amplified_v, round_mantissa
+from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, delta_reads, fix_constants,
+                     output_and_delta_o, qk_scale, round_mantissa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def emulate_attention(q, k, v, causal=True, fix="on", numerics=Numerics(), one_p
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch (with one_pass,
     (block_m, block_n), the one-pass backward's at those tiles, dQ as the CPU interpreter sums it)."""
     check_inputs(q, k, v, numerics)
-    shift, delta = fix != "off", delta_reads(fix, numerics)
+    shift, delta = fix == "paper", delta_reads(fix, numerics)
     v = amplified_v(v, numerics.o_bits)
     with torch.autocast(q.device.type, enabled=False):
         return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics, one_pass)
@@ -286,7 +286,7 @@ def emulate_forward_fp32(q, k, v, *, fix, causal=True, numerics=Numerics()):
     check_inputs(q, k, v, numerics)
     delta_reads(fix, numerics)   # the check of fix
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        return forward(q, k, amplified_v(v, numerics.o_bits), causal, fix != "off", numerics)[1]
+        return forward(q, k, amplified_v(v, numerics.o_bits), causal, fix == "paper", numerics)[1]
 
 
 # The float reference the kernel approximates: the scores of fp32 attention (model.py) and of the diagnostics

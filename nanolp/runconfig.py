@@ -24,15 +24,14 @@ from pathlib import Path
 
 import torch
 
-from kernels import delta_reads
-from nanolp.numerics import Numerics
+from kernels import Numerics, delta_reads
 from nanolp.runs import DAMAGED, GPT2_BLOCK, RunError, latest_checkpoint, read_json
 
 
-# The attention's numerics (nanolp.numerics.Numerics): a run holds each field as a setting of its own (a flag, a key of
+# The attention's numerics (kernels.Numerics): a run holds each field as a setting of its own (a flag, a key of
 # config.json and summary.json).
 NUMERICS = tuple(f.name for f in fields(Numerics))
-# The plain attention's numerics, which every preset shares: no experiment, the numerics as nanolp.numerics.Numerics
+# The plain attention's numerics, which every preset shares: no experiment, the numerics as kernels.Numerics
 # declares them. The presets themselves, every setting, are train.py's (PRESETS): the functions here that need
 # them take them as an argument, since nanolp never imports train.py.
 PLAIN_NUMERICS = asdict(Numerics())
@@ -86,7 +85,7 @@ def check_config(c):
     elif shape_ok and ours and c["n_embd"] // c["n_head"] not in (16, 32, 64, 128):   # the kernel's tile sizes
         problems.append(f"--attn {c['attn']} needs a head size (--n-embd / --n-head) of 16, 32, 64 or 128, "
                         f"got {c['n_embd']} / {c['n_head']} = {c['n_embd'] // c['n_head']}")
-    try:   # the kernel's own rules for its options (nanolp.numerics.Numerics, kernels.delta_reads), told in flags
+    try:   # the kernel's own rules for its options (kernels.Numerics, kernels.delta_reads), told in flags
         delta_reads(c["fix"], Numerics(**{k: c[k] for k in NUMERICS}))
     except ValueError as e:
         problems.append(in_flags(str(e)))

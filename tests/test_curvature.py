@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from experiments.curvature import rounding_variance, synthetic_delta_error
-from nanolp.numerics import stochastic_round
+from kernels import stochastic_round
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

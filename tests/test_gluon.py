@@ -14,7 +14,7 @@ import kernels
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="this Triton has no Gluon for Hopper")
 try:
-    import kernels_gluon
+    from experiments import kernels_gluon
 except (ImportError, AttributeError) as error:   # a Gluon without the API the kernels use
     pytest.skip(f"kernels_gluon does not import: {error}", allow_module_level=True)
 from experiments import gluon_check  # noqa: E402
@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU experiments.gluon_check runs them")
 def test_every_launch_compiles_for_sm90():
-    """nanolp/compile_gluon_sm90.py in a process without the interpreter (Gluon has none): exit 0 only if every
+    """experiments/compile_gluon_sm90.py in a process without the interpreter (Gluon has none): exit 0 only if every
     launch compiles with no spills, within the registers, with one fma per score and no other."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "nanolp.compile_gluon_sm90"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "experiments.compile_gluon_sm90"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if " registers, " in line]

@@ -24,7 +24,7 @@ import triton.language as tl
 import kernels
 from experiments.launch_variants import tuned
 from nanolp import emulate
-from nanolp.numerics import Numerics, round_mantissa
+from kernels import Numerics, round_mantissa
 
 INTERPRETED = kernels.INTERPRET
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -92,14 +92,14 @@ SHAPES = [(1, 2, 130, 64), (2, 1, 1, 16), (1, 3, 77, 32), (1, 1, 200, 128), (1, 
 @requires_interpreter
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
-@pytest.mark.parametrize("fix", ["off", "on"])
+@pytest.mark.parametrize("fix", ["off", "paper"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisoned):
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
     o, lse, _ = kernels.forward(q, k, v, causal=causal, fix=fix, numerics=Numerics(precision=precision), delta="o")
-    o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix != "off", Numerics(precision=precision))
+    o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix == "paper", Numerics(precision=precision))
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
 
@@ -109,10 +109,10 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
 def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     """With 128-row query tiles (the GPU's) some rows meet key tiles that are fully masked for them."""
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
-    for fix in ("off", "on"):
+    for fix in ("off", "paper"):
         with tuned(fwd={64: (128, 4, 1)}):
             o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=Numerics(precision=precision), delta="o")
-        o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix != "off", Numerics(precision=precision))
+        o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix == "paper", Numerics(precision=precision))
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
 
 
@@ -136,7 +136,7 @@ def test_forward_candidate_settings_keep_the_bits_and_leave_the_tuning():
 
 @requires_interpreter
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
-@pytest.mark.parametrize("fix", ["off", "on"])
+@pytest.mark.parametrize("fix", ["off", "paper"])
 @pytest.mark.parametrize("amplify", ["p", "vo"])
 def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     """The amplifier (P rounded to 3 mantissa bits before P V, as in FP8 e4m3 attention; or O before its store)
@@ -145,12 +145,12 @@ def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     k[..., 7, :] = k[..., 9, :]
     numerics = Numerics(precision=precision, mantissa_bits=3, amplify=amplify)
     o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="o")
-    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix != "off", numerics)
+    o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix == "paper", numerics)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
-    o_bf16, _, _ = emulate.forward(q, k, v, True, fix != "off", Numerics(precision=precision))
+    o_bf16, _, _ = emulate.forward(q, k, v, True, fix == "paper", Numerics(precision=precision))
     assert not torch.equal(o, o_bf16), "the amplifier must change the result"
     o32 = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="fp32-o").o_delta
-    assert torch.equal(o32, emulate.forward(q, k, v, True, fix != "off", numerics)[1])
+    assert torch.equal(o32, emulate.forward(q, k, v, True, fix == "paper", numerics)[1])
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_gradients_every_tuning_setting(N, D, poisoned):
 
 
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
-@pytest.mark.parametrize("fix", ["off", "on"])
+@pytest.mark.parametrize("fix", ["off", "on", "paper"])
 def test_gradients_precision_modes(precision, fix):
     q, k, v = (rand((1, 2, 96, 64), scale=s) for s in (2.0, 1.0, 1.0))
     check_against_float64(q, k, v, True, Numerics(precision=precision), fix)
@@ -282,7 +282,7 @@ def test_gradients_autocast_large_logits(precision):
     q, k, v = rand((1, 2, 128, 64), scale=1.0), rand((1, 2, 128, 64)), rand((1, 2, 128, 64))
     q = q * (300 / (q @ k.transpose(-1, -2) / 8).amax())
     q = q.to(torch.bfloat16)
-    for fix in ("off", "on"):
+    for fix in ("off", "on", "paper"):
         check_against_float64(q, k, v, True, Numerics(precision=precision), fix, autocast=True)
 
 
@@ -331,7 +331,7 @@ def test_runaway_logits(logit, exponent):
     half_ulp = 2.0 ** (math.floor(math.log2(logit * 1.01 * kernels.LOG2E)) - 24)
     p_ref = reference_probs(q.double(), k.double(), True)
     dv_bound = (2.0 ** half_ulp - 1) * (p_ref.transpose(-1, -2) @ do.double().abs()) + 1e-2 * ref_inputs[2].grad.abs().max()
-    for fix in ("off", "on"):
+    for fix in ("off", "on", "paper"):
         for keys, values, exact in ((k, v, True), (tied_k, tied_v, False)):
             inputs = [t.clone().requires_grad_() for t in (q, keys, values)]
             o = kernels.flash_attention(*inputs, causal=True, fix=fix, numerics=Numerics(exponent=exponent))
@@ -392,7 +392,7 @@ def test_fma_rounds_once():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("fix", ["off", "on"])
+@pytest.mark.parametrize("fix", ["off", "on", "paper"])
 def test_both_exponents_bitwise_equal_emulation(fix, poisoned):
     """Both forms of the exponent (kernels._exp2), forward and backward, bit for bit; with rows at logits ~1e6,
     where the fused form's P_max = 2^residue (up to 2^(1/16)), the two forms give different O, lse and dV."""
@@ -402,7 +402,7 @@ def test_both_exponents_bitwise_equal_emulation(fix, poisoned):
     for exponent in ("fma", "torch"):
         numerics = Numerics(exponent=exponent)
         o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="o")
-        o_want, _, lse_want = emulate.forward(q, k, v, True, fix != "off", numerics)
+        o_want, _, lse_want = emulate.forward(q, k, v, True, fix == "paper", numerics)
         assert torch.equal(o.view(torch.int16), o_want.view(torch.int16)) and torch.equal(lse, lse_want), exponent
         ours = grads(kernels.flash_attention, q, k, v, do, fix=fix, numerics=numerics)
         want = grads(emulate.emulate_attention, q, k, v, do, fix=fix, numerics=numerics)
@@ -426,11 +426,13 @@ def test_delta_controls_against_float64(delta_from):
 
 
 def test_delta_from_the_fp32_o_returns_the_plain_forward_in_q_layout():
-    """delta from the fp32 O (fix "on", or delta "fp32-o" alone) changes only what the backward reads: the O
-    returned is the one without it, bit for bit, in q's dtype and layout; and so is O with delta "stochastic-o"."""
+    """delta from the fp32 O (fix "on", or delta "fp32-o" with fix "off" or "paper") changes only what the backward
+    reads: the O returned is the one without it, bit for bit, in q's dtype and layout; and so is O with delta
+    "stochastic-o"."""
     q, k, v = (rand((1, 37, 2, 32), seed=s).transpose(1, 2) for s in range(3))   # heads inside the sequence
-    off = dict(fix="off")
-    for plain, options in ((dict(fix="paper"), dict(fix="on")), (off, dict(off, numerics=Numerics(delta="fp32-o"))),
+    off, paper = dict(fix="off"), dict(fix="paper")
+    for plain, options in ((off, dict(fix="on")), (off, dict(off, numerics=Numerics(delta="fp32-o"))),
+                           (paper, dict(paper, numerics=Numerics(delta="fp32-o"))),
                            (off, dict(off, numerics=Numerics(delta="stochastic-o")))):
         want = kernels.flash_attention(q, k, v, **plain)
         o = kernels.flash_attention(q, k, v, **options)
@@ -443,8 +445,9 @@ def test_delta_from_the_fp32_o_returns_the_plain_forward_in_q_layout():
 def test_fix_on_stores_o_and_its_fp32_o_from_one_epilogue(seq_major, precision, poisoned, monkeypatch):
     """With fix "on" the forward's epilogue stores the fp32 O beside O (KEEP_O32), both in q's layout with the
     same strides: O is the fp32 O it keeps rounded to nearest even, element for element (what the host's cast of
-    it gave), and both are the emulation's bits; O is also the O of the kernel that keeps no fp32 O (fix "paper",
-    the same shift), and fix "off"'s in every row that the shift leaves alone."""
+    it gave), and both are the emulation's bits; O and lse are fix "off"'s. With the paper's rule too (fix
+    "paper", delta "fp32-o") O is the O of the kernel that keeps no fp32 O (fix "paper"), and fix "off"'s in every
+    row that the shift leaves alone."""
     def inputs(seed, scale=1.0):
         if seq_major:                                            # heads inside the sequence, as model.py's
             return rand((1, 130, 2, 64), scale=scale, seed=seed).transpose(1, 2)
@@ -452,7 +455,12 @@ def test_fix_on_stores_o_and_its_fp32_o_from_one_epilogue(seq_major, precision, 
     q, k, v = inputs(0, 2.0), inputs(1), inputs(2)
     k[..., 7, :] = k[..., 3, :]                                  # exact ties: rows that the shift moves
     numerics = Numerics(precision=precision)
+    off = kernels.forward(q, k, v, fix="off", numerics=numerics)
     o, lse, o32 = kernels.forward(q, k, v, fix="on", numerics=numerics)
+    assert torch.equal(o.view(torch.int16), off.o.view(torch.int16)) and torch.equal(lse, off.lse)
+    o_want, o32_want, _ = emulate.forward(q, k, v, True, False, numerics)
+    assert torch.equal(o.view(torch.int16), o_want.view(torch.int16)) and torch.equal(o32, o32_want)
+    o, lse, o32 = kernels.forward(q, k, v, fix="paper", numerics=replace(numerics, delta="fp32-o"))
     assert o.dtype == q.dtype and o32.dtype == torch.float32
     assert o32.stride() == o.stride() == kernels.empty_in_layout_of(q).stride()
     assert torch.equal(o.view(torch.int16), o32.to(q.dtype).view(torch.int16)), "O is not the fp32 O's cast"
@@ -469,12 +477,12 @@ def test_fix_on_stores_o_and_its_fp32_o_from_one_epilogue(seq_major, precision, 
     assert torch.equal(o32, o32_want), "the fp32 O differs from the emulation's"
     paper = kernels.forward(q, k, v, fix="paper", numerics=numerics)
     assert paper.o_delta.numel() == 0 and torch.equal(paper.o, o) and torch.equal(paper.lse, lse)
-    off = kernels.forward(q, k, v, fix="off", numerics=numerics)
     assert moved.any() and not moved.all()
     assert torch.equal(off.o[~moved], o[~moved]) and torch.equal(off.lse[~moved], lse[~moved])
 
 
-OPTIONS = {"fix": ("on", {}), "paper rule": ("paper", {}), "SR forward": ("off", dict(stochastic_o="forward")),
+OPTIONS = {"fix": ("on", {}), "paper rule": ("paper", {}), "paper rule and fix": ("paper", dict(delta="fp32-o")),
+           "SR forward": ("off", dict(stochastic_o="forward")),
            "SR delta": ("off", dict(delta="stochastic-o")),
            "SR forward, fp32 delta": ("off", dict(stochastic_o="forward", delta="fp32-o"))}
 
@@ -483,7 +491,7 @@ OPTIONS = {"fix": ("on", {}), "paper rule": ("paper", {}), "SR forward": ("off",
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_fix_and_stochastic_rounding_bitwise_equal_emulation(option, precision, poisoned):
-    """O and the gradients of the complete fix, the paper's rule alone and the stochastic-rounding experiments, bit
+    """O and the gradients of the fix, the paper's rule, the two together and the stochastic-rounding experiments, bit
     for bit against the emulation (the stochastic roundings drawn from the same seeded generator)."""
     q, k, v, do = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 3, :]                                   # exact ties, so the shift has work to do
@@ -516,24 +524,26 @@ def test_stochastic_forward_rounds_o_unbiased_within_one_step():
 
 
 # -------------------------------------------------------------------------------------------------------
-# The fix: exact in real arithmetic, robust at the edges
+# The fix and the paper's rule: exact in real arithmetic, robust at the edges
 
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
-def test_fix_changes_only_rounding(precision):
+def test_paper_rule_changes_only_rounding(precision):
+    """The paper's shift is exact in real arithmetic: its O is fix "off"'s up to rounding; the fix's O is fix
+    "off"'s, bit for bit."""
     q, k, v = (rand((2, 2, 150, 64)) for _ in range(3))
     k[..., 10, :] = k[..., 20, :]
-    o_off = kernels.flash_attention(q, k, v, fix="off", numerics=Numerics(precision=precision))
-    o_on = kernels.flash_attention(q, k, v, fix="on", numerics=Numerics(precision=precision))
+    o_off, o_on, o_paper = (kernels.flash_attention(q, k, v, fix=fix, numerics=Numerics(precision=precision))
+                            for fix in ("off", "on", "paper"))
     ref, _ = reference(q, k, v, True)
-    assert rel(o_on, o_off) < 2 * max(rel(o_off, ref), rel(o_on, ref)) + 1e-6
-    assert rel(o_on, ref) < (2e-2 if precision == "autocast" else 5e-3)
+    assert rel(o_paper, o_off) < 2 * max(rel(o_off, ref), rel(o_paper, ref)) + 1e-6
+    assert rel(o_paper, ref) < (2e-2 if precision == "autocast" else 5e-3)
+    assert torch.equal(o_on, o_off)
 
 
 def test_the_fix_is_on_by_default():
-    """flash_attention is a drop-in that trains through: without a fix argument it runs the complete fix (fix
-    "on": O and the gradients, bit for bit), not plain FlashAttention-2; and so does its emulation."""
+    """flash_attention is a drop-in that trains through: without a fix argument it runs the fix (fix "on": O and
+    the gradients, bit for bit), not plain FlashAttention-2; and so does its emulation."""
     q, k, v, do = (rand((1, 2, 100, 64)) for _ in range(4))
-    k[..., 7, :] = k[..., 3, :]                                   # exact ties, so the shift has work to do
     for attention in (kernels.flash_attention, emulate.emulate_attention):
         on, off, default = (grads(attention, q, k, v, do, **fix) for fix in (dict(fix="on"), dict(fix="off"), {}))
         assert all(torch.equal(a, b) for a, b in zip(default, on)), attention.__name__
@@ -560,13 +570,13 @@ def structured(logit, n_tied, n=130, d=64, all_equal=False):
 
 @pytest.mark.parametrize("logit", [1e4, 300.0, 90.0, 1.0, 1e-3, 0.0, -1e-3, -90.0, -300.0, -1e4])
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
-def test_fix_adversarial_ties(logit, precision, poisoned):
-    """Tied maxima at large and tiny logits of both signs, and all-equal rows: finite and close to float64.
-    (The official rule, beta * max, gives 0/0 once a tied max passes ~87 nats.)"""
+def test_paper_rule_adversarial_ties(logit, precision, poisoned):
+    """The paper's rule at tied maxima of large and tiny logits of both signs, and all-equal rows: finite and close
+    to float64. (The official rule, beta * max, gives 0/0 once a tied max passes ~87 nats.)"""
     for n_tied, all_equal in ((2, False), (7, False), (130, True)):
         q, k, v = structured(logit, n_tied, all_equal=all_equal)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        o = kernels.flash_attention(q, k, v, causal=False, fix="on", numerics=Numerics(precision=precision))
+        o = kernels.flash_attention(q, k, v, causal=False, fix="paper", numerics=Numerics(precision=precision))
         o.backward(torch.ones_like(o))
         assert all(torch.isfinite(t).all() for t in (o, q.grad, k.grad, v.grad)), (logit, n_tied)
         ref, _ = reference(q, k, v, False)
@@ -574,7 +584,7 @@ def test_fix_adversarial_ties(logit, precision, poisoned):
 
 
 @requires_interpreter
-def test_fix_shift_stays_in_range_and_value_dependent():
+def test_paper_rule_shift_stays_in_range_and_value_dependent():
     """The shift d = m' - r lies in [2^-6, 64) nats for every tied max, and depends on the max; a tile's max tied
     with an earlier tile's (t) counts as a tie, one 1 nat apart does not, and a fully masked tile is left alone."""
     shift = lambda S, r, t: emulate.shifted_max(S, r, t, kernels.fix_constants("autocast"))  # noqa: E731
@@ -821,3 +831,41 @@ def test_torch_compile_traces_through_the_op(amplify, delta):
     assert torch.equal(o, o_eager)
     for a, b in zip((q, k, v), eager):
         assert torch.equal(a.grad, b.grad)
+
+
+# -------------------------------------------------------------------------------------------------------
+# The single file
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter run is the CPU's; a GPU runs kernels.py in every test")
+def test_kernels_py_runs_copied_alone(tmp_path):
+    """kernels.py imports only the standard library, torch and triton: copied alone into an empty folder it runs a
+    forward and a backward (under the interpreter, patched by nanolp/interp_patch.py loaded from its path, so that
+    nothing of the project is importable there) and gives this checkout's bits."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "kernels.py").write_bytes((root / "kernels.py").read_bytes())
+    script = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("patch", {str(root / "nanolp" / "interp_patch.py")!r})
+patch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(patch)
+patch.apply()
+import torch
+import kernels
+assert not any(name.split(".")[0] in ("nanolp", "model", "experiments") for name in sys.modules), sorted(sys.modules)
+g = torch.Generator().manual_seed(0)
+q, k, v, do = (torch.randn(1, 2, 70, 32, generator=g).bfloat16() for _ in range(4))
+q, k, v = (t.requires_grad_() for t in (q, k, v))
+o = kernels.flash_attention(q, k, v, causal=True)
+o.backward(do)
+torch.save([t.detach() for t in (o, q.grad, k.grad, v.grad)], "out.pt")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 70, 32, generator=g).bfloat16() for _ in range(4))
+    want = (kernels.flash_attention(q, k, v), *grads(kernels.flash_attention, q, k, v, do))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -8,7 +8,7 @@ import torch
 import kernels
 from experiments import launch_variants
 from experiments.launch_variants import ONE_PASS_TUNING, one_pass_attention
-from nanolp.numerics import Numerics
+from kernels import Numerics
 from nanolp import emulate
 from tests.test_kernels import (DELTAS, INTERPRETED, check_against_float64, check_keeps_layout, grads,  # noqa: F401
                                 poisoned, rand, requires_interpreter, _seed_inputs)

@@ -58,7 +58,7 @@ from experiments import mechanism
 from experiments.tied import grad_out, mean_error, reference, tied_rows
 from nanolp import emulate
 from nanolp.diagnostics import bf16_step
-from nanolp.numerics import Numerics, amplified_v
+from kernels import Numerics, amplified_v
 
 ROWS = 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,7 +84,7 @@ def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys
                         delta="o").o
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
-        want = emulate.forward(q, k, v, False, fix != "off", numerics)[0]
+        want = emulate.forward(q, k, v, False, fix == "paper", numerics)[0]
         assert torch.equal(o, want)
     tied = slice(0, q.shape[-1])            # the tied rows (n_keys > head_dim pads q with zero rows)
     o, o64, do = o[..., tied, :].double(), reference(q, k, v)[..., tied, :], do[..., tied, :].double()

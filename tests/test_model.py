@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from nanolp.numerics import Numerics
+from kernels import Numerics
 from model import GPT, GPTConfig, attention, reference_attention
 from torch.utils.flop_counter import FlopCounterMode
 

@@ -1,9 +1,9 @@
-"""nanolp/numerics.py: the experiments' switches refuse what they do not take, and the host-side roundings round
+"""kernels.py's appendix (Numerics): the experiments' switches refuse what they do not take, and the host-side roundings round
 as they say."""
 import pytest
 import torch
 
-from nanolp.numerics import Numerics, round_mantissa
+from kernels import Numerics, round_mantissa
 
 
 def test_bad_numerics_refused():

@@ -20,7 +20,7 @@ import triton
 
 import model
 import train
-from nanolp.numerics import Numerics
+from kernels import Numerics
 from nanolp import data, runconfig, runs
 from nanolp.diagnostics import diag_columns
 

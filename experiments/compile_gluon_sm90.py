@@ -3,7 +3,7 @@ machine without a GPU (Gluon has no CPU interpreter), and check what nanolp/comp
 it compiles; no spills; registers within the budget of one CTA of 8 warps per SM; the only contracted fma in the
 PTX is the exponent's (one fma.rn per score: kernels._exp2).
 
-    python -m nanolp.compile_gluon_sm90 [--sass DIR]    # without TRITON_INTERPRET; DIR: each cubin's SASS
+    python -m experiments.compile_gluon_sm90 [--sass DIR]    # without TRITON_INTERPRET; DIR: each cubin's SASS
 
 The launches: each variant at head_dim 64 and 128, causal and not, fix "off" and "on" (the shift and the fp32
 O), at a sequence length that is not a multiple of the tiles (masked last tiles).
@@ -22,7 +22,7 @@ import triton
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from nanolp.compile_sm90 import TARGET, Recorder, specialize  # first: it asserts no TRITON_INTERPRET
-import kernels_gluon  # noqa: E402
+from experiments import kernels_gluon  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MAX_REGS = 255                 # the most ptxas gives a thread; more spills (checked as spills below)

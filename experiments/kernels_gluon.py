@@ -1,13 +1,13 @@
 """The forward of kernels.py in Gluon for Hopper (sm_90): the same algorithm, the same fix, written with the
 pieces Triton's compiler does not let kernels.py place itself (shared memory, warpgroup MMAs, TMA, mbarriers).
 
-    from kernels_gluon import forward
+    from experiments.kernels_gluon import forward
     o, lse, o32 = forward(q, k, v, causal=True, fix="on")      # CUDA sm_90; head_dim 64 or 128; bf16/fp16
 
 kernels.py is the specification: each stage below names the piece of kernels.py it implements. Outputs are
 kernels.forward's: O in q's dtype and layout, lse in fp32 (log2 units: m + log2 l, "fa2" precision), and with
-fix="on" the fp32 O before its final cast (THE FIX's forward half, KEEP_O32); "fa2" numerics only (the
-production rounding: the exponent one fma, no amplifier).
+fix="on" the fp32 O before its final cast (THE FIX's store, KEEP_O32; fix="paper": the paper's rule); "fa2"
+numerics only (the production rounding: the exponent one fma, no amplifier).
 
 Four variants (VARIANTS), each one program per 128 query rows (two warpgroups of 64), key tiles of 64:
     "sync": K and V read by plain loads into shared memory; each warpgroup MMA waited on at once. The likely-correct
@@ -19,7 +19,7 @@ Four variants (VARIANTS), each one program per 128 query rows (two warpgroups of
     "overlap": "ws" with the consumer warpgroups taking turns on the tensor cores (FlashAttention-3's ping-pong),
             each handing the turn over once its MMAs are issued, S waited for apart from the P V MMA, and a
             four-slot K/V ring.
-Without a GPU the kernels compile for sm_90 (nanolp/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
+Without a GPU the kernels compile for sm_90 (experiments/compile_gluon_sm90.py); Triton's interpreter cannot run Gluon.
 Not in flash_attention's path: at head_dim 128, seq 4k-16k, no variant passed 1.15x kernels.py's forward, short
 of the 15% that a Gluon backward would need to be worth it (docs/kernel.md, "Speed").
 """
@@ -32,8 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import TILE_N, UNFUSED, check_inputs, empty_in_layout_of, fix_constants, qk_scale, delta_reads
-from nanolp.numerics import Numerics
+from kernels import Numerics, TILE_N, UNFUSED, check_inputs, delta_reads, empty_in_layout_of, fix_constants, qk_scale
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
@@ -581,7 +580,7 @@ def check(q, k, v, causal, fix, variant):
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    shift, delta = fix != "off", delta_reads(fix, Numerics())
+    shift, delta = fix == "paper", delta_reads(fix, Numerics())
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
     if variant != "sync":   # TMA reads 16-byte aligned rows
