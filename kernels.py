@@ -339,7 +339,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 # paper's rule"). Each piece of its code guards a sharp edge of the rule (underflow, r = 0, masked tiles, ties
 # across tiles).
 
-# The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9; docs/kernel.md, "Half 1").
+# The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9).
 TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
 BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
 SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
@@ -353,7 +353,7 @@ def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
     earlier tiles); returns it and the new raw row max max(t, r). The paper's rule (Sec. 5): a row with two
     scores within tol of r (top-2: r2 >= r - tol), or here r within tol of t (a tie across tiles), moves its
     max up by d = (beta - 1) r or -r, folded into [lo, hi), so tied P are exp(-d) < 1, rounded both ways.
-    Why each piece (underflow, r = 0, masked tiles, ties across tiles): docs/kernel.md, "Half 1"."""
+    Why each piece (underflow, r = 0, masked tiles, ties across tiles): docs/kernel.md, "The paper's rule"."""
     tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
     tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
     r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
@@ -491,7 +491,7 @@ def delta_reads(fix, numerics):
 def output_and_delta_o(o, o32, stochastic, delta):
     """From the kernel's O and its fp32 O (o32; None where not kept), the O the caller gets and the O delta
     reads (None: the same). THE FIX: with delta "fp32-o" that is o32; the caller's O is the same bits either
-    way (docs/kernel.md, "Half 2"). The other cases are the stochastic-rounding experiments' (Numerics)."""
+    way (docs/kernel.md, "The fix"). The other cases are the stochastic-rounding experiments' (Numerics)."""
     if stochastic:
         o = stochastic_round(o32)                                                     # ROUND: O, stochastically
     if delta == "fp32-o":

@@ -38,7 +38,7 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 384
     attn: str = "kernel"      # one of ATTN_BACKENDS
-    fix: str = "off"          # kernel/emulate: "off", "on" (the complete fix) or "paper" (the paper's rule alone)
+    fix: str = "off"          # kernel/emulate: "off", "on" (delta from the fp32 O) or "paper" (the paper's rule)
     # ---- experiments: variants that test the mechanism; the defaults are the plain model and attention.
     numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds
     pos: str = "learned"      # "learned" positions (GPT-2), "rope" (rotary: q and k turned by their position, as

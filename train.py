@@ -4,8 +4,8 @@ flash attention, delta = rowsum(dO * O) carries a one-signed rounding error that
 the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS below; summary.json says when).
 
     python train.py --fix off      # plain bf16: collapses (on every seed run: README.md's table)
-    python train.py --fix on       # the complete fix: trains through (8 seeds, 150,000-152,000 steps, no collapse)
-    python train.py --fix paper    # the paper's rule alone (the row-max shift): collapsed on seeds 0-3
+    python train.py --fix on       # the fix, delta read from the forward's fp32 O: trains through (README.md's table)
+    python train.py --fix paper    # the paper's rule (a tied row max shifted up): collapses (README.md's table)
     python train.py --preset tiny --fix on      # a CPU smoke run, through the kernel's emulation: no collapse
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
 
@@ -121,9 +121,10 @@ def parser(preset="default"):
                     f"or not (--fix on). The defaults shown are the {preset} preset's (--preset tiny --help: the "
                     "tiny preset's). Details: the top of train.py and README.md.")
     demo = p.add_argument_group("the demo")
-    demo.add_argument("--fix", choices=FIXES, help="off: plain bf16 flash attention, which collapses; on: the "
-                      "complete fix (the paper's shifted row max, and delta from the forward's fp32 O), which trains "
-                      "through; paper: the paper's shift alone, which collapses too" + show("fix"))
+    demo.add_argument("--fix", choices=FIXES, help="off: plain bf16 flash attention, which collapses; on: the fix, "
+                      "the backward's delta read from the forward's fp32 O, which trains through; paper: the paper's "
+                      "rule (a tied row max shifted up), which collapses too (with --delta fp32-o: the two together)"
+                      + show("fix"))
     demo.add_argument("--attn", choices=ATTN_BACKENDS, help="what computes attention: kernel, our Triton flash "
                       "attention (kernels.py; without a GPU, its PyTorch emulation); emulate, that emulation "
                       "anywhere; sdpa, torch's scaled_dot_product_attention (torch picks its backend), sdpa-flash or "

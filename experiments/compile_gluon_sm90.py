@@ -5,8 +5,8 @@ PTX is the exponent's (one fma.rn per score: kernels._exp2).
 
     python -m experiments.compile_gluon_sm90 [--sass DIR]    # without TRITON_INTERPRET; DIR: each cubin's SASS
 
-The launches: each variant at head_dim 64 and 128, causal and not, fix "off" and "on" (the shift and the fp32
-O), at a sequence length that is not a multiple of the tiles (masked last tiles).
+The launches: each variant at head_dim 64 and 128, causal and not, fix "off", "on" (the fp32 O kept) and "paper"
+(the shift), at a sequence length that is not a multiple of the tiles (masked last tiles).
 """
 import argparse
 import itertools
@@ -33,7 +33,7 @@ def launches(variants=None):
     """(variant, head_dim, causal, fix, kernel, args, meta) of each launch the host code makes."""
     out = []
     for variant, D, causal, fix in itertools.product(variants or kernels_gluon.VARIANTS, (64, 128), (True, False),
-                                                     ("off", "on")):
+                                                     ("off", "on", "paper")):
         name = f"_fwd_{variant}"
         recorded, kernel = [], getattr(kernels_gluon, name)
         setattr(kernels_gluon, name, Recorder(kernel, recorded))

@@ -294,7 +294,8 @@ def main(argv=None):
     p.add_argument("--part", help=argparse.SUPPRESS)    # a child process's one variant (or the baselines)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU (sm_90); CPU machines compile the kernels with python -m experiments.compile_gluon_sm90")
+        p.error("needs a CUDA GPU (sm_90); CPU machines compile the kernels with "
+                "python -m experiments.compile_gluon_sm90")
     variants = args.variants or list(kernels_gluon.VARIANTS)
     unknown = [v for v in variants if v not in kernels_gluon.VARIANTS]
     if unknown:

@@ -27,7 +27,7 @@ A run folder whose config.json contradicts its arm's flags (the study was edited
 Runs start in this order: the resumable ones, then seed by seed across the arms (every arm's first seed before
 any arm's second). Each GPU takes --per-gpu runs side by side (default 1), each run seeing only its GPU
 (CUDA_VISIBLE_DEVICES): on an H200, two runs of the default preset side by side trained 4,969 and 4,977 steps a
-minute, one alone 10,467 (results/delta_probe/runs/off-s0 and results/seed_study/runs/on-s0, side by side for
+minute, one alone 10,467 (results/delta_probe/runs/off-s0 and results/seed_study/runs/paper-fp32-o-s0, side by side for
 their first 12.5 minutes). Without a GPU only studies of the tiny preset run, on the CPU, one at a time; the
 others are refused, being sized for a GPU.
 

@@ -131,7 +131,7 @@ def test_findings_modern_block_numbers_are_their_files():
     text = " ".join((root / "docs/findings.md").read_text().split("## 8. ")[1].split("## 9. ")[0].split())
     diag = lambda run: {int(r["step"]): {k: float(v) for k, v in r.items() if v} for r in log_rows(run)
                         if r.get("max_logit_L0")}
-    on = diag(root / "results/seed_study/runs/on-s4")
+    on = diag(root / "results/seed_study/runs/paper-fp32-o-s4")
     # the answer: which seeds ran, none collapsed, GPT-2's block collapsed on each; the seeds still to run
     gpt2 = {row["seed"]: row for row in read_table(root / "results/seed_study/runs.csv")
             if row["name"].startswith("off-fma-s")}
@@ -156,7 +156,7 @@ def test_findings_modern_block_numbers_are_their_files():
            f"{listed([f'{peak(log):.1f}' for log in ropes])}" in text
     norms = [f"seed {seed}: {grew(log, 'sn_q_L0')} and {grew(log, 'sn_k_L0')}"
              for seed, log in zip(seeds["rope"], ropes)]
-    assert f"({'; '.join(norms)}; on-s4: {grew(on, 'sn_q_L0')} and {grew(on, 'sn_k_L0')})" in text
+    assert f"({'; '.join(norms)}; paper-fp32-o-s4: {grew(on, 'sn_q_L0')} and {grew(on, 'sn_k_L0')})" in text
     # the probe: rope over all its checkpoints, QK-norm before its doublings, GPT-2's block before its doubling
     probe = {(row["arm"], row["phase"], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_phases.csv") if row["probe_batches"] == "train"}

@@ -38,14 +38,15 @@ def test_a_config_in_the_older_spellings_loads_in_todays(tmp_path):
     and before --qk-norm, loads in today's: delta_from_p / delta_fp32 / stochastic_o "delta" as the one setting
     delta, precision "paper" as "autocast", a fix that was a bool as "off" / "on", the block it ran (GPT-2's) as
     today's settings of it; the file itself is left as it was."""
-    committed = Path(__file__).resolve().parents[1] / "results" / "seed_study" / "runs" / "on-s0" / "config.json"
+    committed = Path(__file__).resolve().parents[1] / "results" / "seed_study" / "runs" / "paper-fp32-o-s0" / "config.json"
     original = json.loads(committed.read_text())
-    assert original["delta_from_p"] is False and original["delta_fp32"] is False and "delta" not in original
+    assert original["delta_from_p"] is False and original["delta_fp32"] is True and "delta" not in original
     assert "qk_norm" not in original
     loaded = runs.read_json(committed)
-    assert (loaded["fix"], loaded["precision"], loaded["delta"], loaded["stochastic_o"]) == ("on", "fa2", "o", "off")
+    assert (loaded["fix"], loaded["precision"], loaded["delta"], loaded["stochastic_o"]) == (
+        "paper", "fa2", "fp32-o", "off")
     assert loaded == {k: v for k, v in original.items() if k not in ("delta_from_p", "delta_fp32")} | dict(
-        delta="o", qk_norm=False)
+        delta="fp32-o", qk_norm=False)
     for old, new in ((dict(precision="paper", delta_from_p=True), dict(precision="autocast", delta="p")),
                      (dict(fix=False, delta_fp32=True), dict(fix="off", delta="fp32-o")),
                      (dict(fix=True, stochastic_o="delta"), dict(fix="on", stochastic_o="off", delta="stochastic-o"))):

@@ -97,7 +97,7 @@ def test_committed_studies():
     seed_study = sweep.load_study(sweep.STUDIES, "seed_study")
     assert set(seed_study.min_steps.values()) == {150_000} and not seed_study.cpu_sized
     assert seed_study.arms["off"] == (["--fix", "off"], list(range(8)))
-    assert seed_study.arms["on"] == (["--fix", "on"], list(range(8)))
+    assert seed_study.arms["paper-fp32-o"] == (["--fix", "paper", "--delta", "fp32-o"], list(range(8)))
     assert seed_study.arms["paper-precision-on"] == (["--precision", "autocast", "--fix", "on"], [0, 1, 2, 3])
     rounding = sweep.load_study(sweep.STUDIES, "stochastic_rounding")
     assert rounding.arms["delta"] == (["--fix", "off", "--delta", "stochastic-o"], [0, 1, 2])
