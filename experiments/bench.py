@@ -4,6 +4,7 @@ side in one run.
 
     python -m experiments.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
     python -m experiments.bench --table results/speed/bench.csv    # README's speed table, from the CSV (CPU)
+    python -m experiments.bench --cost results/speed/bench.csv     # the fix's cost over fix off, every shape (CPU)
 
 bf16, causal; batch x heads sized so every shape holds 16k tokens x 2048 channels (fills an H200); median of
 repeated timings (triton.testing.do_bench); TFLOP/s count the causal half only (4 B H N^2 D / 2 forward,
@@ -80,15 +81,29 @@ def speed_table(path):
     return lines
 
 
+def fix_cost_table(path):
+    """The markdown lines of the fix's cost: fix "on"'s forward+backward time over fix "off"'s, minus 1, in per cent,
+    per head_dim (rows) and sequence length (columns), from a bench CSV."""
+    with open(path, newline="") as f:
+        ms = {(r["impl"], int(r["head_dim"]), int(r["seq"])): float(r["fwd_bwd_ms"]) for r in csv.DictReader(f)}
+    seqs = sorted({N for impl, _, N in ms if impl == "ours_fix"})
+    lines = ["| head_dim | " + " | ".join(f"{N:,}" for N in seqs) + " |", "|---" * (len(seqs) + 1) + "|"]
+    for D in sorted({D for impl, D, _ in ms if impl == "ours_fix"}):
+        cells = [f"{100 * (ms['ours_fix', D, N] / ms['ours', D, N] - 1):+.1f}%" for N in seqs]
+        lines.append(f"| {D} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--out", default="results/speed/bench.csv")
     p.add_argument("--table", metavar="CSV", help="print README's speed table from a bench CSV instead of timing")
+    p.add_argument("--cost", metavar="CSV", help="print the fix's cost over fix off from a bench CSV instead of timing")
     args = p.parse_args(argv)
-    if args.table:
-        print("\n".join(speed_table(args.table)))
+    if args.table or args.cost:
+        print("\n".join(speed_table(args.table) if args.table else fix_cost_table(args.cost)))
         return
     rows = []
     for D in args.head_dims:

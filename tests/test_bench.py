@@ -12,3 +12,13 @@ def test_readme_speed_table_is_the_benchmarks():
     assert begin in text, "README.md has lost its speed table's marker"
     lines = text.split(begin, 1)[1].split("<!-- end of speed -->", 1)[0].strip().splitlines()
     assert lines == bench.speed_table(ROOT / "results" / "speed" / "bench.csv")
+
+
+def test_fix_cost_table_is_fix_on_over_fix_off(tmp_path):
+    rows = [("ours", 64, 256, 1.0), ("ours_fix", 64, 256, 1.03), ("ours", 64, 4096, 2.0), ("ours_fix", 64, 4096, 1.9),
+            ("ours", 128, 256, 4.0), ("ours_fix", 128, 256, 5.0), ("ours", 128, 4096, 1.0), ("ours_fix", 128, 4096, 1.0),
+            ("sdpa_cudnn", 64, 256, 0.5)]
+    path = tmp_path / "bench.csv"
+    path.write_text("impl,head_dim,seq,fwd_bwd_ms\n" + "".join(f"{i},{d},{n},{t}\n" for i, d, n, t in rows))
+    assert bench.fix_cost_table(path) == ["| head_dim | 256 | 4,096 |", "|---|---|---|",
+                                          "| 64 | +3.0% | -5.0% |", "| 128 | +25.0% | +0.0% |"]

@@ -39,8 +39,8 @@ def test_readme_table_is_one_row_per_command_of_the_kernel_as_it_ships():
     rows = read_table(root / "results/seed_study/runs.csv")
     lines = analyze.shipped_table(analyze.table_rows([root / "results/seed_study/runs.csv"]))
     commands = [line.split(" | ")[0].strip("|` ") for line in lines[2:] if line.startswith("| `")]
-    assert commands == ["python train.py --fix off", "python train.py --fix on", "python train.py --fix paper",
-                        "python train.py --attn fp32"]
+    assert commands == ["python train.py --fix off", "python train.py --fix paper --delta fp32-o",
+                        "python train.py --fix paper", "python train.py --attn fp32"]
     assert all(line.count("|") == 7 for line in lines[:2 + len(commands)])   # at most 6 columns
     study = study_runs(root / "results/seed_study/runs.csv")
     shipped = [run for run in study if analyze.as_shipped({**run.config, **run.summary})]
@@ -57,8 +57,9 @@ def test_readme_numbers_are_their_files():
     assert len(set(re.findall(r"\b[0-9a-f]{7}\b", readme))) <= 2
     study = root / "results/seed_study"
     rows = read_table(study / "runs.csv")
-    val = [row["final_val_loss"] for row in rows if row["arm"] == "on"]
-    assert f"val loss rises to {min(val):.1f}-{max(val):.1f} nats at the end of the fix-on runs" in readme
+    val = [row["final_val_loss"] for row in rows if row["delta"] == "fp32-o" and row["log_kept"]]
+    assert f"val loss rises to {min(val):.1f}-{max(val):.1f} nats at the end of the runs that read delta from the " \
+           "fp32 O" in readme
     off = [load_run(study / "runs" / row["name"]) for row in rows
            if analyze.as_shipped(row) and row["flags"] == "--fix off" and row["log_kept"]]
     at_10k = [float(np.interp(10_000, *run.series(analyze.LOGIT))) for run in off]

@@ -50,7 +50,7 @@ def test_a_config_in_the_older_spellings_loads_in_todays(tmp_path):
     for old, new in ((dict(precision="paper", delta_from_p=True), dict(precision="autocast", delta="p")),
                      (dict(fix=False, delta_fp32=True), dict(fix="off", delta="fp32-o")),
                      (dict(fix=True, stochastic_o="delta"), dict(fix="on", stochastic_o="off", delta="stochastic-o"))):
-        (tmp_path / "config.json").write_text(json.dumps(original | old))
+        (tmp_path / "config.json").write_text(json.dumps(original | dict(delta_fp32=False) | old))
         loaded = runs.read_json(tmp_path / "config.json")
         assert "delta_from_p" not in loaded and "delta_fp32" not in loaded
         assert {k: loaded[k] for k in ("fix", "precision", "delta", "stochastic_o")} == {
