@@ -168,14 +168,16 @@ def plot_headline(runs, study, path, title="the kernel as it ships"):
     for name, group in groups.items():
         colour = hues[name]
         lines = drawn.get(name, [])
+        # the fp32 control dashed and beneath the others: it trains where the fix does, and would hide its lines
+        style = dict(linestyle="--", zorder=1) if family(group[0]) == "fp32" else dict(zorder=2)
         for ax, column in zip(axes, ("train_loss", LOGIT)):
             for run in lines:
                 if run.series(column) is not None:
-                    ax.plot(*run.series(column), color=colour, linewidth=0.8, alpha=0.75)
+                    ax.plot(*run.series(column), color=colour, linewidth=0.8, alpha=0.75, **style)
                 mark_collapse(ax, run, column, colour)
             curve = median_line(lines, column)
             if curve is not None:
-                ax.plot(*curve, color=colour, linewidth=2.6)
+                ax.plot(*curve, color=colour, linewidth=2.6, **style)
         steps, share = survival(group)
         # a tick where each run ended without a collapse; shorter arms drawn over longer ones, so that arms that
         # never collapsed, all at 1, each show where they end
@@ -184,7 +186,8 @@ def plot_headline(runs, study, path, title="the kernel as it ships"):
         axes[2].plot(ended, share[np.searchsorted(steps, ended, side="right") - 1], "|", color=colour,
                      markersize=14, markeredgewidth=1.6, zorder=4)
         logs = "" if len(lines) == len(group) else f"; lines: {len(lines)} of them" if lines else "; no lines"
-        handles.append(Line2D([], [], color=colour, linewidth=1.6, label=f"{command(name)}: {outcome(group)}{logs}"))
+        handles.append(Line2D([], [], color=colour, linewidth=1.6, linestyle=style.get("linestyle", "-"),
+                              label=f"{command(name)}: {outcome(group)}{logs}"))
     handles.append(Line2D([], [], color="gray", linewidth=2.6,
                           label=f"median of an arm's lines, while all of them (at least {MEDIAN_RUNS}) are alive"))
     if any(run.collapse_step is not None for run in runs):
