@@ -22,3 +22,11 @@ def test_fix_cost_table_is_fix_on_over_fix_off(tmp_path):
     path.write_text("impl,head_dim,seq,fwd_bwd_ms\n" + "".join(f"{i},{d},{n},{t}\n" for i, d, n, t in rows))
     assert bench.fix_cost_table(path) == ["| head_dim | 256 | 4,096 |", "|---|---|---|",
                                           "| 64 | +3.0% | -5.0% |", "| 128 | +25.0% | +0.0% |"]
+
+
+def test_kernel_md_fix_cost_table_is_the_benchmarks():
+    begin = "<!-- cost: python -m experiments.bench --cost results/speed/bench_h100.csv -->"
+    text = (ROOT / "docs" / "kernel.md").read_text()
+    assert begin in text, "docs/kernel.md has lost its cost table's marker"
+    lines = text.split(begin, 1)[1].split("<!-- end of cost -->", 1)[0].strip().splitlines()
+    assert lines == bench.fix_cost_table(ROOT / "results" / "speed" / "bench_h100.csv")
