@@ -11,8 +11,8 @@ pooled mean is the plain mean of the checkpoints' means, its standard error sqrt
 probe's noise taken as independent from one checkpoint to the next: the model has moved on; runs made before commit
 2e181a3 drew the noise of curv and indep once for all their checkpoints, which this s.e. does not allow for, and
 later runs draw it per checkpoint). Weighting by inverse variance instead hands the pool to the quietest
-checkpoints, the first ones, before the model memorises its text; in a run of the shift with the fp32 O it turns the curvature
-term's sign.
+checkpoints, the first ones, before the model memorises its text; in a run of the shift with the fp32 O it turns
+the curvature term's sign.
 
 The hypothesis predicts probe_total = probe_curv > 0 and probe_lin = probe_indep = 0.
 """
