@@ -11,7 +11,9 @@ the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS be
 
 Every setting is a flag; DEFAULT below holds their defaults. The experiments (--help) change the attention's numerics.
 A run writes runs/<name>/ (its files: nanolp/runs.py; its name, and which folders a command may write or resume:
-nanolp/runconfig.py). A command that cannot run is refused before it writes anything (exit status 2).
+nanolp/runconfig.py). A command that cannot run is refused before it writes anything (exit status 2); so is a preset
+sized for a GPU on a machine without one, unless --device cpu insists. Ctrl-C stops a run with one line that names its
+last checkpoint and the command that continues from it (exit status 130).
 """
 
 import argparse
@@ -19,6 +21,7 @@ import csv
 import hashlib
 import math
 import os
+import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -34,8 +37,8 @@ from nanolp.data import TextError, find_text, get_batch, prepare
 from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
 from nanolp.runconfig import (ARM, NUMERICS, PLAIN_NUMERICS, claim_folder, describe, done, is_finished,
                               nothing_to_resume, resolve_config)
-from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, locked, log_outcome, provenance,
-                         read_log, set_aside, write_checksum, write_json)
+from nanolp.runs import (RunError, checkpoints, checksum_path, checksum_problem, latest_checkpoint, locked,
+                         log_outcome, provenance, read_log, set_aside, write_checksum, write_json)
 
 # -----------------------------------------------------------------------------
 # The settings: the default preset, the demo. Plain bf16 on TinyShakespeare, the paper's setting at a size where
@@ -83,6 +86,9 @@ EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
 KEEP_CKPTS = 3
 DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T, T) scores per layer
 LOGIT = f"max_logit_L{PROBE_LAYER}"   # the progress bar's and the end's logit: layer 0's, the one that runs away
+# A step of the default preset on a CPU, in seconds: 42-50, measured on two cores. Another shape's step is estimated
+# from it in proportion to their FLOPs (step_flops).
+CPU_STEP_S = (42, 50)
 # Dense (no sparsity) bf16 tensor-core peak of one NVIDIA H200 SXM, from NVIDIA's datasheet: 989 TFLOPS.
 # MFU is always reported against this number, whatever device the run is on.
 H200_BF16_PEAK_FLOPS = 989e12
@@ -94,6 +100,14 @@ class Parser(argparse.ArgumentParser):
         """A malformed flag in one line, as train.py refuses every command that cannot run."""
         print(f"train.py: error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+class Stopped(Exception):
+    """Ctrl-C during training, at a step (the number of steps trained): main says where the run stopped and how to
+    continue it."""
+    def __init__(self, step):
+        super().__init__(step)
+        self.step = step
 
 
 def parse_args(argv):
@@ -234,7 +248,7 @@ def save_checkpoint(run_dir, model, optimizer, state):
 def load_checkpoint(run_dir, model, optimizer, device, columns):
     """Restore the newest good checkpoint and drop the log rows written after it (they will be written again). A
     checkpoint that fails its checksum or cannot be read is named in one line, moved to ckpt/damaged/ (set_aside),
-    and the one before it tried; RunError if none is good."""
+    and the one before it tried; RunError if none is good, or if the model does not fit it (config.json edited)."""
     for path in reversed(checkpoints(run_dir)):
         problem = checksum_problem(path)
         if problem is None:
@@ -249,6 +263,10 @@ def load_checkpoint(run_dir, model, optimizer, device, columns):
         print(f"{path}: skipped, {problem}; moved to {damaged}")
     else:   # (no break: none was good)
         raise nothing_to_resume(run_dir)
+    if problem := misfit(model, ckpt["model"]):   # before anything is written: the run stays as it was
+        raise RunError(f"{run_dir / 'config.json'}: its settings make a model that {path.name} does not fit "
+                       f"({problem}): was it edited? Its n_layer, n_embd, block_size, pos and qk_norm must be "
+                       f"those the run started with")
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     rng = ckpt.get("rng", {})   # (checkpoints written before it was saved have none)
@@ -263,12 +281,29 @@ def load_checkpoint(run_dir, model, optimizer, device, columns):
     return state
 
 
+def misfit(model, weights):
+    """The first tensor in which a model and a checkpoint's weights differ in shape, or that one of them lacks, in
+    words; None if the weights fit."""
+    shapes = lambda tensors: {name: "x".join(map(str, t.shape)) for name, t in tensors.items()}
+    ours, theirs = shapes(model.state_dict()), shapes(weights)
+    for name in [*ours, *theirs]:
+        if ours.get(name) != theirs.get(name):
+            return f"{name}: {theirs.get(name, 'none')} in the checkpoint, {ours.get(name, 'none')} in the model"
+    return None
+
+
 def write_rows(path, rows, columns, mode="a"):
-    with open(path, mode, newline="") as f:
+    """Append rows to a log.csv (the file closed after each, so a run stopped at any point has flushed every row it
+    wrote), or (mode "w") write the log anew with its header: to a .tmp file, then renamed, so that a run stopped as
+    --resume rewrites its log (dropping the rows after its checkpoint) keeps the whole log."""
+    written = path.with_name(path.name + ".tmp") if mode == "w" else path
+    with open(written, mode, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         if mode == "w":
             writer.writeheader()
         writer.writerows(rows)
+    if mode == "w":
+        os.replace(written, path)
 
 
 def write_summary(run_dir, c, collapse):
@@ -291,12 +326,43 @@ def write_summary(run_dir, c, collapse):
     return summary
 
 
+def step_flops(c):
+    """A step's training FLOPs with settings c, as model.GPT.flops_per_token counts them but without the embeddings
+    (their size is the text's vocabulary, not read yet, and a small part): 6 x 12 n_embd^2 weights per layer, and
+    the attention's 12 n_embd T, per token."""
+    d, T = c["n_embd"], c["block_size"]
+    return c["batch_size"] * T * c["n_layer"] * (72 * d * d + 12 * d * T)
+
+
+def span(low, high):
+    """Seconds from low to high in words, in the largest unit that high holds at least twice: 42-50 s, 97-116 days."""
+    units = (("days", 86400), ("hours", 3600), ("minutes", 60))
+    unit, size = next(((unit, size) for unit, size in units if high >= 2 * size), ("s", 1))
+    digits = 0 if high >= 10 * size else 1
+    return f"{low / size:,.{digits}f}-{high / size:,.{digits}f} {unit}"
+
+
+def refuse_gpu_preset_on_cpu(c, args):
+    """RunError for a preset sized for a GPU on a machine without CUDA, before anything is built: there a step takes
+    most of a minute and a run months. An explicit --device cpu trains it anyway, and --resume continues a run on
+    the device it ran on (its config.json's)."""
+    if c["preset"] == "tiny" or c["device"] != "cpu" or args.device is not None or args.resume:
+        return
+    step = [seconds * step_flops(c) / step_flops(DEFAULT) for seconds in CPU_STEP_S]
+    tiny = "python train.py --preset tiny" + (f" --fix {args.fix}" if args.fix else "")
+    raise RunError(f"the {c['preset']} preset is sized for a GPU and this machine has no CUDA device: a step takes "
+                   f"about {span(*step)} on two CPU cores, its {c['steps']:,} steps "
+                   f"{span(*(seconds * c['steps'] for seconds in step))} (--device cpu trains it here anyway); a smoke "
+                   f"run of about a minute: {tiny}")
+
+
 def main(argv=None):
     """The command line. A command that cannot run as given (a setting, the text, the run folder) is refused before
     it writes anything, as argparse refuses a malformed flag: one line per problem on stderr, exit status 2."""
     args = parse_args(argv)
     try:
         c = resolve_config(args, PRESETS)
+        refuse_gpu_preset_on_cpu(c, args)
         run_dir = Path(c["out"]) / c["name"]
         text = find_text(c["data"])
         sha1 = hashlib.sha1(text.read_bytes()).hexdigest()
@@ -312,6 +378,20 @@ def main(argv=None):
         for line in str(e).splitlines():
             print(f"train.py: error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Stopped as e:   # (the run folder's lock is let go by now)
+        print(f"train.py: {stopped(run_dir, c, e.step)}", file=sys.stderr)
+        raise SystemExit(130) from None   # 128 + SIGINT, the status a shell gives a command that Ctrl-C ended
+
+
+def stopped(run_dir, c, step):
+    """What a run that Ctrl-C stopped at `step` says, in one line: its last checkpoint, and the command that
+    continues from it (--out and --name find the run; its config.json holds the rest of its settings)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return (f"stopped at step {step}, before the run's first checkpoint (every {c['ckpt_interval']:,} steps): "
+                f"nothing to resume; the same command starts the run again")
+    resume = shlex.join(["python", "train.py", "--resume", "--out", c["out"], "--name", c["name"]])
+    return f"stopped at step {step}; last checkpoint {ckpt}; to continue from it: {resume}"
 
 
 def run(c, data, resume):
@@ -350,9 +430,6 @@ def run(c, data, resume):
     write_json(run_dir / "config.json", c)
     print(f"{run_dir}: {describe(c, PRESETS)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
           f"{c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")
-    if device.type == "cpu" and c["preset"] != "tiny":
-        print("note: this preset is sized for a GPU; on a CPU one step can take many seconds "
-              "(try --preset tiny, or --dtype fp32 --attn sdpa)")
 
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bf16" else nullcontext()
     # diagnostics use the plain model (hooks)
@@ -373,7 +450,7 @@ def train(c, run_dir, model, train_model, optimizer, state, ctx, tokens, diag, c
     """The training loop, from state["step"] until c["steps"], c["minutes"] or a collapse: a row of log.csv every
     log interval, a checkpoint every checkpoint interval and at the end. train_model is model, maybe compiled;
     tokens the training and validation text; diag the diagnostics' batch (x, y) and probe batches. Returns the
-    collapse (its step, minute and reason) or None."""
+    collapse (its step, minute and reason) or None; Ctrl-C raises Stopped, with the steps trained."""
     train_tokens, val_tokens = tokens
     diag_x, diag_y, probe = diag
     device = train_tokens.device
@@ -385,65 +462,69 @@ def train(c, run_dir, model, train_model, optimizer, state, ctx, tokens, diag, c
     elapsed0 = state["elapsed"]
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
     logit = None   # LOGIT at the last diagnostics, for the progress bar
-    while step < stop_at:
-        # the step: forward, backward, clip, update
-        lr = get_lr(step, c)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = get_batch(train_tokens, B, T, c["seed"], step)
-        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may now reuse the last step's output buffers
-        with ctx:
-            _, loss = train_model(x, y)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    try:
+        while step < stop_at:
+            # the step: forward, backward, clip, update
+            lr = get_lr(step, c)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = get_batch(train_tokens, B, T, c["seed"], step)
+            torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may now reuse the last step's output buffers
+            with ctx:
+                _, loss = train_model(x, y)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-        # bookkeeping, on the device: no host sync until the next log row
-        loss = loss.detach()
-        bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step)
-        state["ema"] = loss.clone() if state["ema"] is None else state["ema"].lerp(loss, 1 - EMA_BETA)
-        loss_sum += loss
-        grad_sum += grad_norm
-        n_acc += 1
-        step += 1
-        pbar.update()
-        elapsed = elapsed0 + time.time() - t_start
-        if c["minutes"] is not None and elapsed >= 60 * c["minutes"]:
-            stop_at = step
-        intervals = ("log_interval", "eval_interval", "diag_interval", "ckpt_interval")
-        if not (step >= stop_at or any(step % c[k] == 0 for k in intervals)):
-            continue
+            # bookkeeping, on the device: no host sync until the next log row
+            loss = loss.detach()
+            bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step)
+            state["ema"] = loss.clone() if state["ema"] is None else state["ema"].lerp(loss, 1 - EMA_BETA)
+            loss_sum += loss
+            grad_sum += grad_norm
+            n_acc += 1
+            step += 1
+            pbar.update()
+            elapsed = elapsed0 + time.time() - t_start
+            if c["minutes"] is not None and elapsed >= 60 * c["minutes"]:
+                stop_at = step
+            intervals = ("log_interval", "eval_interval", "diag_interval", "ckpt_interval")
+            if not (step >= stop_at or any(step % c[k] == 0 for k in intervals)):
+                continue
 
-        # a log row: the losses, the collapse test, an evaluation and diagnostics when due
-        train_loss = (loss_sum / n_acc).item()  # the loop's one host sync
-        tokens_per_s = n_acc * B * T / (time.time() - t_row)
-        row = dict(step=step, elapsed_s=round(elapsed, 2), tokens=step * B * T, lr=lr, train_loss=train_loss,
-                   grad_norm=(grad_sum / n_acc).item(), tokens_per_s=round(tokens_per_s, 1),
-                   mfu=c["flops_per_token"] * tokens_per_s / H200_BF16_PEAK_FLOPS)
-        bad = bad_step.item()
-        reason = f"non-finite loss at step {bad}" if bad >= 0 else loss_spike(state, step, c)
-        if reason and collapse is None:
-            collapse = dict(step=bad if bad >= 0 else step, minute=elapsed / 60, reason=reason)
-            stop_at = min(stop_at, step + EXTRA_ROWS * c["log_interval"])
-            tqdm.write(f"collapse at step {collapse['step']}: {reason}")
-        if bad >= 0:
-            stop_at = step  # the weights are poisoned: no eval, no diagnostics, no checkpoint
-        else:
-            if step % c["eval_interval"] == 0 or step >= stop_at:
-                row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
-            if step % c["diag_interval"] == 0 or step >= stop_at or collapse:  # every row once collapsed
-                row.update(diagnose(model, diag_x, diag_y, ctx, probe, seed=step))  # a fresh probe draw per row
-                logit = row[LOGIT]
-        write_rows(run_dir / "log.csv", [row], columns)
-        pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
+            # a log row: the losses, the collapse test, an evaluation and diagnostics when due
+            train_loss = (loss_sum / n_acc).item()  # the loop's one host sync
+            tokens_per_s = n_acc * B * T / (time.time() - t_row)
+            row = dict(step=step, elapsed_s=round(elapsed, 2), tokens=step * B * T, lr=lr, train_loss=train_loss,
+                       grad_norm=(grad_sum / n_acc).item(), tokens_per_s=round(tokens_per_s, 1),
+                       mfu=c["flops_per_token"] * tokens_per_s / H200_BF16_PEAK_FLOPS)
+            bad = bad_step.item()
+            reason = f"non-finite loss at step {bad}" if bad >= 0 else loss_spike(state, step, c)
+            if reason and collapse is None:
+                collapse = dict(step=bad if bad >= 0 else step, minute=elapsed / 60, reason=reason)
+                stop_at = min(stop_at, step + EXTRA_ROWS * c["log_interval"])
+                tqdm.write(f"collapse at step {collapse['step']}: {reason}")
+            if bad >= 0:
+                stop_at = step  # the weights are poisoned: no eval, no diagnostics, no checkpoint
+            else:
+                if step % c["eval_interval"] == 0 or step >= stop_at:
+                    row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
+                if step % c["diag_interval"] == 0 or step >= stop_at or collapse:  # every row once collapsed
+                    row.update(diagnose(model, diag_x, diag_y, ctx, probe, seed=step))  # a fresh probe draw per row
+                    logit = row[LOGIT]
+            write_rows(run_dir / "log.csv", [row], columns)
+            pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
 
-        # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
-        if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
-            state.update(step=step, elapsed=elapsed)
-            save_checkpoint(run_dir, model, optimizer, state)
-        loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and time (which counts this row's work)
-        n_acc, t_row = 0, time.time()
+            # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
+            if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
+                state.update(step=step, elapsed=elapsed)
+                save_checkpoint(run_dir, model, optimizer, state)
+            loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and time (which counts this row's work)
+            n_acc, t_row = 0, time.time()
+    except KeyboardInterrupt:   # Ctrl-C: what the run wrote is whole (a log row, a checkpoint: save_checkpoint)
+        pbar.close()
+        raise Stopped(step) from None
     pbar.close()
     return collapse
 

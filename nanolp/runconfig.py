@@ -7,13 +7,15 @@ Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for 
 from the preset's (-delta_p, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_p-s0. A name
 longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. A new run refuses a
 folder that holds a run's result (a checkpoint or summary.json) and replaces an attempt that stopped before its
-first checkpoint. --resume continues a run with its own config.json and refuses a flag of ARM that differs from it
-(and a text whose content changed: train.py); --steps, --minutes, the intervals, --device and --compile may
+first checkpoint. --resume continues a run with its own config.json and refuses a flag of ARM that differs from it,
+a config.json with a key or a type that train.py does not write (and a text whose content changed, or a checkpoint
+that the config's model does not fit: train.py); --steps, --minutes, the intervals, --device and --compile may
 change. A collapsed run is not resumed: the collapse is its result. No command touches a folder that a live run is
 writing (nanolp.runs.locked: its lock file holds the run's process id). Every refusal is a RunError, which train.py
 prints before it writes anything, one line per problem, exit status 2.
 """
 
+import difflib
 import hashlib
 import json
 import os
@@ -45,6 +47,14 @@ NAMED = ("preset", "attn", "fix", "seed")  # always in the name
 # kernel's exponent was fused by ptxas in some tiles only). Their tables and figures say so instead of showing the
 # default.
 BEFORE_OPTION = ("exponent",)
+# What a config.json holds besides the presets' settings, with the JSON type of each: train.py's names for the run
+# and where it ran, what it recorded (the text's hash and vocabulary, the FLOPs, what computed attn, the code),
+# experiments/late_stage.py's fork, and an older train.py's lr schedule (always "constant")
+RECORDED = dict(preset=str, name=str, device=str, compile=str, data_sha1=str, vocab_size=int, flops_per_token=int,
+                attn_impl=str, provenance=dict, forked_from=str, schedule=str)
+# The settings that the presets leave None (not given), with the type they have when given
+OPTIONAL = dict(minutes=float, data=str)
+JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "an object"}
 
 
 def changed_settings(c, presets):
@@ -153,7 +163,8 @@ def describe(c, presets):
 def resolve_config(args, presets):
     """The run's settings: its preset's (of presets, train.PRESETS), then the flags given, checked (check_config).
     On --resume the run's own config.json replaces the preset (which only fills in settings added after the run
-    started), and a flag of ARM that differs from it is refused. RunError names every problem."""
+    started), and a flag of ARM that differs from it is refused, as is a config.json that train.py did not write so
+    (config_problems). RunError names every problem."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
     if "data" not in given and os.environ.get("NANOLP_DATA"):
         given["data"] = os.environ["NANOLP_DATA"]   # the text is part of the arm: recorded as if --data gave it
@@ -168,6 +179,8 @@ def resolve_config(args, presets):
         saved = read_json(run_dir / "config.json")
         if not saved:
             raise RunError(f"--resume: no run at {run_dir} (no config.json)")
+        if damage := config_problems(run_dir / "config.json", saved, presets):   # (the checks below would trip on it)
+            raise RunError("\n".join(damage))
         ran = as_ran(saved, presets)
         problems += [f"--resume {run_dir}: {flag(k)}: the run has {ran.get(k)!r}, this command {given[k]!r}, which "
                      f"would change its numerics or data order (leave it out to continue the run as it was, or "
@@ -180,6 +193,24 @@ def resolve_config(args, presets):
     if problems:
         raise RunError("\n".join(problems))
     return config
+
+
+def config_problems(path, saved, presets):
+    """Every problem of a run's config.json (saved, as read_json read it from path), one line each naming the file:
+    a key that train.py does not write, or a value of another type than it writes (as an edit by hand leaves them:
+    "n_layers": 4, "n_layer": "two"); [] if there is none. A number may be an integer where train.py writes a
+    float, and the settings of OPTIONAL may be null."""
+    settings = presets["default"]   # (every preset has every setting)
+    problems = []
+    for key, value in saved.items():
+        if key not in settings and key not in RECORDED:
+            guess = difflib.get_close_matches(key, [*settings, *RECORDED], n=1)
+            problems.append(f'{path}: unknown key "{key}"' + (f' (did you mean "{guess[0]}"?)' if guess else ""))
+            continue
+        kind = RECORDED.get(key) or OPTIONAL.get(key) or type(settings[key])
+        if not (type(value) is kind or (kind is float and type(value) is int) or (value is None and key in OPTIONAL)):
+            problems.append(f'{path}: "{key}" is {json.dumps(value)}, not {JSON_TYPES[kind]}')
+    return problems
 
 
 def as_ran(saved, presets):

@@ -1,13 +1,18 @@
 """train.py against the faults a long run meets: a kill at any point (between checkpoints, halfway through writing
-one, between its checksum and its rename), a damaged checkpoint, a damaged config.json or summary.json. The
-standard: a run resumed after any of them logs the same losses, bit for bit, as the same run uninterrupted; a damaged
-file is named in one line, never a traceback. (The sweep and analyze.py on damaged folders: their own tests.)"""
+one, between its checksum and its rename), Ctrl-C, a damaged checkpoint, a damaged or hand-edited config.json or
+summary.json. The standard: a run resumed after any of them logs the same losses, bit for bit, as the same run
+uninterrupted; a damaged file is named in one line, never a traceback, and nothing of the run is written over. (The
+sweep and analyze.py on damaged folders: their own tests.)"""
+import csv
+import json
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +61,30 @@ def replace_or_die(src, dst):
     replace(src, dst)
 
 train.get_lr, torch.save, os.replace = get_lr_or_die, save_or_die, replace_or_die
+train.main(sys.argv[4:])
+"""
+
+
+# train.py in a process that, as step AT begins, touches the file READY and waits there for the test's Ctrl-C
+INTERRUPTED = r"""
+import signal, sys, time
+from pathlib import Path
+import train
+from nanolp import data
+
+data.DATA_DIR = Path(sys.argv[1])
+at, ready = int(sys.argv[2]), Path(sys.argv[3])
+# Python's Ctrl-C handler, as a terminal's python has it: a background job of a shell script starts with SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
+get_lr = train.get_lr
+
+def get_lr_or_wait(step, c):
+    if step == at:
+        ready.touch()
+        time.sleep(600)
+    return get_lr(step, c)
+
+train.get_lr = get_lr_or_wait
 train.main(sys.argv[4:])
 """
 
@@ -125,6 +154,72 @@ def test_a_run_killed_anywhere_resumes_to_the_same_losses(text, whole, tmp_path)
     assert losses(run_dir) == losses(whole)
     assert files(run_dir) == checkpoint_files(40, 50, 60)   # as a run leaves it that was never killed
     assert all(checksum_problem(path) is None for path in (run_dir / "ckpt").glob("*.pt"))
+
+
+def test_ctrl_c_stops_in_one_line_that_says_how_to_resume(text, whole, tmp_path, capsys):
+    """Ctrl-C during training: one line with the step, the last checkpoint and the command that continues the run,
+    exit status 130, no traceback; that command resumes it to the uninterrupted run's losses."""
+    run_dir, ready = tmp_path / "run", tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(data.DATA_DIR), "25", str(ready),
+                                *command(text, run_dir)], cwd=Path(train.__file__).parent, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ready.exists():   # (a run's start takes a few seconds)
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    resume = f"python train.py --resume --out {shlex.quote(str(tmp_path))} --name run"
+    assert process.returncode == 130 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if "train.py" in line] == [   # (the others: the progress bar)
+        f"train.py: stopped at step 25; last checkpoint {run_dir}/ckpt/step_0000020.pt; to continue from it: {resume}"]
+    assert err.endswith(f"{resume}\n")
+    assert files(run_dir) == checkpoint_files(10, 20) and sorted(p.name for p in run_dir.iterdir()) == [
+        "ckpt", "config.json", "log.csv"]   # no lock left, and no summary: the run has not ended
+    assert [row["step"] for row in read_log(run_dir)] == ["10", "20"]
+    python, script, *flags = shlex.split(resume)
+    capsys.readouterr()
+    train.main(flags)
+    assert f"resuming {run_dir} at step 20" in capsys.readouterr().out
+    assert losses(run_dir) == losses(whole)
+
+
+def test_ctrl_c_as_resume_rewrites_the_log_leaves_it_whole(text, copy, monkeypatch):
+    """--resume drops the log's rows after its checkpoint by writing the log anew: stopped halfway through, the log
+    is as it was."""
+    log = (copy / "log.csv").read_bytes()
+    def interrupted(self, rows):
+        raise KeyboardInterrupt   # with the header written, before the rows
+    monkeypatch.setattr(csv.DictWriter, "writerows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(command(text, copy, "--resume", "--steps", "70"))
+    assert (copy / "log.csv").read_bytes() == log
+
+
+def contents(run_dir):
+    """Every file of a run folder, and its bytes."""
+    return {path.relative_to(run_dir): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+
+
+# config.json edited by hand: a value of another type, a key that train.py does not write, a model that the
+# checkpoints do not fit; and the problem that the one line names after the file's path (vocab: the run's)
+EDITS = {"a wrong type": (dict(n_layer="two"), '"n_layer" is "two", not an integer'),
+         "an unknown key": (dict(n_layers=3), 'unknown key "n_layers" (did you mean "n_layer"?)'),
+         "another shape": (dict(n_embd=128), "its settings make a model that step_0000060.pt does not fit "
+                                             "(transformer.wte.weight: {vocab}x64 in the checkpoint, {vocab}x128 in "
+                                             "the model): was it edited?")}
+
+
+@pytest.mark.parametrize("edit, problem", EDITS.values(), ids=EDITS)
+def test_an_edited_config_is_named_in_one_line_and_nothing_is_written(text, copy, capsys, edit, problem):
+    path = copy / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(config | edit, indent=2))
+    before = contents(copy)
+    err = refusal(capsys, lambda: train.main(command(text, copy, "--resume", "--steps", "70")))
+    assert err.startswith(f"train.py: error: {path}: {problem.format(vocab=config['vocab_size'])}"), err
+    assert err.count("\n") == 1
+    assert contents(copy) == before
 
 
 def cut_short(path, size=1000):

@@ -1,8 +1,9 @@
 """train.py end to end on the CPU: a tiny run learns and writes its run folder, with its provenance; the default name
 tells every arm apart; --resume continues a run exactly and refuses to change its arm; a non-finite loss stops the
 run cleanly and keeps the last good checkpoint. A command that cannot run (a bad setting or text, a folder holding a
-result or a live run, a collapsed run to resume) is refused in one line per problem, exit status 2, before it writes
-anything; an attempt that stopped before its first checkpoint is replaced."""
+result or a live run, a collapsed run to resume, a GPU preset without CUDA, a config.json edited out of what train.py
+writes) is refused in one line per problem, exit status 2, before it writes anything; an attempt that stopped before
+its first checkpoint is replaced."""
 import csv
 import json
 import math
@@ -207,6 +208,24 @@ def test_resume_refuses_to_change_the_arm(run, text, tmp_path, capsys):
                      refusal(capsys, lambda: run("r", "--steps", "40", "--resume")))
     assert json.loads((run_dir / "config.json").read_text()) == config   # nothing was touched
     assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20]
+
+
+def test_a_config_json_is_checked_key_by_key(tmp_path):
+    """A config.json as train.py writes it passes; a key it does not write, or a value of another type (a hand's
+    edit), is named, one line each, with the file."""
+    path = tmp_path / "config.json"
+    written = train.PRESETS["tiny"] | dict(preset="tiny", name="r", device="cpu", compile="off", data=None,
+                                           data_sha1="0" * 40, vocab_size=65, flops_per_token=10**6,
+                                           attn_impl="emulate", provenance=dict(commit=None), forked_from="base@10")
+    assert runconfig.config_problems(path, written, train.PRESETS) == []
+    assert runconfig.config_problems(path, written | dict(lr=1, minutes=5, data="a.txt"), train.PRESETS) == []
+    edited = written | dict(n_layer="two", n_embd=64.0, qk_norm=1, seed=None, minutes="5", steps=True, n_layers=3,
+                            colour="red")
+    assert runconfig.config_problems(path, edited, train.PRESETS) == [
+        f'{path}: "n_layer" is "two", not an integer', f'{path}: "n_embd" is 64.0, not an integer',
+        f'{path}: "qk_norm" is 1, not true or false', f'{path}: "seed" is null, not an integer',
+        f'{path}: "steps" is true, not an integer', f'{path}: "minutes" is "5", not a number',
+        f'{path}: unknown key "n_layers" (did you mean "n_layer"?)', f'{path}: unknown key "colour"']
 
 
 def test_a_finished_run_says_so_and_how_to_start_it_afresh(run, capsys):
@@ -460,8 +479,12 @@ def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tm
         raise KeyboardInterrupt
     with monkeypatch.context() as patched:
         patched.setattr(train, "save_checkpoint", interrupted)   # Ctrl-C as the first checkpoint was due
-        with pytest.raises(KeyboardInterrupt):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
             run("early", "--steps", "40")
+    assert exited.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
+        "train.py: stopped at step 20, before the run's first checkpoint (every 20 steps): nothing to resume; the "
+        "same command starts the run again")
     run_dir = tmp_path / "runs" / "early"
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "log.csv"]   # and no lock left behind
     assert "--resume: no checkpoint in" in refusal(capsys, lambda: run("early", "--steps", "40", "--resume"))
@@ -509,6 +532,34 @@ def test_attn_kernel_on_a_cpu_says_it_runs_the_emulation(run, capsys):
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["attn"], config["attn_impl"]) == ("kernel", "emulate")
     assert model.implementation("kernel", "cuda") == "kernel" and model.implementation("sdpa", "cpu") == "sdpa"
+
+
+def test_a_gpu_preset_without_cuda_is_refused_unless_device_cpu_insists(text, tmp_path, monkeypatch, capsys):
+    """Without CUDA, a preset sized for a GPU stops before it builds anything (no text read, no folder, no model),
+    in one line: what a step and the run would take on a CPU, and the tiny preset's command; --device cpu insists,
+    and --resume continues a run on the device it ran on."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    common = ["--data", str(text), "--out", str(tmp_path / "runs")]
+    with monkeypatch.context() as patched:
+        def built(*args, **kwargs):
+            raise AssertionError("built before the refusal")
+        for step in ("find_text", "prepare", "GPT", "locked"):
+            patched.setattr(train, step, built)
+        assert refusal(capsys, lambda: train.main(common)) == (
+            "train.py: error: the default preset is sized for a GPU and this machine has no CUDA device: a step takes "
+            "about 42-50 s on two CPU cores, its 200,000 steps 97-116 days (--device cpu trains it here anyway); a "
+            "smoke run of about a minute: python train.py --preset tiny\n")
+        assert refusal(capsys, lambda: train.main(["--preset", "gpt2", "--fix", "on", *common])).endswith(
+            "a step takes about 25-29 minutes on two CPU cores, its 10,000 steps 171-204 days (--device cpu trains "
+            "it here anyway); a smoke run of about a minute: python train.py --preset tiny --fix on\n")
+    assert not (tmp_path / "runs").exists()
+    # the default preset, made small enough to train here in a moment
+    small = [*common, "--name", "small", "--attn", "sdpa", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+             "--block-size", "16", "--batch-size", "4", "--log-interval", "1"]
+    assert "python train.py --preset tiny" in refusal(capsys, lambda: train.main([*small, "--steps", "2"]))
+    assert train.main([*small, "--steps", "2", "--device", "cpu"])["steps"] == 2
+    assert train.main([*small, "--steps", "3", "--resume"])["steps"] == 3   # it ran on the CPU: it goes on there
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
