@@ -503,14 +503,16 @@ def run_lines(rows):
     """README's "Run it" lines of the table's commands: what each did, and in how many minutes alone."""
     lines = []
     shipped = [row for row in rows if as_shipped(row)]
-    for group in by_flags(shipped).values():
+    groups = by_flags(shipped).values()
+    width = max(len(group[0]["flags"]) for group in groups) + len("python train.py ") + 1   # the comments aligned
+    for group in groups:
         fell = [row["collapse_step"] for row in group if row["collapsed"]]
         minutes = alone_minutes(group, kin_of(group, shipped))
         seeds = f"{len(group)} seed{'s' * (len(group) > 1)}"
         what = (f"collapsed on {len(fell)} of {seeds}" if fell else
                 f"no collapse on {seeds} in {span([row['steps'] for row in group])} steps")
         when = "" if minutes is None else f", {between(minutes)} min alone on an H200"
-        lines.append(f"    {'python train.py ' + group[0]['flags']:<36} # {what}{when}")
+        lines.append(f"    {'python train.py ' + group[0]['flags']:<{width}}# {what}{when}")
     return lines
 
 
@@ -580,7 +582,9 @@ def update_docs(root, tables):
                                           for part in parts[1:])
                 found.append(doc)
         if doc in found:
+            changed = text != doc.read_text()
             doc.write_text(text)
+            print(f"{doc.relative_to(root)}: the blocks of {named} {'rewritten' if changed else 'regenerated, no change'}")
     if not found:
         fail(f"no block of {named} in {', '.join(DOCS)}: add a line <!-- table: python analyze.py --table {named} "
              f"--> and <!-- end of table --> where it goes")

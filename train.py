@@ -342,10 +342,18 @@ def span(low, high):
     return f"{low / size:,.{digits}f}-{high / size:,.{digits}f} {unit}"
 
 
-def refuse_gpu_preset_on_cpu(c, args):
-    """RunError for a preset sized for a GPU on a machine without CUDA, before anything is built: there a step takes
-    most of a minute and a run months. An explicit --device cpu trains it anyway, and --resume continues a run on
-    the device it ran on (its config.json's)."""
+def refuse_what_this_machine_cannot_run(c, args):
+    """RunError, before anything is built, for a GPU without bf16 (compute capability below 8.0: a T4, a V100), where
+    bf16 training cannot run; and for a preset sized for a GPU on a machine without CUDA: there a step takes most of
+    a minute and a run months. An explicit --device cpu trains it anyway, and --resume continues a run on the
+    device it ran on (its config.json's)."""
+    if c["device"].startswith("cuda") and c["dtype"] == "bf16" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(c["device"])
+        if major < 8:
+            raise RunError(f"this GPU ({torch.cuda.get_device_name(c['device'])}, compute capability {major}.{minor}) "
+                           f"has no bf16, the precision whose failure this project trains: it takes compute "
+                           f"capability 8.0 or later (an A100, RTX 30xx or 40xx, L4, H100); on this machine's CPU: "
+                           f"python train.py --preset tiny --device cpu")
     if c["preset"] == "tiny" or c["device"] != "cpu" or args.device is not None or args.resume:
         return
     step = [seconds * step_flops(c) / step_flops(DEFAULT) for seconds in CPU_STEP_S]
@@ -362,7 +370,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         c = resolve_config(args, PRESETS)
-        refuse_gpu_preset_on_cpu(c, args)
+        refuse_what_this_machine_cannot_run(c, args)
         run_dir = Path(c["out"]) / c["name"]
         text = find_text(c["data"])
         sha1 = hashlib.sha1(text.read_bytes()).hexdigest()

@@ -562,6 +562,26 @@ def test_a_gpu_preset_without_cuda_is_refused_unless_device_cpu_insists(text, tm
     assert train.main([*small, "--steps", "3", "--resume"])["steps"] == 3   # it ran on the CPU: it goes on there
 
 
+def test_a_gpu_without_bf16_is_refused_in_one_line(text, tmp_path, monkeypatch, capsys):
+    """A T4 (compute capability 7.5) has no bf16: one line that names the GPU and what it takes, before anything is
+    built; --dtype fp32 with fp32 attention needs no bf16 and is not refused for it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    def built(*args, **kwargs):
+        raise AssertionError("built before the refusal")
+    monkeypatch.setattr(train, "find_text", built)
+    common = ["--data", str(text), "--out", str(tmp_path / "runs")]
+    assert refusal(capsys, lambda: train.main(common)) == (
+        "train.py: error: this GPU (Tesla T4, compute capability 7.5) has no bf16, the precision whose failure this "
+        "project trains: it takes compute capability 8.0 or later (an A100, RTX 30xx or 40xx, L4, H100); on this "
+        "machine's CPU: python train.py --preset tiny --device cpu\n")
+    with pytest.raises(AssertionError, match="built before the refusal"):   # past the check: it would train
+        train.main([*common, "--dtype", "fp32", "--attn", "fp32"])
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_train_and_resume(run):
     """The GPU default: our kernel under torch.compile's CUDA graphs, which reuse their output buffers every
