@@ -15,8 +15,9 @@ and in the backward, from the loss's gradient dO of O:
 The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with
 a one-signed error, which piles up in W_Q / W_K until the loss explodes. THE FIX: delta reads the forward's fp32
 O, before its final cast. Each hop is marked "THE FIX": the forward's epilogue stores the fp32 O (_fwd_kernel),
-delta_reads chooses it, _FlashAttention hands it to the backward, _bwd_delta_kernel reads it. The O returned and
-every other number are plain FlashAttention-2's, so the fix costs one fp32 store and its memory until the backward.
+output_and_delta_o chooses it, _FlashAttention hands it to the backward, _bwd_delta_kernel reads it. The O
+returned and every other number are plain FlashAttention-2's, so the fix costs one fp32 store and its memory until
+the backward.
 fix="on" is the fix (the default); fix="off" plain FlashAttention-2; fix="paper" the paper's own rule, which
 blames rows with tied maxima (P exactly 1) and shifts their max up (its section after the backward): in our runs
 it does not cure. Why, and the evidence: docs/kernel.md, "The fix".
@@ -119,7 +120,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
              mask=offs_m[:, None] < N)
     if KEEP_O32:
         # THE FIX (1, the store): the fp32 o the cast above rounded, stored beside O for the backward's delta
-        # (delta_reads, output_and_delta_o). O32 is laid out as O: O's strides serve it.
+        # (output_and_delta_o). O32 is laid out as O: O's strides serve it.
         O32 += b * stride_ob + h * stride_oh
         tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
@@ -440,76 +441,67 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics).o
 
 
-Forward = namedtuple("Forward", "o lse o_delta")
+Outputs = namedtuple("Outputs", "o lse o_delta")
 
 
-def forward(q, k, v, *, fix, causal=True, numerics=None, delta=None):
-    """The forward as flash_attention runs it, for tests and experiments.
+def forward(q, k, v, *, fix, causal=True, numerics=None):
+    """The forward as flash_attention runs it, for tests and experiments; the one check of its arguments.
 
-    causal, fix, numerics: flash_attention's. delta: what the backward's delta reads (one of Numerics.delta's
-    values) in place of delta_reads'; the paper's rule stays fix's. v is read as given (the "vo" amplifier's rounding,
-    amplified_v, is the caller's).
-    Returns Forward(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
-    each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O delta reads where it is not o (the fp32
-    O with fix "on"; else an empty tensor)."""
+    causal, fix, numerics: flash_attention's. v is read as given (the "vo" amplifier's rounding, amplified_v, is
+    the caller's).
+    Returns Outputs(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
+    each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O the backward's delta reads: the fp32 O with
+    fix "on" or delta "fp32-o" (THE FIX), a stochastic rounding of it with delta "stochastic-o", else o itself."""
     numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, numerics)
+    check_inputs(q, k, v, fix, numerics)
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
                              "call .contiguous()")
-    reads = delta_reads(fix, numerics)
-    return Forward(*_FlashAttention.apply(q, k, v, causal, fix, reads if delta is None else delta,
-                                          numerics.precision, numerics.p_bits, numerics.o_bits,
-                                          numerics.stochastic_o == "forward", numerics.fma))
+    o, lse, *o_delta = _FlashAttention.apply(q, k, v, causal, fix, numerics.delta, numerics.precision,
+                                             numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
+                                             numerics.fma)
+    return Outputs(o, lse, *(o_delta or [o]))
 
 
-def flash_forward_fp32(q, k, v, *, fix, causal=True, numerics=None):
-    """The forward's fp32 O before its final cast (no autograd): what delta reads with fix "on", and what
-    nanolp/diagnostics.py measures O's rounding against at every diagnostics interval."""
-    numerics = Numerics() if numerics is None else numerics
-    with torch.no_grad():
-        return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics,
-                       delta="fp32-o").o_delta
+FIXES = ("off", "on", "paper")   # fix's values, as flash_attention and train.py's --fix take them
 
 
-FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
-
-
-def delta_reads(fix, numerics):
-    """THE FIX (2, the choice): the O the backward's delta reads, the forward's fp32 O ("fp32-o") with fix
-    "on", else numerics.delta (Numerics); the one check of fix and of fix against the numerics."""
+def check_fix(fix, numerics):
+    """fix's one check where it enters: flash_attention's (check_inputs) and train.py's (nanolp/runconfig.py,
+    which says it in flags); with fix "on" delta reads the fp32 O, so numerics may ask for no other."""
     if fix not in FIXES:
         raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
     if fix == "on" and numerics.delta not in ("o", "fp32-o"):
         raise ValueError(f'fix="on" (delta from the fp32 O) and delta="{numerics.delta}" are different ways of '
                          "computing delta: choose one")
-    return "fp32-o" if fix == "on" else numerics.delta
 
 
-def output_and_delta_o(o, o32, stochastic, delta):
-    """From the kernel's O and its fp32 O (o32; None where not kept), the O the caller gets and the O delta
-    reads (None: the same). THE FIX: with delta "fp32-o" that is o32; the caller's O is the same bits either
-    way (docs/kernel.md, "The fix"). The other cases are the stochastic-rounding experiments' (Numerics)."""
+def output_and_delta_o(o, o32, fix, stochastic, delta_from):
+    """From the kernel's O and its fp32 O (o32, where kept), the O the caller gets and the O delta reads (o
+    itself where it reads that). THE FIX (2, the choice): with fix "on" (or delta_from "fp32-o") delta reads
+    o32; the caller's O is the same bits either way (docs/kernel.md, "The fix"). The other cases are the
+    stochastic-rounding experiments' (Numerics)."""
     if stochastic:
         o = stochastic_round(o32)                                                     # ROUND: O, stochastically
-    if delta == "fp32-o":
+    if fix == "on" or delta_from == "fp32-o":
         return o, o32
-    return o, stochastic_round(o32) if delta == "stochastic-o" else None
+    return o, stochastic_round(o32) if delta_from == "stochastic-o" else o
 
 
-# The custom ops take plain values (a schema has no dataclass): fix, what delta reads (delta_reads), Numerics'
-# parts. They check nothing: the entry points above do. Tools that record their launches on CPU tensors call
-# them directly (nanolp/compile_sm90.py, experiments/sass.py).
-def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: str, delta: str,
-              precision: str, p_bits: int, o_bits: int, stochastic: bool,
-              fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
-    delta "p" is for the backward only (_FlashAttention)."""
+# The custom ops take plain values (a schema has no dataclass): fix itself, Numerics' parts (delta_from:
+# Numerics.delta). They check nothing: the entry points above do. Tools that record their launches on CPU
+# tensors call them directly (nanolp/compile_sm90.py, experiments/sass.py).
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: str, delta_from: str,
+              precision: str, p_bits: int, o_bits: int, stochastic: bool, fma: bool) -> list[torch.Tensor]:
+    """Returns O (q's dtype) and lse, then, where delta reads another O than the one returned, that O (a
+    schema's way of an output that only some calls have). delta_from "p" is for the backward only
+    (_FlashAttention)."""
     B, H, N, D = q.shape
     o = empty_in_layout_of(q)
-    keep_o32 = stochastic or delta in ("fp32-o", "stochastic-o")    # wherever output_and_delta_o reads it
+    # wherever output_and_delta_o reads the fp32 O, the kernel keeps it
+    keep_o32 = fix == "on" or stochastic or delta_from in ("fp32-o", "stochastic-o")
     o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
     assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
@@ -518,22 +510,23 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, f
         q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
         AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if fix == "paper" else None,
-        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=o32 is not None, num_warps=warps, num_stages=stages,
+        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=keep_o32, num_warps=warps, num_stages=stages,
         **UNFUSED)
-    o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
-    return o, lse, o.new_empty(0) if o_delta is None else o_delta
+    o, o_delta = output_and_delta_o(o, o32, fix, stochastic, delta_from)
+    return [o, lse] if o_delta is o else [o, lse, o_delta]
 
 
 flash_fwd_op = torch.library.custom_op("nanolp::flash_fwd", flash_fwd, mutates_args=())
 
 
 @flash_fwd_op.register_fake
-def _(q, k, v, causal, fix, delta, precision, p_bits, o_bits, stochastic, fma):
-    o = empty_in_layout_of(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if delta in ("fp32-o", "stochastic-o"):
-        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32-o" else None)
-    return o, lse, o.new_empty(0)
+def _(q, k, v, causal, fix, delta_from, precision, p_bits, o_bits, stochastic, fma):
+    o, lse = empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    if fix == "on" or delta_from == "fp32-o":
+        return [o, lse, empty_in_layout_of(q, torch.float32)]
+    if delta_from == "stochastic-o":
+        return [o, lse, empty_in_layout_of(q)]
+    return [o, lse]
 
 
 def bwd_launch(q, k, v, o, causal, precision, fma):
@@ -604,18 +597,18 @@ class _FlashAttention(torch.autograd.Function):
     made for their gradients)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, fix, delta, precision, p_bits, o_bits, stochastic, fma):
-        o, lse, o_delta = direct(flash_fwd_op, flash_fwd)(q, k, v, causal, fix, delta, precision, p_bits, o_bits,
-                                                          stochastic, fma)
+    def forward(ctx, q, k, v, causal, fix, delta_from, precision, p_bits, o_bits, stochastic, fma):
+        o, lse, *o_delta = direct(flash_fwd_op, flash_fwd)(q, k, v, causal, fix, delta_from, precision, p_bits,
+                                                           o_bits, stochastic, fma)
         # THE FIX (3, the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
-        ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)
-        ctx.args = (causal, precision, delta == "p", fma)
-        ctx.mark_non_differentiable(lse, o_delta)
+        ctx.save_for_backward(q, k, v, *(o_delta or [o]), lse)
+        ctx.args = (causal, precision, delta_from == "p", fma)
+        ctx.mark_non_differentiable(lse, *o_delta)
         ctx.set_materialize_grads(False)
-        return o, lse, o_delta
+        return o, lse, *o_delta
 
     @staticmethod
-    def backward(ctx, do, _dlse, _do_delta):
+    def backward(ctx, do, *_):   # (lse and the O delta reads have no gradient)
         q, k, v, o, lse = ctx.saved_tensors
         return *direct(flash_bwd_op, flash_bwd)(do, q, k, v, o, lse, *ctx.args), *(None,) * 8
 
@@ -636,7 +629,7 @@ def check_device(q):
                      "PyTorch (the same numbers)")
 
 
-def check_inputs(q, k, v, numerics):
+def check_inputs(q, k, v, fix, numerics):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -658,6 +651,7 @@ def check_inputs(q, k, v, numerics):
         raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
     if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
         raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
+    check_fix(fix, numerics)
 
 
 def qk_scale(head_dim, precision):
