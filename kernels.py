@@ -508,7 +508,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, f
     block_m, warps, stages = FWD_TUNING[D]
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
+        H, N, qk_scale_of(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
         AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if fix == "paper" else None,
         P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=keep_o32, num_warps=warps, num_stages=stages,
         **UNFUSED)
@@ -538,7 +538,7 @@ def bwd_launch(q, k, v, o, causal, precision, fma):
         stages = 1
     grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
-               qk_scale(D, precision))
+               qk_scale_of(D, precision))
     meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, AUTOCAST=precision == "autocast",
                 FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
     return grids, strides, meta
@@ -654,7 +654,8 @@ def check_inputs(q, k, v, fix, numerics):
     check_fix(fix, numerics)
 
 
-def qk_scale(head_dim, precision):
+def qk_scale_of(head_dim, precision):
+    """The kernels' qk_scale, Q K^T's scale inside the exponent: 1 / sqrt(head_dim), times log2 e in "fa2" (exp2)."""
     return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
 
 

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import Numerics, TILE_N, UNFUSED, check_inputs, empty_in_layout_of, fix_constants, qk_scale
+from kernels import Numerics, TILE_N, UNFUSED, check_inputs, empty_in_layout_of, fix_constants, qk_scale_of
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
@@ -621,6 +621,6 @@ def launch(q, k, v, causal, fix, variant):
     else:
         args = [q, k, v, *out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]]
     kernel[(triton.cdiv(N, block_m), B * H)](
-        *args, *o.stride()[:3], H, N, qk_scale(D, "fa2"), HEAD_DIM=D, BLOCK_M=block_m, CAUSAL=causal,
+        *args, *o.stride()[:3], H, N, qk_scale_of(D, "fa2"), HEAD_DIM=D, BLOCK_M=block_m, CAUSAL=causal,
         SHIFT=fix_constants("fa2") if fix == "paper" else None, KEEP_O32=keep_o32, num_warps=warps, **UNFUSED)
     return o, lse, o32

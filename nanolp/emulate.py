@@ -18,7 +18,7 @@ import math
 import torch
 
 from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants, output_and_delta_o,
-                     qk_scale, round_mantissa)
+                     qk_scale_of, round_mantissa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def shifted_max(S, r, t, shift):
 
 def scale_of(q, precision):
     """qk_scale as the kernel holds it, in float32."""
-    return torch.tensor(qk_scale(q.shape[-1], precision), dtype=torch.float32, device=q.device)
+    return torch.tensor(qk_scale_of(q.shape[-1], precision), dtype=torch.float32, device=q.device)
 
 
 def scores(q, kt, precision, dtype):
