@@ -64,7 +64,8 @@ def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
 @triton.jit
 def _exp2(s, qk_scale, m, FMA: tl.constexpr):
     """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
-    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md)."""
+    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md, "Two
+    precision modes, ...")."""
     if FMA:
         x = tl.fma(s, qk_scale, -m)                              # ROUND: once
     else:
@@ -244,7 +245,8 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     V += b * stride_vb + h * stride_vh
     O += b * stride_ob + h * stride_oh
     LSE += bh * N
-    # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The kernel")
+    # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The kernel's
+    # structure")
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -346,7 +348,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr):
     # One program per (key tile, batch * head), looping over query tiles. Key-major: P^T and dS^T feed dV and dK
-    # from registers, untransposed (docs/kernel.md, "The kernel").
+    # from registers, untransposed (docs/kernel.md, "The kernel's structure").
     tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -529,8 +531,8 @@ def amplified_v(v, bits):
 # flash_attention.
 
 # Tuning per head_dim, fixed (no autotune: the summation order never depends on a timing). Forward: (BLOCK_M,
-# warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (docs/kernel.md,
-# "Speed", "kernels.py's settings").
+# warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (the timings behind
+# them: results/speed/README.md, "kernels.py's settings").
 FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
 BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
 SHORT_SEQ = 512

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import Numerics, flash_attention
+from nanolp.emulate import causal_scores, emulate_attention   # the kernel's emulation; fp32 attention's scores
 
 ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
 OURS = ("kernel", "emulate")   # the backends with our kernel's numerics: the ones that take fix and kernels.Numerics
@@ -53,7 +54,6 @@ class GPTConfig:
 def reference_attention(q, k, v):
     """Softmax attention in float32 from the same q, k, v; only the result is cast back to their dtype.
     Autograd's softmax backward never reads the output O, so this path has no delta = rowsum(dO * O) error."""
-    from nanolp.emulate import causal_scores   # the scores the kernel's emulation is checked against
     P = causal_scores(q, k).softmax(dim=-1)
     with torch.autocast(q.device.type, enabled=False):
         return (P @ v.float()).to(q.dtype)
@@ -79,7 +79,6 @@ def attention(q, k, v, config):
         if implementation(config.attn, q.device.type) == "kernel":
             fn = flash_attention
         else:  # the emulation has the kernel's numerics and runs anywhere
-            from nanolp.emulate import emulate_attention   # imported here: model.py alone needs no nanolp
             fn = emulate_attention
         return fn(q, k, v, causal=True, fix=config.fix, numerics=config.numerics)
     if config.attn == "fp32":

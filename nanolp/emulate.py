@@ -91,7 +91,7 @@ def exponent(S, scale, m, fma):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The fix
+# The paper's rule (fix "paper")
 
 def shifted_max(S, r, t, shift):
     """The row max to subtract from this tile's scaled scores S, and the new raw row max (kernels._shifted_max;
@@ -139,7 +139,7 @@ def _mask(S, col0, n_keys, causal):
 
 def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units), with
-    the fix's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
+    the paper's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
     (kernels.flash_fwd_op's KEEP_O32); the mechanism tests use it to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
@@ -147,7 +147,7 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     low = (lambda x: round_mantissa(x, p_bits)) if p_bits else (lambda x: x)                 # the amplifier
     q, k, v = q.float(), k.float(), v.float()
     m = torch.full((B, H, N), -math.inf, device=q.device)
-    t = m.clone()                      # the raw running max (the fix's shift is not in it)
+    t = m.clone()                      # the raw running max (the paper's shift is not in it)
     l = torch.zeros((B, H, N), device=q.device)
     acc = torch.zeros((B, H, N, D), device=q.device)
     for col0 in range(0, N, TILE_N):
