@@ -26,6 +26,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
+from model import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
@@ -35,9 +36,6 @@ from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
-
-OURS = ("kernel", "emulate")  # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
-
 
 def arm(run):
     """The flags, e.g. "--fix off", "--fix on --lr 0.003", "--attn sdpa": --preset and --attn where they are not

@@ -15,17 +15,19 @@ and in the backward, from the loss's gradient dO of O:
 The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with
 a one-signed error, which piles up in W_Q / W_K until the loss explodes. THE FIX: delta reads the forward's fp32
 O, before its final cast. Each hop is marked "THE FIX": the forward's epilogue stores the fp32 O (_fwd_kernel),
-delta_reads chooses it, _FlashAttention hands it to the backward, _bwd_delta_kernel reads it. The O returned and
-every other number are plain FlashAttention-2's, so the fix costs one fp32 store and its memory until the backward.
+output_and_delta_o chooses it, _FlashAttention hands it to the backward, _bwd_delta_kernel reads it. The O
+returned and every other number are plain FlashAttention-2's, so the fix costs one fp32 store and its memory until
+the backward.
 fix="on" is the fix (the default); fix="off" plain FlashAttention-2; fix="paper" the paper's own rule, which
-blames rows with tied maxima (P exactly 1) and shifts their max up (its section after the backward): in our runs
+blames rows with tied maxima (P exactly 1) and shifts their max up (its section before the forward): in our runs
 it does not cure. Why, and the evidence: docs/kernel.md, "The fix".
 
 Every rounding point is marked "ROUND", in both precision modes ("fa2", as production kernels; "autocast", as the
 paper's PyTorch code), and nanolp/emulate.py computes the same bits (docs/kernel.md, "Two precision modes, ...").
-Reading order: S and P (the scores and the exponent every kernel shares); forward; backward; the paper's rule; host
-code; appendix (the experiments' switches, Numerics, and their roundings). This file imports nothing of the project:
-copied alone it runs. Speed: docs/kernel.md, "Speed".
+Reading order, each piece before its first use (as in Triton's tutorial): S and P (the scores and the exponent every
+kernel shares); the paper's rule (the forward's inner loop calls it); forward; backward; the experiments' switches
+(Numerics) and their roundings; host code, ending in the entry points forward and flash_attention. This file imports
+nothing of the project: copied alone it runs. Speed: docs/kernel.md, "Speed".
 """
 import functools
 import math
@@ -62,7 +64,8 @@ def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
 @triton.jit
 def _exp2(s, qk_scale, m, FMA: tl.constexpr):
     """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
-    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md)."""
+    FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md, "Two
+    precision modes, ...")."""
     if FMA:
         x = tl.fma(s, qk_scale, -m)                              # ROUND: once
     else:
@@ -71,59 +74,98 @@ def _exp2(s, qk_scale, m, FMA: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Forward
+# The paper's rule (fix="paper"): a tied row's max shifted up, once per key tile (the forward's _fwd_inner, below,
+# calls _shifted_max). Softmax is shift invariant, so it is exact in real arithmetic; no tied P is exactly 1 after
+# it, so P V's rounding is no longer one-sided. It leaves O's final cast's error that delta reads, and does not cure
+# our runs (docs/kernel.md, "The paper's rule"). Each piece of its code guards a sharp edge of the rule (underflow,
+# r = 0, masked tiles, ties across tiles).
+
+# The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9).
+TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
+BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
+SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
+# Its constants in the kernel's units, a compile-time constant (None with the shift off); inv: _fold's 1 / span.
+Shift = namedtuple("Shift", "beta tol lo hi span inv")
+
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, O32, LSE,
-                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
-                FMA: tl.constexpr, KEEP_O32: tl.constexpr):
-    # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
-    # SHIFT: the paper's rule's constants (fix_constants; None without it). P_BITS, O_BITS: appendix; FMA: _exp2.
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    O += b * stride_ob + h * stride_oh
-    LSE += bh * N
-    # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The kernel")
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    t_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Key tiles that need no mask: all full tiles (non-causal) or those left of the diagonal (causal).
-    if CAUSAL:
-        stop_unmasked = start_m
-        stop = tl.minimum(start_m + BLOCK_M, N)
-    else:
-        stop_unmasked = (N // BLOCK_N) * BLOCK_N
-        stop = N
-    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
-                                    offs_m, offs_n, offs_d, N, qk_scale,
-                                    False, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
-    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
-                                    offs_m, offs_n, offs_d, N, qk_scale,
-                                    True, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
-    # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
-    o = _round_bits(acc / l_i[:, None], O_BITS)
-    tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
-             mask=offs_m[:, None] < N)
-    if KEEP_O32:
-        # THE FIX (1, the store): the fp32 o the cast above rounded, stored beside O for the backward's delta
-        # (delta_reads, output_and_delta_o). O32 is laid out as O: O's strides serve it.
-        O32 += b * stride_ob + h * stride_oh
-        tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
-    lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
-    tl.store(LSE + offs_m, lse, mask=offs_m < N)
+def _top2(a1, a2, b1, b2):
+    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice. The second's
+    maxima propagate NaN (none occur), so -inf is their identity and the compiler drops a max per score."""
+    ALL: tl.constexpr = tl.PropagateNan.ALL
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
+
+
+@triton.jit
+def _fold(d, SHIFT: tl.constexpr):
+    """lo + fmod(d, span) for 0 <= d <= |r| without a division (d % span has a slow path): floor(d * inv) in
+    float64, inv = 1 / span rounded up. fmod's bits wherever they matter; the proof: docs/kernel.md, "The fold
+    without a division"."""
+    tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
+    tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
+    d64 = d.to(tl.float64)
+    n = tl.floor(d64 * tl.full([], SHIFT.inv, tl.float64))
+    rem = d64 - n * tl.full([], SHIFT.span, tl.float32).to(tl.float64)   # span as the float32 fmod reads
+    return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
+
+
+@triton.jit
+def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
+    """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
+    earlier tiles); returns it and the new raw row max max(t, r). The paper's rule (Sec. 5): a row with two
+    scores within tol of r (top-2: r2 >= r - tol), or here r within tol of t (a tie across tiles), moves its
+    max up by d = (beta - 1) r or -r, folded into [lo, hi), so tied P are exp(-d) < 1, rounded both ways.
+    Why each piece (underflow, r = 0, masked tiles, ties across tiles): docs/kernel.md, "The paper's rule"."""
+    tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
+    tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
+    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
+    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
+    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
+    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
+    # (beta - 1) r = r for r > 0 and -r below: |r|, free (an operand modifier); r = +-0 folds to lo either way
+    d = tl.abs(r)
+    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
+    return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
+
+
+def widening(bits):
+    """How much wider than bf16's the band of scores whose P rounds to 1.0 is, P at `bits` bits (0: bf16)."""
+    return 2.0 ** (7 - bits) if bits else 1.0
+
+
+def reciprocal_up(span):
+    """The float64 nearest to 1 / span from above, for span as the kernel holds it (rounded to float32): _fold's
+    quotient d * inv is then never below d / span."""
+    span = struct.unpack("f", struct.pack("f", span))[0]
+    inv = 1.0 / span
+    return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
+
+
+@functools.cache   # (each call of the forward asks; the answer never changes)
+def fix_constants(precision, p_bits=0):
+    """The shift's constants in the kernel's units (log2 units in "fa2"), in float64; tol and lo widen with
+    the amplifier's p_bits (widening), as the band of scores whose P rounds to 1.0 does."""
+    unit = LOG2E if precision == "fa2" else 1.0
+    lo = SHIFT_LO * widening(p_bits)
+    span = (SHIFT_HI - lo) * unit
+    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, span, reciprocal_up(span))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward: the amplifier's rounding (an experiment's, compiled away without it), the loop over key tiles, the
+# kernel.
+
+@triton.jit
+def _round_bits(x, BITS: tl.constexpr):
+    """The amplifier (Numerics.mantissa_bits): fp32 x rounded to BITS mantissa bits, ties to even (P before
+    P V, as FP8 attention does, or O before its store with amplify="vo"). BITS = 0: no-op."""
+    if BITS > 0:
+        tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
+        DROP: tl.constexpr = 23 - BITS
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
+        x = b.to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
@@ -186,6 +228,60 @@ def _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, start, stop, o
     return acc, l_i, m_i, t_i
 
 
+@triton.jit
+def _fwd_kernel(Q, K, V, O, O32, LSE,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
+                FMA: tl.constexpr, KEEP_O32: tl.constexpr):
+    # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
+    # SHIFT: the paper's rule's constants (fix_constants; None without it). P_BITS, O_BITS: _round_bits; FMA: _exp2.
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
+    LSE += bh * N
+    # Query tiles heaviest first, so light ones fill the GPU's tail; no bit changes (docs/kernel.md, "The kernel's
+    # structure")
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    t_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Key tiles that need no mask: all full tiles (non-causal) or those left of the diagonal (causal).
+    if CAUSAL:
+        stop_unmasked = start_m
+        stop = tl.minimum(start_m + BLOCK_M, N)
+    else:
+        stop_unmasked = (N // BLOCK_N) * BLOCK_N
+        stop = N
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, 0, stop_unmasked,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    False, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
+    acc, l_i, m_i, t_i = _fwd_inner(acc, l_i, m_i, t_i, q, K, V, stride_kn, stride_vn, stop_unmasked, stop,
+                                    offs_m, offs_n, offs_d, N, qk_scale,
+                                    True, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
+    # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
+    o = _round_bits(acc / l_i[:, None], O_BITS)
+    tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
+             mask=offs_m[:, None] < N)
+    if KEEP_O32:
+        # THE FIX (1, the store): the fp32 o the cast above rounded, stored beside O for the backward's delta
+        # (output_and_delta_o). O32 is laid out as O: O's strides serve it.
+        O32 += b * stride_ob + h * stride_oh
+        tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
+    lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
+    tl.store(LSE + offs_m, lse, mask=offs_m < N)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Backward, FA2 style, in two passes: delta first, then dK/dV (one program per key tile, looping over queries)
 # and dQ (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
@@ -210,13 +306,49 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_
 
 
 @triton.jit
+def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr,
+               FMA: tl.constexpr):
+    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
+    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
+    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
+    s = _scores(a, bT, qk_scale, AUTOCAST)
+    valid = (queries < N) & (keys < N)
+    if CAUSAL:
+        valid = valid & (queries >= keys)
+    s = tl.where(valid, s, float("-inf"))
+    if not AUTOCAST:
+        return _exp2(s, qk_scale, lse, FMA)
+    return tl.exp(s - lse)
+
+
+@triton.jit
+def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows, cols, offs_d, stride_qm, stride_om, N, qk_scale,
+                   CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr):
+    """One query tile's share of a key tile's dK and dV; returns them and dS^T (in the input dtype)."""
+    qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
+    doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
+    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
+    delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
+    # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
+    pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, AUTOCAST, FMA)
+    # dV += P^T dO
+    dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
+    # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
+    dpT = tl.dot(v, doT)
+    dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
+    # dK += dS^T Q (times the scale once, at the store)
+    dk += tl.dot(dsT, tl.trans(qT))
+    return dk, dv, dsT
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, N,
                      qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr):
     # One program per (key tile, batch * head), looping over query tiles. Key-major: P^T and dS^T feed dV and dK
-    # from registers, untransposed (docs/kernel.md, "The kernel").
+    # from registers, untransposed (docs/kernel.md, "The kernel's structure").
     tl.static_assert(BLOCK_N % BLOCK_M == 0)      # so a key tile's diagonal starts on a query tile (below)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -243,42 +375,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     out = cols[:, None] * stride_om + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < N)     # ROUND: dK
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < N)                  # ROUND: dV
-
-
-@triton.jit
-def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows, cols, offs_d, stride_qm, stride_om, N, qk_scale,
-                   CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr):
-    """One query tile's share of a key tile's dK and dV; returns them and dS^T (in the input dtype)."""
-    qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
-    doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
-    lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
-    delta = tl.load(DELTA + rows, mask=rows < N, other=0.0)
-    # P^T = exp(S^T - lse), S^T = K_j Q_i^T * scale
-    pT = _bwd_probs(k, qT, lse[None, :], rows[None, :], cols[:, None], N, qk_scale, CAUSAL, AUTOCAST, FMA)
-    # dV += P^T dO
-    dv += tl.dot(pT.to(k.dtype), tl.trans(doT))              # ROUND: P to bf16
-    # dP^T = V_j dO_i^T      dS^T = P^T * (dP^T - delta)
-    dpT = tl.dot(v, doT)
-    dsT = (pT * (dpT - delta[None, :])).to(k.dtype)          # ROUND: dS to bf16
-    # dK += dS^T Q (times the scale once, at the store)
-    dk += tl.dot(dsT, tl.trans(qT))
-    return dk, dv, dsT
-
-
-@triton.jit
-def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr,
-               FMA: tl.constexpr):
-    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
-    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
-    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
-    s = _scores(a, bT, qk_scale, AUTOCAST)
-    valid = (queries < N) & (keys < N)
-    if CAUSAL:
-        valid = valid & (queries >= keys)
-    s = tl.where(valid, s, float("-inf"))
-    if not AUTOCAST:
-        return _exp2(s, qk_scale, lse, FMA)
-    return tl.exp(s - lse)
 
 
 @triton.jit
@@ -333,350 +429,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The paper's rule (fix="paper"): a tied row's max shifted up, once per key tile (_fwd_inner). Softmax is shift
-# invariant, so it is exact in real arithmetic; no tied P is exactly 1 after it, so P V's rounding is no longer
-# one-sided. It leaves O's final cast's error that delta reads, and does not cure our runs (docs/kernel.md, "The
-# paper's rule"). Each piece of its code guards a sharp edge of the rule (underflow, r = 0, masked tiles, ties
-# across tiles).
-
-# The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9).
-TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
-BETA = 2.0                     # the paper's factor: a tied max r > 0 moves to BETA * r (the official value)
-SHIFT_LO, SHIFT_HI = 2.0 ** -6, 64.0   # the range the shift is folded into (_shifted_max)
-# Its constants in the kernel's units, a compile-time constant (None with the shift off); inv: _fold's 1 / span.
-Shift = namedtuple("Shift", "beta tol lo hi span inv")
-
-
-@triton.jit
-def _shifted_max(s, scale, t, SHIFT: tl.constexpr):
-    """Row max to subtract from this tile's scores s * scale (r = rowmax(s) * scale, t = the raw row max of the
-    earlier tiles); returns it and the new raw row max max(t, r). The paper's rule (Sec. 5): a row with two
-    scores within tol of r (top-2: r2 >= r - tol), or here r within tol of t (a tie across tiles), moves its
-    max up by d = (beta - 1) r or -r, folded into [lo, hi), so tied P are exp(-d) < 1, rounded both ways.
-    Why each piece (underflow, r = 0, masked tiles, ties across tiles): docs/kernel.md, "The paper's rule"."""
-    tl.static_assert(SHIFT.beta == 2.0)           # the paper's beta: d = |r| below (<= |r|, as _fold needs)
-    tl.static_assert(SHIFT.lo > 0.0)              # d >= lo > 0: no tied P is exactly 1 after the shift
-    r, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
-    r, r2 = r * scale, r2 * scale                                                      # ROUND: as S's scale
-    across = (r >= t - SHIFT.tol) & (t >= r - SHIFT.tol)
-    tied = ((r2 >= r - SHIFT.tol) | across) & (r > float("-inf"))
-    # (beta - 1) r = r for r > 0 and -r below: |r|, free (an operand modifier); r = +-0 folds to lo either way
-    d = tl.abs(r)
-    d = tl.where((d >= SHIFT.lo) & (d < SHIFT.hi), d, _fold(d, SHIFT))
-    return tl.where(tied, r + d, r), tl.maximum(t, r)                                  # ROUND: r + d
-
-
-@triton.jit
-def _top2(a1, a2, b1, b2):
-    """tl.reduce's combine for (largest, second largest) of a row, an equal value counted twice. The second's
-    maxima propagate NaN (none occur), so -inf is their identity and the compiler drops a max per score."""
-    ALL: tl.constexpr = tl.PropagateNan.ALL
-    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2, ALL), ALL)
-
-
-@triton.jit
-def _fold(d, SHIFT: tl.constexpr):
-    """lo + fmod(d, span) for 0 <= d <= |r| without a division (d % span has a slow path): floor(d * inv) in
-    float64, inv = 1 / span rounded up. fmod's bits wherever they matter; the proof: docs/kernel.md, "The fold
-    without a division"."""
-    tl.static_assert(SHIFT.span >= 32.0)          # d >= 2^27 span only where |r| > 2^32
-    tl.static_assert(SHIFT.hi < 2.0 ** 7 - 1.0)   # a fold below hi + 2^-49 |r| rounds away at |r| >= 2^32
-    d64 = d.to(tl.float64)
-    n = tl.floor(d64 * tl.full([], SHIFT.inv, tl.float64))
-    rem = d64 - n * tl.full([], SHIFT.span, tl.float32).to(tl.float64)   # span as the float32 fmod reads
-    return SHIFT.lo + rem.to(tl.float32)                                 # ROUND: lo + fmod(d, span)
-
-
-@functools.cache   # (each call of the forward asks; the answer never changes)
-def fix_constants(precision, p_bits=0):
-    """The shift's constants in the kernel's units (log2 units in "fa2"), in float64; tol and lo widen with
-    the amplifier's p_bits (widening), as the band of scores whose P rounds to 1.0 does."""
-    unit = LOG2E if precision == "fa2" else 1.0
-    lo = SHIFT_LO * widening(p_bits)
-    span = (SHIFT_HI - lo) * unit
-    return Shift(BETA, TIE_TOL * widening(p_bits) * unit, lo * unit, SHIFT_HI * unit, span, reciprocal_up(span))
-
-
-def reciprocal_up(span):
-    """The float64 nearest to 1 / span from above, for span as the kernel holds it (rounded to float32): _fold's
-    quotient d * inv is then never below d / span."""
-    span = struct.unpack("f", struct.pack("f", span))[0]
-    inv = 1.0 / span
-    return inv if Fraction(inv) * Fraction(span) >= 1 else math.nextafter(inv, math.inf)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Host side: the entry points, THE FIX's choice of the O that delta reads, the custom ops and their launches,
-# the checks. (Numerics, flash_attention's switches for the experiments: the appendix.)
-
-# Tuning per head_dim, fixed (no autotune: the summation order never depends on a timing). Forward: (BLOCK_M,
-# warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (docs/kernel.md,
-# "Speed", "kernels.py's settings").
-FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
-BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
-SHORT_SEQ = 512
-# No floating-point contraction: each operation rounds where the ROUND marks say, and the only fma is _exp2's
-# tl.fma (ptxas once fused some tiles and not others: docs/kernel.md, "Correctness evidence").
-UNFUSED = dict(enable_fp_fusion=False)
-if INTERPRET:
-    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
-
-
-def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
-    """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
-
-    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
-        the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
-    fix: "on" (the default): the backward's delta reads the forward's fp32 O (costs that fp32 O's store and
-            its memory until the backward); O and every other number are fix "off"'s.
-        "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
-        "paper": the paper's rule, a tied row's max shifted up, for the experiments (it leaves O's final cast's
-            error, which fails our runs); O is fix "off"'s up to the shift's rounding (docs/kernel.md).
-    numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
-    Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward (two
-    passes, no atomics: the same bits every run).
-    """
-    numerics = Numerics() if numerics is None else numerics
-    return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics).o
-
-
-Forward = namedtuple("Forward", "o lse o_delta")
-
-
-def forward(q, k, v, *, fix, causal=True, numerics=None, delta=None):
-    """The forward as flash_attention runs it, for tests and experiments.
-
-    causal, fix, numerics: flash_attention's. delta: what the backward's delta reads (one of Numerics.delta's
-    values) in place of delta_reads'; the paper's rule stays fix's. v is read as given (the "vo" amplifier's rounding,
-    amplified_v, is the caller's).
-    Returns Forward(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
-    each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O delta reads where it is not o (the fp32
-    O with fix "on"; else an empty tensor)."""
-    numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, numerics)
-    check_device(q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
-                             "call .contiguous()")
-    reads = delta_reads(fix, numerics)
-    return Forward(*_FlashAttention.apply(q, k, v, causal, fix, reads if delta is None else delta,
-                                          numerics.precision, numerics.p_bits, numerics.o_bits,
-                                          numerics.stochastic_o == "forward", numerics.fma))
-
-
-def flash_forward_fp32(q, k, v, *, fix, causal=True, numerics=None):
-    """The forward's fp32 O before its final cast (no autograd): what delta reads with fix "on", and what
-    nanolp/diagnostics.py measures O's rounding against at every diagnostics interval."""
-    numerics = Numerics() if numerics is None else numerics
-    with torch.no_grad():
-        return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics,
-                       delta="fp32-o").o_delta
-
-
-FIXES = ("off", "on", "paper")   # fix's values, as train.py's --fix takes them
-
-
-def delta_reads(fix, numerics):
-    """THE FIX (2, the choice): the O the backward's delta reads, the forward's fp32 O ("fp32-o") with fix
-    "on", else numerics.delta (Numerics); the one check of fix and of fix against the numerics."""
-    if fix not in FIXES:
-        raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
-    if fix == "on" and numerics.delta not in ("o", "fp32-o"):
-        raise ValueError(f'fix="on" (delta from the fp32 O) and delta="{numerics.delta}" are different ways of '
-                         "computing delta: choose one")
-    return "fp32-o" if fix == "on" else numerics.delta
-
-
-def output_and_delta_o(o, o32, stochastic, delta):
-    """From the kernel's O and its fp32 O (o32; None where not kept), the O the caller gets and the O delta
-    reads (None: the same). THE FIX: with delta "fp32-o" that is o32; the caller's O is the same bits either
-    way (docs/kernel.md, "The fix"). The other cases are the stochastic-rounding experiments' (Numerics)."""
-    if stochastic:
-        o = stochastic_round(o32)                                                     # ROUND: O, stochastically
-    if delta == "fp32-o":
-        return o, o32
-    return o, stochastic_round(o32) if delta == "stochastic-o" else None
-
-
-# The custom ops take plain values (a schema has no dataclass): fix, what delta reads (delta_reads), Numerics'
-# parts. They check nothing: the entry points above do. Tools that record their launches on CPU tensors call
-# them directly (nanolp/compile_sm90.py, experiments/sass.py).
-def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: str, delta: str,
-              precision: str, p_bits: int, o_bits: int, stochastic: bool,
-              fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns O (q's dtype), lse, and the O that delta reads when it is not O itself (else an empty tensor).
-    delta "p" is for the backward only (_FlashAttention)."""
-    B, H, N, D = q.shape
-    o = empty_in_layout_of(q)
-    keep_o32 = stochastic or delta in ("fp32-o", "stochastic-o")    # wherever output_and_delta_o reads it
-    o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
-    assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
-    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    block_m, warps, stages = FWD_TUNING[D]
-    _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        H, N, qk_scale(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
-        AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if fix == "paper" else None,
-        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=o32 is not None, num_warps=warps, num_stages=stages,
-        **UNFUSED)
-    o, o_delta = output_and_delta_o(o, o32, stochastic, delta)
-    return o, lse, o.new_empty(0) if o_delta is None else o_delta
-
-
-flash_fwd_op = torch.library.custom_op("nanolp::flash_fwd", flash_fwd, mutates_args=())
-
-
-@flash_fwd_op.register_fake
-def _(q, k, v, causal, fix, delta, precision, p_bits, o_bits, stochastic, fma):
-    o = empty_in_layout_of(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if delta in ("fp32-o", "stochastic-o"):
-        return o, lse, empty_in_layout_of(q, torch.float32 if delta == "fp32-o" else None)
-    return o, lse, o.new_empty(0)
-
-
-def bwd_launch(q, k, v, o, causal, precision, fma):
-    """What every backward kernel is launched with: the grids per query tile and per key tile, the strides (O's
-    for dO, dQ, dK, dV too) and qk_scale, the meta-parameters (BWD_TUNING's)."""
-    B, H, N, D = q.shape
-    block_m, block_n, warps, stages = BWD_TUNING[D]
-    if N <= SHORT_SEQ:
-        stages = 1
-    grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
-               qk_scale(D, precision))
-    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, AUTOCAST=precision == "autocast",
-                FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
-    return grids, strides, meta
-
-
-def bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma):
-    """delta = rowsum(dO * O), or with from_p the paper's control (no O read). do must be in O's layout."""
-    (per_query, _), strides, meta = bwd_launch(q, k, v, o, causal, precision, fma)
-    delta = torch.empty_like(lse)
-    if from_p:
-        # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
-        _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
-    else:
-        _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
-                                     BLOCK_M=meta["BLOCK_M"], **UNFUSED)
-    return delta
-
-
-def dense_do(do, q, o):
-    """dO as the kernels read it: with O's strides and q's dtype (exact: an fp32 dO from the cast holds bf16)."""
-    if do.stride() != o.stride() or do.dtype != q.dtype:
-        do = torch.empty_like(o, dtype=q.dtype).copy_(do)
-    return do
-
-
-def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              lse: torch.Tensor, causal: bool, precision: str, from_p: bool,
-              fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV, from o the O that delta reads: dK/dV and dQ in two passes, no atomics."""
-    do = dense_do(do, q, o)
-    (per_query, per_key), strides, meta = bwd_launch(q, k, v, o, causal, precision, fma)
-    args = (q, k, v, do, lse, bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma))
-    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
-    sm_scale = q.shape[-1] ** -0.5
-    _bwd_dkdv_kernel[per_key](*args, dk, dv, *strides, sm_scale, **meta)
-    _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
-    return dq, dk, dv
-
-
-flash_bwd_op = torch.library.custom_op("nanolp::flash_bwd", flash_bwd, mutates_args=())
-
-
-@flash_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, precision, from_p, fma):
-    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
-
-
-def direct(op, fn):
-    """What an eager call runs: the op's own function (fn), not its dispatch, which costs more host time per call
-    than the kernels take at short sequences (results/speed/host_path); torch.compile gets the op (opaque)."""
-    return op if torch.compiler.is_compiling() else fn
-
-
-class _FlashAttention(torch.autograd.Function):
-    """flash_fwd_op, differentiable in O through flash_bwd_op; lse and the O delta reads are not (no zeros are
-    made for their gradients)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, fix, delta, precision, p_bits, o_bits, stochastic, fma):
-        o, lse, o_delta = direct(flash_fwd_op, flash_fwd)(q, k, v, causal, fix, delta, precision, p_bits, o_bits,
-                                                          stochastic, fma)
-        # THE FIX (3, the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
-        ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)
-        ctx.args = (causal, precision, delta == "p", fma)
-        ctx.mark_non_differentiable(lse, o_delta)
-        ctx.set_materialize_grads(False)
-        return o, lse, o_delta
-
-    @staticmethod
-    def backward(ctx, do, _dlse, _do_delta):
-        q, k, v, o, lse = ctx.saved_tensors
-        return *direct(flash_bwd_op, flash_bwd)(do, q, k, v, o, lse, *ctx.args), *(None,) * 8
-
-
-def check_device(q):
-    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once nanolp/interp_patch.py
-    has patched it: the stock interpreter computes bf16 wrongly, finite and silent."""
-    if INTERPRET:
-        from triton.runtime import interpreter
-        if getattr(interpreter, "nanolp_bf16_patch", False):
-            return
-        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
-    elif q.device.type == "cuda":
-        return
-    else:
-        problem = f"the kernel needs CUDA tensors, got {q.device}"
-    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
-                     "PyTorch (the same numbers)")
-
-
-def check_inputs(q, k, v, numerics):
-    """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[-1] not in (16, 32, 64, 128):
-        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
-    if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
-        raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
-    if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
-        raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
-
-
-def qk_scale(head_dim, precision):
-    return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
-
-
-def empty_in_layout_of(t, dtype=None):
-    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is (seq-major when t is a head view
-    of a (batch, seq, channels) tensor, so model.py's reshape back is free); dtype: t's by default."""
-    B, H, N, D = t.shape
-    dtype = dtype or t.dtype
-    if t.stride(1) < t.stride(2):
-        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
-    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Appendix: the experiments' switches (flash_attention's numerics=): how the kernel rounds, for studying the
-# failure, and the roundings they need on the host and in the kernels. The defaults are plain FlashAttention-2;
+# The experiments' switches (flash_attention's numerics=): how the kernel rounds, for studying the failure, and
+# the roundings they need on the host (in the kernels: _round_bits). The defaults are plain FlashAttention-2;
 # training a model needs none of this.
 
 def option(help, default, choices=None):
@@ -771,19 +525,265 @@ def amplified_v(v, bits):
     return round_mantissa(v, bits).to(v.dtype).detach() + (v - v.detach())
 
 
-def widening(bits):
-    """How much wider than bf16's the band of scores whose P rounds to 1.0 is, P at `bits` bits (0: bf16)."""
-    return 2.0 ** (7 - bits) if bits else 1.0
+# ---------------------------------------------------------------------------------------------------------
+# Host side: the checks, THE FIX's choice of the O that delta reads, the custom ops and their launches, the
+# autograd Function, and last the entry points, forward (every output, for tests and experiments) and
+# flash_attention.
+
+# Tuning per head_dim, fixed (no autotune: the summation order never depends on a timing). Forward: (BLOCK_M,
+# warps, stages); backward: (BLOCK_M, BLOCK_N, warps, stages), unpipelined up to SHORT_SEQ keys (the timings behind
+# them: results/speed/README.md, "kernels.py's settings").
+FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
+BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
+SHORT_SEQ = 512
+# No floating-point contraction: each operation rounds where the ROUND marks say, and the only fma is _exp2's
+# tl.fma (ptxas once fused some tiles and not others: docs/kernel.md, "Correctness evidence").
+UNFUSED = dict(enable_fp_fusion=False)
+if INTERPRET:
+    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
 
 
-@triton.jit
-def _round_bits(x, BITS: tl.constexpr):
-    """The amplifier (Numerics.mantissa_bits): fp32 x rounded to BITS mantissa bits, ties to even (P before
-    P V, as FP8 attention does, or O before its store with amplify="vo"). BITS = 0: no-op."""
-    if BITS > 0:
-        tl.static_assert(BITS < 23)                          # fp32 has 23: at least one bit is dropped
-        DROP: tl.constexpr = 23 - BITS
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + ((1 << (DROP - 1)) - 1) + ((b >> DROP) & 1)) & ~((1 << DROP) - 1)
-        x = b.to(tl.float32, bitcast=True)
-    return x
+FIXES = ("off", "on", "paper")   # fix's values, as flash_attention and train.py's --fix take them
+
+
+def check_fix(fix, numerics):
+    """fix's one check where it enters: flash_attention's (check_inputs) and train.py's (nanolp/runconfig.py,
+    which says it in flags); with fix "on" delta reads the fp32 O, so numerics may ask for no other."""
+    if fix not in FIXES:
+        raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
+    if fix == "on" and numerics.delta not in ("o", "fp32-o"):
+        raise ValueError(f'fix="on" (delta from the fp32 O) and delta="{numerics.delta}" are different ways of '
+                         "computing delta: choose one")
+
+
+def check_device(q):
+    """The kernel runs compiled, on CUDA tensors, or under Triton's CPU interpreter once nanolp/interp_patch.py
+    has patched it: the stock interpreter computes bf16 wrongly, finite and silent."""
+    if INTERPRET:
+        from triton.runtime import interpreter
+        if getattr(interpreter, "nanolp_bf16_patch", False):
+            return
+        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
+    elif q.device.type == "cuda":
+        return
+    else:
+        problem = f"the kernel needs CUDA tensors, got {q.device}"
+    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
+                     "PyTorch (the same numbers)")
+
+
+def check_inputs(q, k, v, fix, numerics):
+    """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
+    if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
+    if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
+        raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
+    check_fix(fix, numerics)
+
+
+def empty_in_layout_of(t, dtype=None):
+    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is (seq-major when t is a head view
+    of a (batch, seq, channels) tensor, so model.py's reshape back is free); dtype: t's by default."""
+    B, H, N, D = t.shape
+    dtype = dtype or t.dtype
+    if t.stride(1) < t.stride(2):
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+
+
+def qk_scale_of(head_dim, precision):
+    """The kernels' qk_scale, Q K^T's scale inside the exponent: 1 / sqrt(head_dim), times log2 e in "fa2" (exp2)."""
+    return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
+
+
+def output_and_delta_o(o, o32, fix, stochastic, delta_from):
+    """From the kernel's O and its fp32 O (o32, where kept), the O the caller gets and the O delta reads (o
+    itself where it reads that). THE FIX (2, the choice): with fix "on" (or delta_from "fp32-o") delta reads
+    o32; the caller's O is the same bits either way (docs/kernel.md, "The fix"). The other cases are the
+    stochastic-rounding experiments' (Numerics)."""
+    if stochastic:
+        o = stochastic_round(o32)                                                     # ROUND: O, stochastically
+    if fix == "on" or delta_from == "fp32-o":
+        return o, o32
+    return o, stochastic_round(o32) if delta_from == "stochastic-o" else o
+
+
+# The custom ops take plain values (a schema has no dataclass): fix itself, Numerics' parts (delta_from:
+# Numerics.delta). They check nothing: the entry points below do. Tools that record their launches on CPU
+# tensors call them directly (nanolp/compile_sm90.py, experiments/sass.py).
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fix: str, delta_from: str,
+              precision: str, p_bits: int, o_bits: int, stochastic: bool, fma: bool) -> list[torch.Tensor]:
+    """Returns O (q's dtype) and lse, then, where delta reads another O than the one returned, that O (a
+    schema's way of an output that only some calls have). delta_from "p" is for the backward only
+    (_FlashAttention)."""
+    B, H, N, D = q.shape
+    o = empty_in_layout_of(q)
+    # wherever output_and_delta_o reads the fp32 O, the kernel keeps it
+    keep_o32 = fix == "on" or stochastic or delta_from in ("fp32-o", "stochastic-o")
+    o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
+    assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    block_m, warps, stages = FWD_TUNING[D]
+    _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
+        q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        H, N, qk_scale_of(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,
+        AUTOCAST=precision == "autocast", SHIFT=fix_constants(precision, p_bits) if fix == "paper" else None,
+        P_BITS=p_bits, O_BITS=o_bits, FMA=fma, KEEP_O32=keep_o32, num_warps=warps, num_stages=stages,
+        **UNFUSED)
+    o, o_delta = output_and_delta_o(o, o32, fix, stochastic, delta_from)
+    return [o, lse] if o_delta is o else [o, lse, o_delta]
+
+
+flash_fwd_op = torch.library.custom_op("nanolp::flash_fwd", flash_fwd, mutates_args=())
+
+
+@flash_fwd_op.register_fake
+def _(q, k, v, causal, fix, delta_from, precision, p_bits, o_bits, stochastic, fma):
+    o, lse = empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    if fix == "on" or delta_from == "fp32-o":
+        return [o, lse, empty_in_layout_of(q, torch.float32)]
+    if delta_from == "stochastic-o":
+        return [o, lse, empty_in_layout_of(q)]
+    return [o, lse]
+
+
+def bwd_launch(q, k, v, o, causal, precision, fma):
+    """What every backward kernel is launched with: the grids per query tile and per key tile, the strides (O's
+    for dO, dQ, dK, dV too) and qk_scale, the meta-parameters (BWD_TUNING's)."""
+    B, H, N, D = q.shape
+    block_m, block_n, warps, stages = BWD_TUNING[D]
+    if N <= SHORT_SEQ:
+        stages = 1
+    grids = tuple((triton.cdiv(N, block), B * H) for block in (block_m, block_n))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, N,
+               qk_scale_of(D, precision))
+    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, AUTOCAST=precision == "autocast",
+                FMA=fma, num_warps=warps, num_stages=stages, **UNFUSED)
+    return grids, strides, meta
+
+
+def bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma):
+    """delta = rowsum(dO * O), or with from_p the paper's control (no O read). do must be in O's layout."""
+    (per_query, _), strides, meta = bwd_launch(q, k, v, o, causal, precision, fma)
+    delta = torch.empty_like(lse)
+    if from_p:
+        # the dQ pass in its delta mode: DQ and sm_scale unused (delta stands in for DQ)
+        _bwd_dq_kernel[per_query](q, k, v, do, lse, delta, delta, *strides, 1.0, DELTA_FROM_P=True, **meta)
+    else:
+        _bwd_delta_kernel[per_query](o, do, delta, *o.stride()[:3], *q.shape[1:3], HEAD_DIM=meta["HEAD_DIM"],
+                                     BLOCK_M=meta["BLOCK_M"], **UNFUSED)
+    return delta
+
+
+def dense_do(do, q, o):
+    """dO as the kernels read it: with O's strides and q's dtype (exact: an fp32 dO from the cast holds bf16)."""
+    if do.stride() != o.stride() or do.dtype != q.dtype:
+        do = torch.empty_like(o, dtype=q.dtype).copy_(do)
+    return do
+
+
+def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, causal: bool, precision: str, from_p: bool,
+              fma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV, from o the O that delta reads: dK/dV and dQ in two passes, no atomics."""
+    do = dense_do(do, q, o)
+    (per_query, per_key), strides, meta = bwd_launch(q, k, v, o, causal, precision, fma)
+    args = (q, k, v, do, lse, bwd_delta(do, q, k, v, o, lse, causal, precision, from_p, fma))
+    dq, dk, dv = (torch.empty_like(o, dtype=q.dtype) for _ in range(3))   # o is dense: same strides
+    sm_scale = q.shape[-1] ** -0.5
+    _bwd_dkdv_kernel[per_key](*args, dk, dv, *strides, sm_scale, **meta)
+    _bwd_dq_kernel[per_query](*args, dq, *strides, sm_scale, DELTA_FROM_P=False, **meta)
+    return dq, dk, dv
+
+
+flash_bwd_op = torch.library.custom_op("nanolp::flash_bwd", flash_bwd, mutates_args=())
+
+
+@flash_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, precision, from_p, fma):
+    return tuple(torch.empty_like(o, dtype=q.dtype) for _ in range(3))
+
+
+def direct(op, fn):
+    """What an eager call runs: the op's own function (fn), not its dispatch, which costs more host time per call
+    than the kernels take at short sequences (results/speed/host_path); torch.compile gets the op (opaque)."""
+    return op if torch.compiler.is_compiling() else fn
+
+
+class _FlashAttention(torch.autograd.Function):
+    """flash_fwd_op, differentiable in O through flash_bwd_op; lse and the O delta reads are not (no zeros are
+    made for their gradients)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, fix, delta_from, precision, p_bits, o_bits, stochastic, fma):
+        o, lse, *o_delta = direct(flash_fwd_op, flash_fwd)(q, k, v, causal, fix, delta_from, precision, p_bits,
+                                                           o_bits, stochastic, fma)
+        # THE FIX (3, the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
+        ctx.save_for_backward(q, k, v, *(o_delta or [o]), lse)
+        ctx.args = (causal, precision, delta_from == "p", fma)
+        ctx.mark_non_differentiable(lse, *o_delta)
+        ctx.set_materialize_grads(False)
+        return o, lse, *o_delta
+
+    @staticmethod
+    def backward(ctx, do, *_):   # (lse and the O delta reads have no gradient)
+        q, k, v, o, lse = ctx.saved_tensors
+        return *direct(flash_bwd_op, flash_bwd)(do, q, k, v, o, lse, *ctx.args), *(None,) * 8
+
+
+Outputs = namedtuple("Outputs", "o lse o_delta")
+
+
+def forward(q, k, v, *, fix, causal=True, numerics=None):
+    """The forward as flash_attention runs it, for tests and experiments; the one check of its arguments.
+
+    causal, fix, numerics: flash_attention's. v is read as given (the "vo" amplifier's rounding, amplified_v, is
+    the caller's).
+    Returns Outputs(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
+    each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O the backward's delta reads: the fp32 O with
+    fix "on" or delta "fp32-o" (THE FIX), a stochastic rounding of it with delta "stochastic-o", else o itself."""
+    numerics = Numerics() if numerics is None else numerics
+    check_inputs(q, k, v, fix, numerics)
+    check_device(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
+                             "call .contiguous()")
+    o, lse, *o_delta = _FlashAttention.apply(q, k, v, causal, fix, numerics.delta, numerics.precision,
+                                             numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
+                                             numerics.fma)
+    return Outputs(o, lse, *(o_delta or [o]))
+
+
+def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
+    """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
+
+    q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
+        the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
+    fix: "on" (the default): the backward's delta reads the forward's fp32 O (costs that fp32 O's store and
+            its memory until the backward); O and every other number are fix "off"'s.
+        "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
+        "paper": the paper's rule, a tied row's max shifted up, for the experiments (it leaves O's final cast's
+            error, which fails our runs); O is fix "off"'s up to the shift's rounding (docs/kernel.md).
+    numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
+    Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward (two
+    passes, no atomics: the same bits every run).
+    """
+    numerics = Numerics() if numerics is None else numerics
+    return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics).o

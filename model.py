@@ -16,7 +16,7 @@ block: positions learned, rotary or none, QK-norm); the demo leaves them at thei
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import Numerics, flash_attention
+from nanolp.emulate import causal_scores, emulate_attention   # the kernel's emulation; fp32 attention's scores
 
 ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
+OURS = ("kernel", "emulate")   # the backends with our kernel's numerics: the ones that take fix and kernels.Numerics
 POSITIONS = ("learned", "rope", "none")
 ROPE_BASE = 10000.0   # rotary positions' wavelengths run from 2 pi to 2 pi * ROPE_BASE tokens (RoFormer's base)
 
@@ -38,7 +40,9 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 384
     attn: str = "kernel"      # one of ATTN_BACKENDS
-    fix: str = "off"          # kernel/emulate: "off", "on" (delta from the fp32 O) or "paper" (the paper's rule)
+    # kernel/emulate: "off", "on" (delta from the fp32 O) or "paper" (the paper's rule), kernels.flash_attention's
+    # fix; no default: the caller's (train.py's --fix)
+    fix: str = field(kw_only=True)
     # ---- experiments: variants that test the mechanism; the defaults are the plain model and attention.
     numerics: Numerics = Numerics()   # kernel/emulate: how our attention rounds
     pos: str = "learned"      # "learned" positions (GPT-2), "rope" (rotary: q and k turned by their position, as
@@ -50,7 +54,6 @@ class GPTConfig:
 def reference_attention(q, k, v):
     """Softmax attention in float32 from the same q, k, v; only the result is cast back to their dtype.
     Autograd's softmax backward never reads the output O, so this path has no delta = rowsum(dO * O) error."""
-    from nanolp.emulate import causal_scores   # the scores the kernel's emulation is checked against
     P = causal_scores(q, k).softmax(dim=-1)
     with torch.autocast(q.device.type, enabled=False):
         return (P @ v.float()).to(q.dtype)
@@ -62,13 +65,20 @@ def implementation(attn, device_type):
     return "emulate" if attn == "kernel" and device_type != "cuda" else attn
 
 
+def kernel_only(attn, settings):
+    """The names of the settings (fix, kernels.Numerics' fields: a dict that holds them) that only our kernel has,
+    set other than plain where attn is not ours and would ignore them, silently; [] where attn is ours. The rule's
+    one home: GPT refuses them, and so does train.py, in flags, before it writes anything (nanolp/runconfig.py)."""
+    plain = dict(fix="off") | asdict(Numerics())
+    return [] if attn in OURS else [k for k in plain if settings[k] != plain[k]]
+
+
 def attention(q, k, v, config):
     """Causal attention on (batch, heads, seq, head_dim) tensors with the backend the config names."""
-    if config.attn in ("kernel", "emulate"):
+    if config.attn in OURS:
         if implementation(config.attn, q.device.type) == "kernel":
             fn = flash_attention
         else:  # the emulation has the kernel's numerics and runs anywhere
-            from nanolp.emulate import emulate_attention   # imported here: model.py alone needs no nanolp
             fn = emulate_attention
         return fn(q, k, v, causal=True, fix=config.fix, numerics=config.numerics)
     if config.attn == "fp32":
@@ -176,10 +186,8 @@ class GPT(nn.Module):
         super().__init__()
         assert config.attn in ATTN_BACKENDS, f"attn must be one of {ATTN_BACKENDS}, got {config.attn!r}"
         assert config.pos in POSITIONS, f"pos must be one of {POSITIONS}, got {config.pos!r}"
-        changed = [f.name for f in fields(Numerics) if getattr(config.numerics, f.name) != f.default]
-        kernel_only = (["fix"] if config.fix != "off" else []) + changed
-        if config.attn not in ("kernel", "emulate") and kernel_only:
-            raise ValueError(f"{', '.join(kernel_only)}: only our kernel (attn kernel or emulate) has it, "
+        if given := kernel_only(config.attn, dict(fix=config.fix) | asdict(config.numerics)):
+            raise ValueError(f"{', '.join(given)}: only our kernel (attn kernel or emulate) has it, "
                              f"not attn {config.attn!r}")
         self.config = config
         self.transformer = nn.ModuleDict(dict(

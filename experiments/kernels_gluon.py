@@ -2,12 +2,13 @@
 pieces Triton's compiler does not let kernels.py place itself (shared memory, warpgroup MMAs, TMA, mbarriers).
 
     from experiments.kernels_gluon import forward
-    o, lse, o32 = forward(q, k, v, causal=True, fix="on")      # CUDA sm_90; head_dim 64 or 128; bf16/fp16
+    o, lse, o32 = forward(q, k, v, fix="on", causal=True)      # CUDA sm_90; head_dim 64 or 128; bf16/fp16
 
 kernels.py is the specification: each stage below names the piece of kernels.py it implements. Outputs are
-kernels.forward's: O in q's dtype and layout, lse in fp32 (log2 units: m + log2 l, "fa2" precision), and with
-fix="on" the fp32 O before its final cast (THE FIX's store, KEEP_O32; fix="paper": the paper's rule); "fa2"
-numerics only (the production rounding: the exponent one fma, no amplifier).
+kernels.forward's: O in q's dtype and layout, lse in fp32 (log2 units: m + log2 l, "fa2" precision), and the O
+delta reads: with fix="on" the fp32 O before its final cast (THE FIX's store, KEEP_O32), else O itself
+(fix="paper": the paper's rule); "fa2" numerics only (the production rounding: the exponent one fma, no
+amplifier).
 
 Four variants (VARIANTS), each one program per 128 query rows (two warpgroups of 64), key tiles of 64:
     "sync": K and V read by plain loads into shared memory; each warpgroup MMA waited on at once. The likely-correct
@@ -32,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import Numerics, TILE_N, UNFUSED, check_inputs, delta_reads, empty_in_layout_of, fix_constants, qk_scale
+from kernels import Numerics, TILE_N, UNFUSED, check_inputs, empty_in_layout_of, fix_constants, qk_scale_of
 
 BLOCK_N = gl.constexpr(TILE_N)    # keys per tile (the shift looks for ties within one tile)
 # (BLOCK_M, warps at launch); "ws": 4 warps (a consumer warpgroup), plus its partitions: 4 warps and a loader warp
@@ -571,8 +572,8 @@ def _ov_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
 # Host side
 
 def check(q, k, v, causal, fix, variant):
-    """kernels.check_inputs' checks, then what this file adds; one clear error each."""
-    check_inputs(q, k, v, Numerics())
+    """kernels.check_inputs' checks (fix's among them), then what this file adds; one clear error each."""
+    check_inputs(q, k, v, fix, Numerics())
     if q.shape[-1] not in (64, 128):
         raise ValueError(f"the Gluon forward takes head_dim 64 or 128, got {q.shape[-1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -580,7 +581,6 @@ def check(q, k, v, causal, fix, variant):
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    shift, delta = fix == "paper", delta_reads(fix, Numerics())
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
     if variant != "sync":   # TMA reads 16-byte aligned rows
@@ -588,15 +588,14 @@ def check(q, k, v, causal, fix, variant):
             if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
                 raise ValueError(f'variant "tma" needs {name} 16-byte aligned with strides of multiples of 16 '
                                  f"bytes, got strides {t.stride()}; call .contiguous() or use variant \"sync\"")
-    return shift, delta == "fp32-o"
 
 
-def forward(q, k, v, causal=True, fix="on", variant="sync"):
-    """kernels.forward's outputs for "fa2" numerics: (O, lse, the fp32 O with fix "on", else an empty tensor)."""
-    shift, keep_o32 = check(q, k, v, causal, fix, variant)
+def forward(q, k, v, *, fix, causal=True, variant="sync"):
+    """kernels.forward's outputs for "fa2" numerics: (O, lse, the O delta reads: the fp32 O with fix "on", else O)."""
+    check(q, k, v, causal, fix, variant)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError(f"the Gluon forward runs on an sm_90 GPU (H100/H200), got {q.device}")
-    return launch(q, k, v, causal, shift, keep_o32, variant)
+    return launch(q, k, v, causal, fix, variant)
 
 
 def descriptor(t, rows):
@@ -607,20 +606,21 @@ def descriptor(t, rows):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch(q, k, v, causal, shift, keep_o32, variant):
+def launch(q, k, v, causal, fix, variant):
     B, H, N, D = q.shape
     o = empty_in_layout_of(q)
-    o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else o.new_empty(0, dtype=torch.float32)
+    keep_o32 = fix == "on"                                    # THE FIX's store, as kernels.flash_fwd's KEEP_O32
+    o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else o    # (O32: never written without KEEP_O32)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_m, warps = VARIANTS[variant]
     kernel = globals()[f"_fwd_{variant}"]
-    out = (o, o32 if keep_o32 else o, lse)
+    out = (o, o32, lse)
     if variant != "sync":
         q_rows = block_m if variant == "tma" else 64      # "ws": each warpgroup reads its own 64 rows of Q
         args = [*(descriptor(t, rows) for t, rows in ((q, q_rows), (k, BLOCK_N.value), (v, BLOCK_N.value))), *out]
     else:
         args = [q, k, v, *out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]]
     kernel[(triton.cdiv(N, block_m), B * H)](
-        *args, *o.stride()[:3], H, N, qk_scale(D, "fa2"), HEAD_DIM=D, BLOCK_M=block_m, CAUSAL=causal,
-        SHIFT=fix_constants("fa2") if shift else None, KEEP_O32=keep_o32, num_warps=warps, **UNFUSED)
+        *args, *o.stride()[:3], H, N, qk_scale_of(D, "fa2"), HEAD_DIM=D, BLOCK_M=block_m, CAUSAL=causal,
+        SHIFT=fix_constants("fa2") if fix == "paper" else None, KEEP_O32=keep_o32, num_warps=warps, **UNFUSED)
     return o, lse, o32

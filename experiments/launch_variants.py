@@ -163,7 +163,7 @@ class _OnePassAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, fix, numerics):
         o, lse, o_delta = kernels.forward(q, k, v, causal=causal, fix=fix, numerics=numerics)
-        ctx.save_for_backward(q, k, v, o_delta if o_delta.numel() else o, lse)   # the O that delta will read
+        ctx.save_for_backward(q, k, v, o_delta, lse)   # the O that delta will read
         ctx.args = (causal, numerics.precision, numerics.delta == "p", numerics.fma)
         return o
 

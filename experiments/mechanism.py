@@ -41,11 +41,11 @@ ROUNDING_COLORS = dict(nearest="tab:red", stochastic="tab:orange", independent="
 
 
 def attention_backend():
-    """(attention, its fp32 forward, device): the Triton kernel where there is a GPU, else the emulation (same
-    numerics, CPU speed)."""
+    """(attention, its fp32 forward with --fix on, device): the Triton kernel where there is a GPU (the fp32 O:
+    the O delta reads, kernels.forward's o_delta), else the emulation (same numerics, CPU speed)."""
     if torch.cuda.is_available():
-        from kernels import flash_attention, flash_forward_fp32
-        return flash_attention, flash_forward_fp32, "cuda"
+        from kernels import flash_attention, forward
+        return flash_attention, lambda q, k, v, **options: forward(q, k, v, **options).o_delta, "cuda"
     return emulate_attention, emulate_forward_fp32, "cpu"
 
 

@@ -24,7 +24,7 @@ def main(arm, seed, steps, every=4000):
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=1, n_head=1, n_embd=WIDTH, attn="emulate",
-                          numerics=Numerics(delta="fp32-o" if arm == "dfp32" else "o")))
+                          fix="off", numerics=Numerics(delta="fp32-o" if arm == "dfp32" else "o")))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(1)
     print("step loss |W_Q|*|W_K|", flush=True)

@@ -44,7 +44,7 @@ def main(run_dir, batches=40):
     c = json.loads((Path(run_dir) / "config.json").read_text())
     data = prepare(c["data"])
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=c["block_size"], n_layer=c["n_layer"],
-                          n_head=c["n_head"], n_embd=c["n_embd"], attn="sdpa"))
+                          n_head=c["n_head"], n_embd=c["n_embd"], attn="sdpa", fix="off"))
     ckpt = sorted((Path(run_dir) / "ckpt").glob("step_*.pt"))[-1]
     model.load_state_dict(torch.load(ckpt, map_location="cpu")["model"])
     print(f"{ckpt}: {batches} batches of {c['batch_size']} x {c['block_size']}")

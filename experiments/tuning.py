@@ -65,7 +65,7 @@ def grid(out):
 
 def train_speed(attn, mode="default", steps=100, warmup=30, profile_to=None):
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65, attn=attn)
+    cfg = GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65, attn=attn, fix="off")
     model = GPT(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     step_model = torch.compile(model, mode=mode)

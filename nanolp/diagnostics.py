@@ -25,6 +25,7 @@ split as the curvature hypothesis splits it (delta_probe; docs/findings.md, sect
     train.py sets to the step.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -117,9 +118,11 @@ def spectral_norms(model):
 def fp32_output(q, k, v, config):
     """The attention's O before its final cast, as config's attention computes it (float32 attention for the
     torch backends, which have no fp32 O of their own to read)."""
-    if config.attn == "kernel" and q.is_cuda:
-        from kernels import flash_forward_fp32
-        return flash_forward_fp32(q, k, v, fix=config.fix, numerics=config.numerics)
+    if config.attn == "kernel" and q.is_cuda:   # the fp32 O the kernel keeps for delta with delta "fp32-o"
+        from kernels import forward
+        numerics = dataclasses.replace(config.numerics, delta="fp32-o")
+        with torch.no_grad():
+            return forward(q, k, amplified_v(v, numerics.o_bits), fix=config.fix, numerics=numerics).o_delta
     if config.attn in ("kernel", "emulate"):
         return emulate_forward_fp32(q, k, v, fix=config.fix, numerics=config.numerics)
     with torch.no_grad():

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, delta_reads, fix_constants,
-                     output_and_delta_o, qk_scale, round_mantissa)
+from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants, output_and_delta_o,
+                     qk_scale_of, round_mantissa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def exponent(S, scale, m, fma):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The fix
+# The paper's rule (fix "paper")
 
 def shifted_max(S, r, t, shift):
     """The row max to subtract from this tile's scaled scores S, and the new raw row max (kernels._shifted_max;
@@ -116,7 +116,7 @@ def shifted_max(S, r, t, shift):
 
 def scale_of(q, precision):
     """qk_scale as the kernel holds it, in float32."""
-    return torch.tensor(qk_scale(q.shape[-1], precision), dtype=torch.float32, device=q.device)
+    return torch.tensor(qk_scale_of(q.shape[-1], precision), dtype=torch.float32, device=q.device)
 
 
 def scores(q, kt, precision, dtype):
@@ -139,7 +139,7 @@ def _mask(S, col0, n_keys, causal):
 
 def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units), with
-    the fix's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
+    the paper's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
     (kernels.flash_fwd_op's KEEP_O32); the mechanism tests use it to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
@@ -147,7 +147,7 @@ def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     low = (lambda x: round_mantissa(x, p_bits)) if p_bits else (lambda x: x)                 # the amplifier
     q, k, v = q.float(), k.float(), v.float()
     m = torch.full((B, H, N), -math.inf, device=q.device)
-    t = m.clone()                      # the raw running max (the fix's shift is not in it)
+    t = m.clone()                      # the raw running max (the paper's shift is not in it)
     l = torch.zeros((B, H, N), device=q.device)
     acc = torch.zeros((B, H, N, D), device=q.device)
     for col0 in range(0, N, TILE_N):
@@ -257,34 +257,35 @@ def backward(q, k, v, o, lse, do, causal, precision, from_p=False, fma=True, one
 
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, shift, delta, numerics, one_pass):
-        o, o32, lse = forward(q, k, v, causal, shift, numerics)
-        o, o_delta = output_and_delta_o(o, o32, numerics.stochastic_o == "forward", delta)   # as the kernel
-        ctx.save_for_backward(q, k, v, o if o_delta is None else o_delta, lse)   # the O that delta will read
-        ctx.args = (causal, numerics.precision, delta == "p", numerics.fma, one_pass)
+    def forward(ctx, q, k, v, causal, fix, numerics, one_pass):
+        o, o32, lse = forward(q, k, v, causal, fix == "paper", numerics)
+        stochastic = numerics.stochastic_o == "forward"
+        o, o_delta = output_and_delta_o(o, o32, fix, stochastic, numerics.delta)   # as the kernel
+        ctx.save_for_backward(q, k, v, o_delta, lse)   # the O that delta will read
+        ctx.args = (causal, numerics.precision, numerics.delta == "p", numerics.fma, one_pass)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 5)
+            return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 4)
 
 
-def emulate_attention(q, k, v, causal=True, fix="on", numerics=Numerics(), one_pass=None):
+def emulate_attention(q, k, v, causal=True, *, fix, numerics=Numerics(), one_pass=None):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch (with one_pass,
-    (block_m, block_n), the one-pass backward's at those tiles, dQ as the CPU interpreter sums it)."""
-    check_inputs(q, k, v, numerics)
-    shift, delta = fix == "paper", delta_reads(fix, numerics)
+    (block_m, block_n), the one-pass backward's at those tiles, dQ as the CPU interpreter sums it); fix is the
+    caller's (model.py's, a test's): flash_attention's default is the drop-in's."""
+    check_inputs(q, k, v, fix, numerics)
     v = amplified_v(v, numerics.o_bits)
     with torch.autocast(q.device.type, enabled=False):
-        return _EmulatedAttention.apply(q, k, v, causal, shift, delta, numerics, one_pass)
+        return _EmulatedAttention.apply(q, k, v, causal, fix, numerics, one_pass)
 
 
 def emulate_forward_fp32(q, k, v, *, fix, causal=True, numerics=Numerics()):
-    """kernels.flash_forward_fp32's result: the forward's O before its final cast."""
-    check_inputs(q, k, v, numerics)
-    delta_reads(fix, numerics)   # the check of fix
+    """The forward's O before its final cast (no autograd): kernels.forward's o_delta with delta "fp32-o", what
+    delta reads with fix "on"."""
+    check_inputs(q, k, v, fix, numerics)
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
         return forward(q, k, amplified_v(v, numerics.o_bits), causal, fix == "paper", numerics)[1]
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import Numerics, delta_reads
+from kernels import Numerics, check_fix
+from model import OURS, kernel_only
 from nanolp.runs import DAMAGED, GPT2_BLOCK, RunError, latest_checkpoint, read_json
 
 
@@ -87,7 +88,7 @@ def check_config(c):
     problems = [f"{flag(k)} must be at least {low}, got {c[k]}" for k, low in at_least.items() if c[k] < low]
     problems += [f"{flag(k)} must be positive, got {c[k]}" for k in ("lr", "minutes")
                  if c[k] is not None and not c[k] > 0]
-    ours = c["attn"] in ("kernel", "emulate")
+    ours = c["attn"] in OURS
     shape_ok = c["n_head"] >= 1 and c["n_embd"] >= 1
     if shape_ok and c["n_embd"] % c["n_head"]:
         problems.append(f"--n-embd {c['n_embd']} is not divisible by --n-head {c['n_head']}: each head takes "
@@ -95,13 +96,11 @@ def check_config(c):
     elif shape_ok and ours and c["n_embd"] // c["n_head"] not in (16, 32, 64, 128):   # the kernel's tile sizes
         problems.append(f"--attn {c['attn']} needs a head size (--n-embd / --n-head) of 16, 32, 64 or 128, "
                         f"got {c['n_embd']} / {c['n_head']} = {c['n_embd'] // c['n_head']}")
-    try:   # the kernel's own rules for its options (kernels.Numerics, kernels.delta_reads), told in flags
-        delta_reads(c["fix"], Numerics(**{k: c[k] for k in NUMERICS}))
+    try:   # the kernel's own rules for its options (kernels.Numerics, kernels.check_fix), told in flags
+        check_fix(c["fix"], Numerics(**{k: c[k] for k in NUMERICS}))
     except ValueError as e:
         problems.append(in_flags(str(e)))
-    plain = dict(fix="off", **PLAIN_NUMERICS)   # our attention without the fix or an experiment
-    experiments = [f"{flag(k)} {c[k]}" for k in plain if c[k] != plain[k]]
-    if experiments and not ours:
+    if experiments := [f"{flag(k)} {c[k]}" for k in kernel_only(c["attn"], c)]:
         problems.append(f"{', '.join(experiments)}: only our kernel has {'these' if len(experiments) > 1 else 'it'} "
                         f"(--attn kernel or emulate), not --attn {c['attn']}")
     if c["dtype"] == "fp32" and c["attn"] not in ("sdpa", "fp32"):

@@ -53,7 +53,7 @@ def test_host_checks(args, error, message):
     q = args.pop("q", q_of())
     k, v = args.pop("k", torch.zeros_like(q)), torch.zeros_like(q)     # (zeros_like keeps q's strides)
     with pytest.raises(error, match=message):
-        kernels_gluon.forward(q, k, v, **args)
+        kernels_gluon.forward(q, k, v, **{"fix": "on", **args})
 
 
 def test_tma_needs_aligned_strides():
@@ -66,13 +66,22 @@ def test_tma_needs_aligned_strides():
 def test_cpu_tensors_are_refused():
     q = q_of()
     with pytest.raises(ValueError, match="sm_90 GPU"):
-        kernels_gluon.forward(q, q, q)
+        kernels_gluon.forward(q, q, q, fix="on")
 
 
-def test_fix_wiring():
-    """fix "off": no shift, no fp32 O; "on": the fp32 O alone; "paper": the shift alone (kernels.delta_reads's)."""
+def test_fix_wiring(monkeypatch):
+    """fix reaches the launch as itself: "off", no shift, no fp32 O; "on", the fp32 O alone; "paper", the shift alone
+    (as kernels.flash_fwd launches them)."""
+    launches = []
+
+    class Recorder:   # stands in for the kernel: records a launch's meta-parameters instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta)
+    monkeypatch.setattr(kernels_gluon, "_fwd_sync", Recorder())
     q = q_of()
-    assert [kernels_gluon.check(q, q, q, True, fix, "sync") for fix in ("off", "on", "paper")] == [
+    for fix in ("off", "on", "paper"):
+        kernels_gluon.launch(q, q, q, True, fix, "sync")
+    assert [(meta["SHIFT"] is not None, meta["KEEP_O32"]) for meta in launches] == [
         (False, False), (False, True), (True, False)]
 
 

@@ -98,7 +98,7 @@ def test_forward_bitwise_equals_emulation(shape, precision, fix, causal, poisone
     q, k, v = rand(shape, scale=2.0), rand(shape), rand(shape)
     k[..., 5 % shape[2], :] = k[..., 3 % shape[2], :]          # exact ties, so the fix has work to do
     q[..., 0, :] *= 40                                           # a row with a max far above 64 nats
-    o, lse, _ = kernels.forward(q, k, v, causal=causal, fix=fix, numerics=Numerics(precision=precision), delta="o")
+    o, lse, _ = kernels.forward(q, k, v, causal=causal, fix=fix, numerics=Numerics(precision=precision))
     o_ref, _, lse_ref = emulate.forward(q, k, v, causal, fix == "paper", Numerics(precision=precision))
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)), "O differs from the emulation"
     assert torch.equal(lse, lse_ref), "lse differs from the emulation"
@@ -111,7 +111,7 @@ def test_forward_bitwise_with_wide_query_tiles(precision, monkeypatch):
     q, k, v = rand((1, 2, 300, 64), scale=3.0), rand((1, 2, 300, 64)), rand((1, 2, 300, 64))
     for fix in ("off", "paper"):
         with tuned(fwd={64: (128, 4, 1)}):
-            o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=Numerics(precision=precision), delta="o")
+            o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=Numerics(precision=precision))
         o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix == "paper", Numerics(precision=precision))
         assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
 
@@ -144,12 +144,12 @@ def test_forward_bitwise_fewer_mantissa_bits(precision, fix, amplify):
     q, k, v = rand((1, 2, 100, 64), scale=2.0), rand((1, 2, 100, 64)), rand((1, 2, 100, 64))
     k[..., 7, :] = k[..., 9, :]
     numerics = Numerics(precision=precision, mantissa_bits=3, amplify=amplify)
-    o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="o")
+    o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics)
     o_ref, _, lse_ref = emulate.forward(q, k, v, True, fix == "paper", numerics)
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16)) and torch.equal(lse, lse_ref)
     o_bf16, _, _ = emulate.forward(q, k, v, True, fix == "paper", Numerics(precision=precision))
     assert not torch.equal(o, o_bf16), "the amplifier must change the result"
-    o32 = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="fp32-o").o_delta
+    o32 = kernels.forward(q, k, v, fix=fix, numerics=replace(numerics, delta="fp32-o")).o_delta
     assert torch.equal(o32, emulate.forward(q, k, v, True, fix == "paper", numerics)[1])
 
 
@@ -401,7 +401,7 @@ def test_both_exponents_bitwise_equal_emulation(fix, poisoned):
     results = {}
     for exponent in ("fma", "torch"):
         numerics = Numerics(exponent=exponent)
-        o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics, delta="o")
+        o, lse, _ = kernels.forward(q, k, v, fix=fix, numerics=numerics)
         o_want, _, lse_want = emulate.forward(q, k, v, True, fix == "paper", numerics)
         assert torch.equal(o.view(torch.int16), o_want.view(torch.int16)) and torch.equal(lse, lse_want), exponent
         ours = grads(kernels.flash_attention, q, k, v, do, fix=fix, numerics=numerics)
@@ -476,7 +476,7 @@ def test_fix_on_stores_o_and_its_fp32_o_from_one_epilogue(seq_major, precision, 
     assert torch.equal(o.view(torch.int16), o_want.view(torch.int16)) and torch.equal(lse, lse_want)
     assert torch.equal(o32, o32_want), "the fp32 O differs from the emulation's"
     paper = kernels.forward(q, k, v, fix="paper", numerics=numerics)
-    assert paper.o_delta.numel() == 0 and torch.equal(paper.o, o) and torch.equal(paper.lse, lse)
+    assert paper.o_delta is paper.o and torch.equal(paper.o, o) and torch.equal(paper.lse, lse)
     assert moved.any() and not moved.all()
     assert torch.equal(off.o[~moved], o[~moved]) and torch.equal(off.lse[~moved], lse[~moved])
 
@@ -512,7 +512,7 @@ def test_stochastic_forward_rounds_o_unbiased_within_one_step():
     the fp32 O itself; round-to-nearest is not unbiased in that sense element by element, but both stay within a
     step."""
     q, k, v = (rand((4, 2, 128, 64), seed=s) for s in range(3))
-    o32 = kernels.flash_forward_fp32(q, k, v, fix="off").double()
+    o32 = kernels.forward(q, k, v, fix="off", numerics=Numerics(delta="fp32-o")).o_delta.double()
     forward = Numerics(stochastic_o="forward")
     draws = torch.stack([kernels.flash_attention(q, k, v, fix="off", numerics=forward).double() for _ in range(8)])
     step = (o32.abs() * 2.0 ** -7).clamp_min(1e-30)               # at least one bf16 step (2^-7 relative, or less)
@@ -542,13 +542,15 @@ def test_paper_rule_changes_only_rounding(precision):
 
 def test_the_fix_is_on_by_default():
     """flash_attention is a drop-in that trains through: without a fix argument it runs the fix (fix "on": O and
-    the gradients, bit for bit), not plain FlashAttention-2; and so does its emulation."""
+    the gradients, bit for bit), not plain FlashAttention-2. Its emulation has no default: fix is its caller's."""
     q, k, v, do = (rand((1, 2, 100, 64)) for _ in range(4))
-    for attention in (kernels.flash_attention, emulate.emulate_attention):
-        on, off, default = (grads(attention, q, k, v, do, **fix) for fix in (dict(fix="on"), dict(fix="off"), {}))
-        assert all(torch.equal(a, b) for a, b in zip(default, on)), attention.__name__
-        assert not all(torch.equal(a, b) for a, b in zip(default, off)), attention.__name__
-        assert torch.equal(attention(q, k, v), attention(q, k, v, fix="on")), attention.__name__
+    attention = kernels.flash_attention
+    on, off, default = (grads(attention, q, k, v, do, **fix) for fix in (dict(fix="on"), dict(fix="off"), {}))
+    assert all(torch.equal(a, b) for a, b in zip(default, on))
+    assert not all(torch.equal(a, b) for a, b in zip(default, off))
+    assert torch.equal(attention(q, k, v), attention(q, k, v, fix="on"))
+    with pytest.raises(TypeError, match="fix"):
+        emulate.emulate_attention(q, k, v)
 
 
 def structured(logit, n_tied, n=130, d=64, all_equal=False):
@@ -720,7 +722,7 @@ def test_bad_input():
 def test_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
     q = torch.randn(1, 1, 8, 16).bfloat16()
-    for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
+    for fn in (kernels.flash_attention, kernels.forward):
         with pytest.raises(ValueError, match=r"needs CUDA tensors, got cpu; on the CPU use nanolp\.emulate"):
             fn(q, q, q, fix="on")
 
@@ -732,7 +734,7 @@ def test_stock_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", True)
     monkeypatch.delattr(interpreter, "nanolp_bf16_patch", raising=False)   # as before the patch
     q = torch.randn(1, 1, 8, 16).bfloat16()
-    for fn in (kernels.flash_attention, kernels.flash_forward_fp32):
+    for fn in (kernels.flash_attention, kernels.forward):
         with pytest.raises(ValueError, match=r"interpreter computes bf16 wrongly unless nanolp/interp_patch\.py "
                                              r"patches it; on the CPU use nanolp\.emulate\.emulate_attention"):
             fn(q, q, q, fix="on")
@@ -795,7 +797,7 @@ def test_custom_ops_pass_torch_opcheck(seq_major, delta, stochastic):
                                                                           "test_autograd_registration"))
         return
     torch.library.opcheck(kernels.flash_fwd_op, fwd_args)
-    o, lse, _ = kernels.flash_fwd_op(*fwd_args)
+    o, lse, *_ = kernels.flash_fwd_op(*fwd_args)
     torch.library.opcheck(kernels.flash_bwd_op, (rand(o.shape, seed=3), q, k, v, o, lse, True, "fa2", False, True))
 
 

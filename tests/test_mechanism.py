@@ -80,8 +80,7 @@ def measure(precision, n_tied, fix, seed=0, mantissa_bits=0, tie_gap=0.0, n_keys
     q, k, v, do = inputs(n_tied, seed, tie_gap, n_keys, copies)
     numerics = Numerics(precision=precision, mantissa_bits=mantissa_bits, amplify=amplify)
     v = amplified_v(v, numerics.o_bits)            # "vo": the float64 reference gets the rounded V too
-    o = kernels.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=False, fix=fix, numerics=numerics,
-                        delta="o").o
+    o = kernels.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=False, fix=fix, numerics=numerics).o
     o = o.cpu()
     if kernels.INTERPRET:   # under the patched interpreter the kernel is the emulation, bit for bit
         want = emulate.forward(q, k, v, False, fix == "paper", numerics)[0]

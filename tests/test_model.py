@@ -16,7 +16,7 @@ BF16 = torch.autocast("cpu", dtype=torch.bfloat16)
 
 def small_gpt(attn="sdpa"):
     torch.manual_seed(0)
-    return GPT(GPTConfig(**SMALL, attn=attn))
+    return GPT(GPTConfig(**SMALL, attn=attn, fix="off"))
 
 
 def batch(B=4, T=64):
@@ -87,7 +87,7 @@ def test_delta_options_reach_the_backward_only():
     results = []
     for numerics in (Numerics(), Numerics(delta="fp32-o"), Numerics(delta="p")):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**SMALL, attn="emulate", numerics=numerics))
+        model = GPT(GPTConfig(**SMALL, attn="emulate", fix="off", numerics=numerics))
         with BF16:
             _, loss = model(x, y)
         loss.backward()
@@ -101,11 +101,11 @@ def test_delta_options_reach_the_backward_only():
 def test_kernel_options_need_our_kernel():
     """--fix on with torch's SDPA would silently train without the fix: refuse it, naming the option."""
     for name, option in (("fix", dict(fix="on")), ("fix", dict(fix="paper")),
-                         ("delta", dict(numerics=Numerics(delta="fp32-o"))),
-                         ("mantissa_bits", dict(numerics=Numerics(mantissa_bits=3)))):
+                         ("delta", dict(fix="off", numerics=Numerics(delta="fp32-o"))),
+                         ("mantissa_bits", dict(fix="off", numerics=Numerics(mantissa_bits=3)))):
         with pytest.raises(ValueError, match=f"{name}: only our kernel"):
             GPT(GPTConfig(**SMALL, attn="sdpa", **option))
-    GPT(GPTConfig(**SMALL, attn="emulate", numerics=Numerics(delta="fp32-o")))   # fine
+    GPT(GPTConfig(**SMALL, attn="emulate", fix="off", numerics=Numerics(delta="fp32-o")))   # fine
 
 
 def test_rotary_positions_turn_channel_pairs_and_keep_relative_scores():
@@ -145,7 +145,7 @@ def test_qk_norm_gives_each_head_unit_rms_before_its_gains():
     """With QK-norm every head's q and k reach the attention at root mean square 1 per position, times the gains of
     their channels; the learned positions are still added to the tokens (GPT-2's table stays)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SMALL, attn="sdpa", qk_norm=True))
+    model = GPT(GPTConfig(**SMALL, attn="sdpa", fix="off", qk_norm=True))
     with torch.no_grad():
         for block in model.transformer.h:
             block.attn.q_gain.uniform_(0.5, 2.0)
@@ -157,14 +157,14 @@ def test_qk_norm_gives_each_head_unit_rms_before_its_gains():
             unit = t / gain.detach().view(H, 1, D)
             assert torch.allclose(unit.pow(2).mean(-1), torch.ones(()), atol=1e-3)   # 1 - eps / mean square
     assert isinstance(model.transformer.wpe, torch.nn.Embedding)
-    plain = GPT(GPTConfig(**SMALL, attn="sdpa"))
+    plain = GPT(GPTConfig(**SMALL, attn="sdpa", fix="off"))
     assert sum(p.numel() for p in model.parameters()) == (sum(p.numel() for p in plain.parameters())
                                                           + 2 * SMALL["n_layer"] * SMALL["n_embd"])
 
 
 def test_rope_replaces_the_position_table_and_turns_q_and_k():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SMALL, attn="sdpa", pos="rope"))
+    model = GPT(GPTConfig(**SMALL, attn="sdpa", fix="off", pos="rope"))
     assert not any(name.startswith("transformer.wpe") for name, _ in model.named_parameters())
     assert "angles" not in str(list(model.state_dict()))   # a function of the shape, not saved
     x, _ = batch(2, 40)

@@ -1,4 +1,4 @@
-"""kernels.py's appendix (Numerics): the experiments' switches refuse what they do not take, and the host-side roundings round
+"""kernels.py's experiments' switches (Numerics) refuse what they do not take, and the host-side roundings round
 as they say."""
 import pytest
 import torch
