@@ -24,10 +24,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import Numerics, flash_attention
-from nanolp.emulate import causal_scores, emulate_attention   # the kernel's emulation; fp32 attention's scores
+from nanolp.emulate import OURS, causal_scores, emulate_attention, kernel_only   # the kernel's emulation and its rule
 
 ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
-OURS = ("kernel", "emulate")   # the backends with our kernel's numerics: the ones that take fix and kernels.Numerics
 POSITIONS = ("learned", "rope", "none")
 ROPE_BASE = 10000.0   # rotary positions' wavelengths run from 2 pi to 2 pi * ROPE_BASE tokens (RoFormer's base)
 
@@ -63,14 +62,6 @@ def implementation(attn, device_type):
     """The backend that computes attn on a device: our Triton kernel needs CUDA, so anywhere else attn "kernel"
     runs its PyTorch emulation, which has the kernel's numerics but not its code (nanolp/emulate.py)."""
     return "emulate" if attn == "kernel" and device_type != "cuda" else attn
-
-
-def kernel_only(attn, settings):
-    """The names of the settings (fix, kernels.Numerics' fields: a dict that holds them) that only our kernel has,
-    set other than plain where attn is not ours and would ignore them, silently; [] where attn is ours. The rule's
-    one home: GPT refuses them, and so does train.py, in flags, before it writes anything (nanolp/runconfig.py)."""
-    plain = dict(fix="off") | asdict(Numerics())
-    return [] if attn in OURS else [k for k in plain if settings[k] != plain[k]]
 
 
 def attention(q, k, v, config):

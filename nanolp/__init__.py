@@ -1,6 +1,7 @@
 """nanolp: the library that train.py, analyze.py, the experiments and the tests import (data, runs, a run's
 configuration and arm, diagnostics, the kernel's emulation, plots, the probe's tables, the CPU interpreter patch,
 the sm_90 compile check).
-It imports the top-level kernels.py (which imports nothing of this project) and, in runconfig.py, model.py (which
-attentions take fix and the numerics: model.kernel_only); never train.py, analyze.py or experiments/ (the presets'
-values open train.py; the functions here that need them take them as an argument). model.py imports emulate.py."""
+It imports the top-level kernels.py (which imports nothing of this project); never model.py, train.py, analyze.py
+or experiments/, which import it (the presets' values open train.py; the functions here that need them take them
+as an argument). model.py takes the kernel's emulation and its rule (which attentions take fix and the numerics:
+emulate.kernel_only) from here."""

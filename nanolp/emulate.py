@@ -14,11 +14,25 @@ difference of algorithm or rounding point, never of summation order. On a GPU th
 and exp2 approximation differ from this in the last float32 bit, so there the two agree only to rounding.
 """
 import math
+from dataclasses import asdict
 
 import torch
 
 from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants, output_and_delta_o,
                      qk_scale_of, round_mantissa)
+
+
+# The attentions (model.py's attn) with the kernel's numerics: the kernel, and on any device this emulation. Only
+# they take fix and kernels.Numerics.
+OURS = ("kernel", "emulate")
+
+
+def kernel_only(attn, settings):
+    """The names of the settings (fix, kernels.Numerics' fields: a dict that holds them) that only our kernel has,
+    set other than plain where attn is not ours and would ignore them, silently; [] where attn is ours. The rule's
+    one home: model.GPT refuses them, and so does train.py, in flags, before it writes anything (nanolp/runconfig.py)."""
+    plain = dict(fix="off") | asdict(Numerics())
+    return [] if attn in OURS else [k for k in plain if settings[k] != plain[k]]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kernels import Numerics, check_fix
-from model import OURS, kernel_only
+from nanolp.emulate import OURS, kernel_only
 from nanolp.runs import DAMAGED, GPT2_BLOCK, RunError, latest_checkpoint, read_json
 
 
