@@ -90,22 +90,31 @@ def span(values, spec=",.0f"):
     return f"{format(median(values), spec)} ({format(values[0], spec)}-{format(values[-1], spec)})"
 
 
+def medians(values, unit=""):
+    """span's words for a sentence: "300 steps" where the values read as one, else "600 steps, the median
+    (300-900)"."""
+    words = span(values)
+    number, _, rest = words.partition(" ")
+    return f"{number}{unit}, the median {rest}" if rest else f"{words}{unit}"
+
+
 def outcome(group):
-    """An arm's runs in a few words, steps as median (range): "10 runs: 10 collapsed at step 91,028
-    (52,440-141,554)", "4 runs: no collapse in 150,000 (150,000-152,000) steps", "3 runs: 1 collapsed at step 300;
-    1 without a collapse in 390 steps; 1 stopped at step 10, before its end (killed)". Run.ended says which."""
+    """An arm's runs in a few words, several runs' steps as the median (range): "10 runs: 10 collapsed at step
+    91,028, the median (52,440-141,554)", "4 runs: no collapse in 150,000 steps, the median (150,000-152,000)", "3
+    runs: 1 collapsed at step 300; 1 without a collapse in 390 steps; 1 stopped at step 10, before its end
+    (killed)". Run.ended says which."""
     steps = lambda kind: [run.collapse_step if kind == "collapsed" else run.outcome["steps"]
                           for run in group if run.ended == kind]
     collapsed, finished, stopped, running = map(steps, ("collapsed", "finished", "stopped", "running"))
-    words = [f"{len(collapsed)} collapsed at step {span(collapsed)}"] if collapsed else []
+    words = [f"{len(collapsed)} collapsed at step {medians(collapsed)}"] if collapsed else []
     if finished:
         words.append(("no collapse" if len(finished) == len(group) else f"{len(finished)} without a collapse")
-                     + f" in {span(finished)} steps")
+                     + f" in {medians(finished, ' steps')}")
     if stopped:
         their = "its" if len(stopped) == 1 else "their"
-        words.append(f"{len(stopped)} stopped at step {span(stopped)}, before {their} end (killed)")
+        words.append(f"{len(stopped)} stopped at step {medians(stopped)}, before {their} end (killed)")
     if running:
-        words.append(f"{len(running)} still running (step {span(running)})")
+        words.append(f"{len(running)} still running (step {medians(running)})")
     return f"{len(group)} run{'s' if len(group) > 1 else ''}: " + "; ".join(words)
 
 
@@ -162,7 +171,7 @@ def plot_headline(runs, study, path, title="the kernel as it ships"):
     drawn, groups = by_arm(runs), by_arm(study)
     hues = arm_hues({name: family(group[0]) for name, group in groups.items()})
     max_step = max(run.outcome["steps"] for run in study)
-    handles = []
+    handles, medians_drawn = [], False
     for name, group in groups.items():
         colour = hues[name]
         lines = drawn.get(name, [])
@@ -176,18 +185,21 @@ def plot_headline(runs, study, path, title="the kernel as it ships"):
             curve = median_line(lines, column)
             if curve is not None:
                 ax.plot(*curve, color=colour, linewidth=2.6, **style)
+                medians_drawn = True
         steps, share = survival(group)
         # a tick where each run ended without a collapse; shorter arms drawn over longer ones, so that arms that
         # never collapsed, all at 1, each show where they end
-        axes[2].step(steps, share, where="post", color=colour, linewidth=1.6, zorder=3 - steps[-1] / max_step)
+        axes[2].step(steps, share, where="post", color=colour, linewidth=1.6, linestyle=style.get("linestyle", "-"),
+                     zorder=style["zorder"] + 1 - steps[-1] / max_step)
         ended = [run.outcome["steps"] for run in group if run.collapse_step is None]
         axes[2].plot(ended, share[np.searchsorted(steps, ended, side="right") - 1], "|", color=colour,
                      markersize=14, markeredgewidth=1.6, zorder=4)
         logs = "" if len(lines) == len(group) else f"; lines: {len(lines)} of them" if lines else "; no lines"
         handles.append(Line2D([], [], color=colour, linewidth=1.6, linestyle=style.get("linestyle", "-"),
                               label=f"{command(name)}: {outcome(group)}{logs}"))
-    handles.append(Line2D([], [], color="gray", linewidth=2.6,
-                          label=f"median of an arm's lines, while all of them (at least {MEDIAN_RUNS}) are alive"))
+    if medians_drawn:
+        handles.append(Line2D([], [], color="gray", linewidth=2.6,
+                              label=f"median of an arm's lines, while all of them (at least {MEDIAN_RUNS}) are alive"))
     if any(run.collapse_step is not None for run in runs):
         handles.append(Line2D([], [], color="w", marker="X", markeredgecolor="k", markersize=9, label="collapse"))
     handles.append(Line2D([], [], color="k", marker="|", linestyle="", markersize=12,

@@ -536,11 +536,21 @@ def amplified_v(v, bits):
 FWD_TUNING = {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 8, 3), 128: (128, 8, 4)}
 BWD_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
 SHORT_SEQ = 512
+# GPUs whose blocks may have 99 KB of shared memory (compute capability 8.6 and 8.9: RTX 30xx and 40xx, A10, L4,
+# L40) where head_dim 128's forward would take 128 KB in 4 stages: there it takes 3 (96 KB). Stages only pipeline
+# the loads, so the bits are the same (python -m nanolp.compile_sm90 --arch 86 checks every launch's fit).
+SMALL_SHARED = ((8, 6), (8, 9))
+FWD_TUNING_SMALL_SHARED = {**FWD_TUNING, 128: (128, 8, 3)}
 # No floating-point contraction: each operation rounds where the ROUND marks say, and the only fma is _exp2's
 # tl.fma (ptxas once fused some tiles and not others: docs/kernel.md, "Correctness evidence").
 UNFUSED = dict(enable_fp_fusion=False)
 if INTERPRET:
-    FWD_TUNING = {D: (64, 4, 1) for D in FWD_TUNING}
+    FWD_TUNING = FWD_TUNING_SMALL_SHARED = {D: (64, 4, 1) for D in FWD_TUNING}
+
+
+def capability(device):
+    """A CUDA device's compute capability, (major, minor); elsewhere (the interpreter) an H100's."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
 FIXES = ("off", "on", "paper")   # fix's values, as flash_attention and train.py's --fix take them
@@ -592,6 +602,9 @@ def check_inputs(q, k, v, fix, numerics):
         raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
     if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
         raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
+    if q.dtype == torch.bfloat16 and capability(q.device) < (8, 0):   # (a T4, a V100: Triton cannot compile it)
+        raise TypeError(f"bfloat16 needs a GPU of compute capability 8.0 or later (an A100, RTX 30xx, L4, H100); "
+                        f"{q.device} has {'.'.join(map(str, capability(q.device)))}")
     if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
         raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
     check_fix(fix, numerics)
@@ -639,7 +652,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, f
     o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
     assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    block_m, warps, stages = FWD_TUNING[D]
+    block_m, warps, stages = (FWD_TUNING_SMALL_SHARED if capability(q.device) in SMALL_SHARED else FWD_TUNING)[D]
     _fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, o32, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, N, qk_scale_of(D, precision), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=TILE_N, CAUSAL=causal,

@@ -221,7 +221,7 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
 
     fig = headline(runs, everyone, monkeypatch)
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts[:2] == ["python train.py --fix off: 3 runs: 3 collapsed at step 600 (300-900); lines: 1 of them",
+    assert texts[:2] == ["python train.py --fix off: 3 runs: 3 collapsed at step 600, the median (300-900); lines: 1 of them",
                          "python train.py --attn sdpa: 1 run: no collapse in 1,000 steps; no lines"]
     table = analyze.study_table(analyze.table_rows([study / "runs.csv"]))
     assert "| **3 / 3** | 600 (300-900) |" in table[2] and "| **0 / 1** | - | 1,000 |" in table[3]

@@ -719,6 +719,17 @@ def test_bad_input():
         kernels.flash_attention(q.tolist(), q, q)
 
 
+def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
+    """A T4 (compute capability 7.5) has no bfloat16: one line, before a launch Triton could not compile."""
+    q = rand((1, 2, 16, 64))
+    monkeypatch.setattr(kernels, "capability", lambda device: (7, 5))
+    for attention in (kernels.flash_attention, emulate.emulate_attention):
+        with pytest.raises(TypeError, match=re.escape("bfloat16 needs a GPU of compute capability 8.0 or later (an "
+                                                      "A100, RTX 30xx, L4, H100); cpu has 7.5")):
+            attention(q, q, q, fix="on")
+    assert kernels.flash_attention(q.half(), q.half(), q.half()).dtype == torch.float16   # float16 is not refused
+
+
 def test_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
     q = torch.randn(1, 1, 8, 16).bfloat16()
@@ -757,21 +768,14 @@ def test_every_specialization_compiles_for_sm90():
     assert "compile for sm_90" in done.stdout
 
 
-# On sm_8x the head_dim-128 forward stages its K and V tiles (64 x 128 bf16, 32 KiB a stage as compiled) through
-# shared memory 4 times (FWD_TUNING); only a failure to fit is expected (raises), not one to compile
-SM8X_D128_FORWARD = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the head_dim-128 forward (128 x 64 tiles, 8 warps, 4 stages) takes 131072 B of shared memory, over the 101376 B "
-    "(99 KB) a block may have on sm_86 and sm_89: Triton refuses the launch (OutOfResources); 3 stages take 98304 B"))
-
-
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests compile what they run")
-@pytest.mark.parametrize("arch", [80, pytest.param(86, marks=SM8X_D128_FORWARD),
-                                  pytest.param(89, marks=SM8X_D128_FORWARD)])
+@pytest.mark.parametrize("arch", [80, 86, 89])
 def test_each_tuning_fits_the_shared_memory_of(arch):
     """The tuning was chosen on sm_90: compiled for an A100 (80), an RTX 3090 or A10 (86), an RTX 4090, L4 or L40
     (89), each head_dim's launches (compile_sm90.py --tunings: forward with fix off and on, backward with delta
     from O and from the fp32 O, short and long) must fit the shared memory a block may have there (SHARED_LIMIT),
-    or the launch fails on that GPU. ~40 s each (less with Triton's cache)."""
+    or the launch fails on that GPU (head_dim 128's forward takes a stage fewer on 86 and 89: kernels.SMALL_SHARED).
+    ~40 s each (less with Triton's cache)."""
     done = compile_launches("--arch", str(arch), "--tunings")
     if f"compile for sm_{arch}" not in done.stdout:
         raise RuntimeError(f"does not compile for sm_{arch}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
