@@ -451,6 +451,14 @@ def by_flags(rows):
     return arms
 
 
+def readme_order(arms):
+    """README's order of by_flags' arms: the fix off, then the fix on (the two commands README is about), then the
+    others as they first appear."""
+    first = ("--fix off", "--fix on")
+    rank = lambda item: first.index(item[1][0]["flags"]) if item[1][0]["flags"] in first else len(first)
+    return dict(sorted(arms.items(), key=rank))
+
+
 def alone_minutes(group, kin=()):
     """Each run's minutes to its collapse (or its end) alone on the H200: its own where it had the GPU alone, else
     its steps at the median pace of the arm's runs that did, or where none did, of the runs of kin (kin_of: the
@@ -492,7 +500,7 @@ def shipped_table(rows):
     without one), the minutes that takes alone on the H200 (alone_minutes) and layer 0's peak (from the kept
     logs)."""
     shipped = [row for row in rows if as_shipped(row)]
-    arms = by_flags(shipped)
+    arms = readme_order(by_flags(shipped))
     lines = ["| command | runs (seeds) | collapsed | steps: to the collapse, or run without one | minutes alone on "
              f"an H200 | peak of {LOGIT} |", "|---|---|---|---|---|---|"]
     for group in arms.values():
@@ -513,7 +521,7 @@ def run_lines(rows):
     """README's "Run it" lines of the table's commands: what each did, and in how many minutes alone."""
     lines = []
     shipped = [row for row in rows if as_shipped(row)]
-    groups = by_flags(shipped).values()
+    groups = readme_order(by_flags(shipped)).values()
     width = max(len(group[0]["flags"]) for group in groups) + len("python train.py ") + 1   # the comments aligned
     for group in groups:
         fell = [row["collapse_step"] for row in group if row["collapsed"]]

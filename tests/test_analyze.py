@@ -681,3 +681,10 @@ def test_the_committed_probe_tables_pool_the_committed_runs():
                [new[c] for c in ("checkpoints", "runs", "first_step", "last_step")], row
         assert float(row["mean"]) == pytest.approx(new["mean"], rel=1e-4), row
         assert float(row["se"]) == pytest.approx(new["se"], rel=1e-4), row
+
+
+def test_readme_order_puts_the_fix_off_then_on_first():
+    """README's table and commands open with the two commands it is about, whatever order the studies ran in."""
+    rows = [dict(arm=arm, flags=flags) for arm, flags in (("fp32", "--attn fp32"), ("on", "--fix on"),
+                                                          ("off", "--fix off"), ("paper", "--fix paper"))]
+    assert list(analyze.readme_order(analyze.by_flags(rows))) == ["off", "on", "fp32", "paper"]
