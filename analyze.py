@@ -30,8 +30,8 @@ from model import OURS   # the attentions that take --fix and the numerics (nano
 from nanolp import probe
 from nanolp.diagnostics import PROBE_LAYER
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
-from nanolp.runs import GPT2_BLOCK, find_runs, load_runs, read_table, study_runs, write_csv
-from nanolp.runconfig import BEFORE_OPTION, NUMERICS, changed_settings
+from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
+from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, changed_settings
 from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from experiments.sweep import COLUMNS, collect_row
-from nanolp.runs import load_run, read_json, read_log, thin_log, write_csv
+from nanolp.runconfig import read_json
+from nanolp.runs import load_run, read_log, thin_log, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"fma": {}, "torch": {"exponent": "torch"}, "sdpa-flash": {"attn": "sdpa-flash"}}

@@ -53,9 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nanolp.runconfig import BEFORE_OPTION, NUMERICS, PLAIN_NUMERICS
-from nanolp.runs import (GPT2_BLOCK, DamagedFile, as_current, find_runs, latest_checkpoint, load_run, load_runs,
-                         log_path, read_json, thin_log, write_csv)
+from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, as_current,
+                              read_json)
+from nanolp.runs import find_runs, latest_checkpoint, load_run, load_runs, log_path, thin_log, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"

@@ -1,43 +1,60 @@
-"""A run's settings, before any training: which settings a run can have and which of them make its arm (shared
-with analyze.py, which names runs by the train.py flags that set them apart); resolved from the presets, the flags
-and (on --resume) the run's own config.json, checked, named; and its folder claimed. train.py calls
-resolve_config, then claim_folder.
+"""What a run is: its settings (the presets, train.py's flags, its JSON files), checked, named, in today's spellings.
+
+Which settings a run can have, and which of them make its arm (shared with analyze.py, which names runs by the
+train.py flags that set them apart); train.py's command line (parser, parse_args); a run's settings resolved from the
+presets, the flags and (on --resume) the run's own config.json, checked, named (resolve_config), and checked against
+the machine (check_machine). The presets themselves are train.py's (PRESETS), the choices of --attn and --pos
+model.py's: the functions here that need them take them as arguments, since nanolp never imports either. Where a
+run is, its folder and the files in it: nanolp/runs.py, which imports this module, never the other way.
 
 Runs never mix. The default name is <preset>-<attn>-fix<fix>, then a suffix for each setting of ARM that differs
 from the preset's (-delta_p, -lr0.003, -bits3, ...), then -s<seed>: default-kernel-fixoff-delta_p-s0. A name
-longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. A new run refuses a
-folder that holds a run's result (a checkpoint or summary.json) and replaces an attempt that stopped before its
-first checkpoint. --resume continues a run with its own config.json and refuses a flag of ARM that differs from it,
-a config.json with a key or a type that train.py does not write (and a text whose content changed, or a checkpoint
-that the config's model does not fit: train.py); --steps, --minutes, the intervals, --device and --compile may
-change. A collapsed run is not resumed: the collapse is its result. No command touches a folder that a live run is
-writing (nanolp.runs.locked: its lock file holds the run's process id). Every refusal is a RunError, which train.py
-prints before it writes anything, one line per problem, exit status 2.
+longer than MAX_NAME characters puts a hash of those settings in place of their suffixes. --resume continues a run
+with its own config.json and refuses a flag of ARM that differs from it, and a config.json with a key or a type that
+train.py does not write; --steps, --minutes, the intervals, --device and --compile may change (which command may
+write which run folder: nanolp.runs.claim_folder). Every refusal is a RunError, which train.py prints before it
+writes anything, one line per problem, exit status 2.
+
+Older runs' files spell some settings otherwise; every reader gets them in today's spellings (as_current), and the
+files, being data, stay as written.
 """
 
+import argparse
 import difflib
 import hashlib
 import json
 import os
 import re
-import shutil
+import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
-from kernels import Numerics, check_fix
+from kernels import FIXES, Numerics, check_fix
 from nanolp.emulate import OURS, kernel_only
-from nanolp.runs import DAMAGED, GPT2_BLOCK, RunError, latest_checkpoint, read_json
+
+
+class RunError(Exception):
+    """A command that cannot run as given: a bad setting, or a run folder that it may not write or continue. The
+    message says why and what to do, one line per problem; train.py prints it and exits with status 2."""
+
+
+class DamagedFile(RunError):
+    """A run folder's file that is there but cannot be read, as a disk that filled or a copy cut short leaves it:
+    the message names it and says why, in one line. train.py refuses the run; analyze.py and the sweep leave the
+    run out (nanolp.runs.load_runs)."""
 
 
 # The attention's numerics (kernels.Numerics): a run holds each field as a setting of its own (a flag, a key of
 # config.json and summary.json).
 NUMERICS = tuple(f.name for f in fields(Numerics))
 # The plain attention's numerics, which every preset shares: no experiment, the numerics as kernels.Numerics
-# declares them. The presets themselves, every setting, are train.py's (PRESETS): the functions here that need
-# them take them as an argument, since nanolp never imports train.py.
+# declares them.
 PLAIN_NUMERICS = asdict(Numerics())
+# The plain block, which every preset shares: GPT-2's (learned positions, no QK-norm; model.GPTConfig's options), as
+# every run recorded before the block had options ran it
+GPT2_BLOCK = {"pos": "learned", "qk_norm": False}
 # The arm: every setting that decides a run's numbers (its numerics and its data order). The default name spells
 # out each one that differs from the preset, --resume refuses to change any, summary.json records them all.
 # Not in it: the run's length and intervals, and --device/--compile (where and how fast the same steps run).
@@ -58,11 +75,113 @@ OPTIONAL = dict(minutes=float, data=str)
 JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "an object"}
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A malformed flag in one line, as train.py refuses every command that cannot run."""
+        print(f"train.py: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv, presets, choices):
+    """train.py's command line (argv; None: sys.argv's), with --help showing the defaults of the --preset it gives.
+    presets: train.PRESETS; choices: the values model.py offers for --attn and --pos (attn=..., pos=...)."""
+    return parser(presets, choices, preset_given(argv, presets)).parse_args(argv)
+
+
+def preset_given(argv, presets):
+    """The --preset of a command line (default: "default"), so that --help shows that preset's defaults; a bad
+    value is left to the whole parser to refuse."""
+    pre = Parser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset")
+    preset = pre.parse_known_args(argv)[0].preset
+    return preset if preset in presets else "default"
+
+
+def parser(presets, choices, preset="default"):
+    """The flags. Every default is None, so that a flag the user gave can be told from one they did not (the
+    preset's value); --help shows the values of `preset`, the one on the command line."""
+    default = presets[preset]
+    def show(key):   # a default as it reads: 200,000
+        value = default[key]
+        return f" (default {value:,})" if isinstance(value, int) else f" (default {value})"
+    p = Parser(
+        description="Train a char-level GPT in bf16 and watch flash attention's rounding collapse it (--fix off), "
+                    f"or not (--fix on). The defaults shown are the {preset} preset's (--preset tiny --help: the "
+                    "tiny preset's). Details: the top of train.py and README.md.")
+    demo = p.add_argument_group("the demo")
+    demo.add_argument("--fix", choices=FIXES, help="off: plain bf16 flash attention, which collapses; on: the fix, "
+                      "the backward's delta read from the forward's fp32 O, which trains through; paper: the paper's "
+                      "rule (a tied row max shifted up), which collapses too (with --delta fp32-o: the two together)"
+                      + show("fix"))
+    demo.add_argument("--attn", choices=choices["attn"], help="what computes attention: kernel, our Triton flash "
+                      "attention (kernels.py; without a GPU, its PyTorch emulation); emulate, that emulation "
+                      "anywhere; sdpa, torch's scaled_dot_product_attention (torch picks its backend), sdpa-flash or "
+                      "sdpa-cudnn, one backend of it; fp32, plain attention in fp32, the control that does not "
+                      "round. --fix and the experiments apply to kernel and emulate only" + show("attn"))
+    demo.add_argument("--seed", type=int, help="seed of the initial weights and of the order of the training "
+                                               "batches" + show("seed"))
+    demo.add_argument("--steps", type=int, metavar="N", help="training steps, one batch each" + show("steps"))
+    demo.add_argument("--minutes", type=float, metavar="M", help="stop after this many minutes of training, "
+                                                                 "counted over resumes (default: no limit)")
+    demo.add_argument("--data", metavar="FILE", help="the text to train on, UTF-8 (default: $NANOLP_DATA, else "
+                      "TinyShakespeare, downloaded on first use; data/README.md)")
+    sizes = "; ".join(f"{name}, {what} ({presets[name]['n_layer']} layers of {presets[name]['n_embd']} channels, "
+                      f"{presets[name]['steps']:,} steps)" for name, what in (
+                          ("default", "the demo, for one GPU"), ("tiny", "a smoke run for a CPU"),
+                          ("gpt2", "GPT-2 small's shape")))
+    demo.add_argument("--preset", choices=presets, help=f"the model's size and the run's length, which set the "
+                                                        f"other defaults: {sizes} (default default)")
+    demo.add_argument("--out", metavar="DIR", help="the folder that run folders go in" + show("out"))
+    demo.add_argument("--name", help="the run's folder in --out (default: made from the settings that set the run "
+                                     "apart from its preset, e.g. default-kernel-fixoff-s0)")
+    demo.add_argument("--resume", action="store_true", help="continue the run in --out/--name from its latest "
+                      "checkpoint (without --name, the run's own flags make its name)")
+    training = p.add_argument_group("training")
+    training.add_argument("--lr", type=float, help="learning rate (AdamW), constant after the warmup" + show("lr"))
+    training.add_argument("--warmup", type=int, metavar="N", help="steps over which the learning rate rises "
+                                                                  "linearly to --lr" + show("warmup"))
+    training.add_argument("--batch-size", type=int, metavar="N", help="sequences per step" + show("batch_size"))
+    training.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16: the model runs under bfloat16 autocast, "
+                          "the setting that fails; fp32: no autocast (with --attn sdpa or fp32 only)" + show("dtype"))
+    training.add_argument("--compile", choices=["off", "default", "reduce-overhead"],
+                          help="torch.compile's mode; reduce-overhead records CUDA graphs, much faster for a model "
+                               "this small (default: reduce-overhead on a GPU, off on a CPU)")
+    training.add_argument("--device", help="where to train: cpu, cuda, cuda:1, ... (default: cuda if there is "
+                                           "one, else cpu)")
+    for interval, what in (("log", "rows of log.csv (the training loss)"), ("eval", "validation losses"),
+                           ("diag", "diagnostics (each layer's max attention logit, W_Q and W_K norms, ...: "
+                                    "nanolp/diagnostics.py)"),
+                           ("ckpt", "checkpoints (the latest 3 kept in ckpt/; --resume starts from the last)")):
+        training.add_argument(f"--{interval}-interval", type=int, metavar="N",
+                              help=f"steps between {what}" + show(f"{interval}_interval"))
+    shape = p.add_argument_group("model shape")
+    for dim, what in (("n_layer", "transformer blocks"), ("n_head", "attention heads per block"),
+                      ("n_embd", "channels; each head gets n_embd / n_head"),
+                      ("block_size", "context length, in characters")):
+        shape.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=what + show(dim))
+    experiments = p.add_argument_group("experiments", "the attention's numerics (kernels.Numerics; --attn kernel "
+                                                      "or emulate only) and the model, to test the mechanism")
+    for f in fields(Numerics):   # a flag per field, with the help and values it declares
+        experiments.add_argument("--" + f.name.replace("_", "-"), type=f.type, choices=f.metadata["choices"],
+                                 help=f.metadata["help"] + show(f.name))
+    experiments.add_argument("--pos", choices=choices["pos"], help="positions: learned (GPT-2's table), rope "
+                             "(rotary, a modern block's), or none, so that layer 0 sees only characters and every "
+                             "repeat of a row's best match ties exactly" + show("pos"))
+    experiments.add_argument("--qk-norm", action="store_true", default=None, help="RMSNorm on each head's queries "
+                             "and keys, with a learned gain per channel (a modern block's; default off)")
+    return p
+
+
 def changed_settings(c, presets):
     """The settings of ARM, other than the NAMED ones, in which config c differs from its preset (of presets,
     train.PRESETS)."""
     preset = presets.get(c.get("preset"), presets["default"])   # (an old run's preset may be gone)
     return {k: c.get(k) for k in ARM if k not in NAMED and c.get(k) != preset.get(k)}
+
+
+def numerics(c):
+    """The attention's numerics (kernels.Numerics) that a run's settings c hold."""
+    return Numerics(**{k: c[k] for k in NUMERICS})
 
 
 def flag(key):
@@ -97,7 +216,7 @@ def check_config(c):
         problems.append(f"--attn {c['attn']} needs a head size (--n-embd / --n-head) of 16, 32, 64 or 128, "
                         f"got {c['n_embd']} / {c['n_head']} = {c['n_embd'] // c['n_head']}")
     try:   # the kernel's own rules for its options (kernels.Numerics, kernels.check_fix), told in flags
-        check_fix(c["fix"], Numerics(**{k: c[k] for k in NUMERICS}))
+        check_fix(c["fix"], numerics(c))
     except ValueError as e:
         problems.append(in_flags(str(e)))
     if experiments := [f"{flag(k)} {c[k]}" for k in kernel_only(c["attn"], c)]:
@@ -217,63 +336,79 @@ def as_ran(saved, presets):
     return {**presets.get(saved.get("preset"), presets["default"]), **saved}
 
 
-def claim_folder(run_dir, c, resume, presets):
-    """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
-    is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
-    collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
-    first checkpoint has nothing to continue, nor one whose checkpoints --resume found all damaged: a new run
-    replaces it."""
-    ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
-    collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
-                if summary.get("collapsed") else None)
-    if resume:
-        if collapse:
-            raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
-        if ckpt is None:
-            raise nothing_to_resume(run_dir)
-    elif ckpt or summary:
-        saved = read_json(run_dir / "config.json")
-        if not saved:
-            raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
-        ran = as_ran(saved, presets)
-        differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
-        afresh = f"or delete {run_dir} to start it afresh"
-        finished = summary and ckpt and is_finished(c, int(ckpt.stem.split("_")[1]), summary.get("minutes", 0))
-        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
-                  f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
-                  f"{done(summary.get('steps', 0))}: --resume with a larger --steps trains it further, --name "
-                  f"starts a new run, {afresh}"
-                  if finished else f"pass --resume to continue it, --name for a new run, {afresh}")
-        raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
-    else:
-        attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
-        if attempt:
-            print(f"{run_dir}: replacing an attempt that stopped before its first checkpoint (no checkpoint, "
-                  f"no summary.json)")
-        for path in attempt:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+# A step of the default preset on a CPU, in seconds: 42-50, measured on two cores. Another shape's step is estimated
+# from it in proportion to their FLOPs (step_flops).
+CPU_STEP_S = (42, 50)
 
 
-def is_finished(c, step, minutes):
-    """Whether a run at `step`, after `minutes` of training, has reached its --steps or --minutes (settings c):
-    resuming it would train no step."""
-    return step >= c["steps"] or (c["minutes"] is not None and minutes >= c["minutes"])
+def check_machine(c, args, presets):
+    """RunError, before anything is built, for a GPU without bf16 (compute capability below 8.0: a T4, a V100), where
+    bf16 training cannot run; and for a preset sized for a GPU on a machine without CUDA: there a step takes most of
+    a minute and a run months. An explicit --device cpu trains it anyway, and --resume continues a run on the
+    device it ran on (its config.json's)."""
+    if c["device"].startswith("cuda") and c["dtype"] == "bf16" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(c["device"])
+        if major < 8:
+            raise RunError(f"this GPU ({torch.cuda.get_device_name(c['device'])}, compute capability {major}.{minor}) "
+                           f"has no bf16, the precision whose failure this project trains: it takes compute "
+                           f"capability 8.0 or later (an A100, RTX 30xx or 40xx, L4, H100); on this machine's CPU: "
+                           f"python train.py --preset tiny --device cpu")
+    if c["preset"] == "tiny" or c["device"] != "cpu" or args.device is not None or args.resume:
+        return
+    step = [seconds * step_flops(c) / step_flops(presets["default"]) for seconds in CPU_STEP_S]
+    tiny = "python train.py --preset tiny" + (f" --fix {args.fix}" if args.fix else "")
+    raise RunError(f"the {c['preset']} preset is sized for a GPU and this machine has no CUDA device: a step takes "
+                   f"about {span(*step)} on two CPU cores, its {c['steps']:,} steps "
+                   f"{span(*(seconds * c['steps'] for seconds in step))} (--device cpu trains it here anyway); a smoke "
+                   f"run of about a minute: {tiny}")
 
 
-def done(steps):
-    """What a finished run's folder says of it."""
-    return f"it is finished: no collapse in {steps:,} steps (summary.json)"
+def step_flops(c):
+    """A step's training FLOPs with settings c, as model.GPT.flops_per_token counts them but without the embeddings
+    (their size is the text's vocabulary, not read yet, and a small part): 6 x 12 n_embd^2 weights per layer, and
+    the attention's 12 n_embd T, per token."""
+    d, T = c["n_embd"], c["block_size"]
+    return c["batch_size"] * T * c["n_layer"] * (72 * d * d + 12 * d * T)
 
 
-def nothing_to_resume(run_dir):
-    """--resume's refusal of a run with no checkpoint to continue from, and how to start it afresh: in its folder
-    (an attempt is replaced), or, beside a summary.json (a result, never replaced), under another --name."""
-    ckpt_dir = run_dir / "ckpt"
-    why = (f"no good checkpoint in {ckpt_dir} (the damaged ones are in {ckpt_dir / DAMAGED})"
-           if (ckpt_dir / DAMAGED).exists() else f"no checkpoint in {ckpt_dir} (the run stopped before its first)")
-    afresh = ("start it afresh under another --name" if (run_dir / "summary.json").exists()
-              else "leave out --resume to start it afresh")
-    return RunError(f"--resume: {why}: {afresh}")
+def span(low, high):
+    """Seconds from low to high in words, in the largest unit that high holds at least twice: 42-50 s, 97-116 days."""
+    units = (("days", 86400), ("hours", 3600), ("minutes", 60))
+    unit, size = next(((unit, size) for unit, size in units if high >= 2 * size), ("s", 1))
+    digits = 0 if high >= 10 * size else 1
+    return f"{low / size:,.{digits}f}-{high / size:,.{digits}f} {unit}"
+
+
+def read_json(path):
+    """A run's config.json or summary.json, its settings in today's spellings (as_current): {} if there is none,
+    DamagedFile if it cannot be parsed."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as e:   # not JSON, or not even UTF-8 text
+        raise DamagedFile(f"{path} cannot be parsed as JSON ({e})") from None
+    if not isinstance(value, dict):   # (train.py writes an object)
+        raise DamagedFile(f"{path} holds JSON but not an object")
+    return as_current(value)
+
+
+def as_current(settings):
+    """A run's settings as an older train.py wrote them (a config.json, a summary.json, a row of runs.csv, typed or
+    as text), in today's spellings; every reader of those files gets them through here. What the committed runs
+    (results/) hold: what delta reads as two switches, delta_from_p ("p") and delta_fp32 ("fp32-o"), now the one
+    setting delta; precision "paper", the paper's rounding points under autocast, now "autocast", and an arm's
+    flags that said so; no setting of the block's, which they ran as GPT2_BLOCK. Today's settings come back
+    unchanged."""
+    settings = dict(settings)
+    if "attn" in settings:   # (a run's settings, not another table's row)
+        settings = {**GPT2_BLOCK, **settings}
+    if {"delta_from_p", "delta_fp32"} & settings.keys():
+        from_p, fp32 = (settings.pop(key, False) in (True, "True") for key in ("delta_from_p", "delta_fp32"))
+        settings["delta"] = "p" if from_p else "fp32-o" if fp32 else "o"   # (train.py refused both)
+    if settings.get("precision") == "paper":
+        settings["precision"] = "autocast"
+    if isinstance(settings.get("flags"), str):
+        for old, new in ((r"--delta-from-p\b", "--delta p"), (r"--precision paper\b", "--precision autocast")):
+            settings["flags"] = re.sub(old, new, settings["flags"])
+    return settings

@@ -1,15 +1,22 @@
-"""Read the run folders that train.py writes (config.json, log.csv, summary.json, ckpt/) and a study's runs.csv
-(study_runs), the lock that keeps two runs from writing one folder, and write the CSV tables made of them
-(write_csv).
+"""Where a run is: its folder and the files in it, as train.py writes them and as every reader reads them back.
+
+What train.py keeps there (and when it may write there: claim_folder, locked), and every reader's view of it, one
+run's (load_run) or a study's table (runs.csv: study_runs). What a run is, its settings, checked and named, and their
+JSON files read in today's spellings: nanolp/runconfig.py.
 
 A run folder runs/<name>/ holds config.json (every resolved setting), log.csv (one row per log interval, with the
 diagnostics of nanolp/diagnostics.py every --diag-interval steps), summary.json (the outcome and the whole arm:
-every setting of ARM) and ckpt/ (the last 3 checkpoints, each with its sha256; --resume sets a damaged one aside,
-in ckpt/damaged/, and continues from the newest good one).
+every setting of ARM) and ckpt/ (the last KEEP_CKPTS checkpoints, each with its sha256; --resume sets a damaged one
+aside, in ckpt/damaged/, and continues from the newest good one). While a run writes the folder, its lock file holds
+the run's process id (locked): no other command touches it.
 
-A run folder may still be in progress or may come from an older train.py, so every file and
-every column is optional: missing files read as empty, empty cells read as NaN, and settings an older train.py
-spelled otherwise read in today's spellings (as_current). A file that is there but cannot be read (cut short by a
+A checkpoint or a summary.json is a run's result, never replaced (claim_folder). A run killed at any point leaves
+every file whole: a checkpoint, config.json, summary.json and a rewritten log.csv are written to a .tmp file and
+renamed, and each log row is flushed as it is written.
+
+A run folder may still be in progress or may come from an older train.py, so every file and every column is
+optional: missing files read as empty, empty cells read as NaN, and settings an older train.py spelled otherwise
+read in today's spellings (nanolp.runconfig.as_current). A file that is there but cannot be read (cut short by a
 full disk or a copy) is DamagedFile, one line naming it; a checkpoint is checked against the sha256 written beside
 it (checksum_problem).
 """
@@ -23,29 +30,30 @@ import math
 import os
 import platform
 import re
+import shlex
+import shutil
 import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+import torch
+import triton
+
+from nanolp.data import TextError
+from nanolp.runconfig import ARM, DamagedFile, RunError, as_current, as_ran, describe, read_json
 
 
 LOCK = "lock"   # in a run folder while a run writes it: that run's process id
 CHECKSUM = ".sha256"   # step_N.pt.sha256 beside each checkpoint, as sha256sum writes it (sha256sum -c checks it too)
 DAMAGED = "damaged"    # ckpt/damaged/: the checkpoints that --resume found damaged, moved out of its way
-
-
-class RunError(Exception):
-    """A command that cannot run as given: a bad setting, or a run folder that it may not write or continue. The
-    message says why and what to do, one line per problem; train.py prints it and exits with status 2."""
-
-
-class DamagedFile(RunError):
-    """A run folder's file that is there but cannot be read, as a disk that filled or a copy cut short leaves it:
-    the message names it and says why, in one line. train.py refuses the run; analyze.py and the sweep leave the
-    run out (load_runs)."""
+KEEP_CKPTS = 3         # the newest checkpoints kept in ckpt/
+# Dense (no sparsity) bf16 tensor-core peak of one NVIDIA H200 SXM, from NVIDIA's datasheet: 989 TFLOPS.
+# MFU is always reported against this number, whatever device the run is on.
+H200_BF16_PEAK_FLOPS = 989e12
 
 
 @dataclass
@@ -138,9 +146,6 @@ def provenance():
     and the versions and device it ran on. Recorded in config.json and summary.json, so that runs made before
     and after a change of the code can be told apart. $NANOLP_COMMIT, where set, names the commit of a copy of the
     tree whose own git metadata is missing or stale (a lent GPU machine); None where nothing can be known."""
-    import torch
-    import triton
-
     if os.environ.get("NANOLP_COMMIT"):   # the caller's word for the tree it copied; uncommitted changes unknown
         commit, dirty = os.environ["NANOLP_COMMIT"], None
     else:
@@ -211,6 +216,85 @@ def set_aside(ckpt):
     return damaged
 
 
+def save_checkpoint(run_dir, model, optimizer, state):
+    """Write ckpt/step_XXXXXXX.pt and its checksum, then keep only the newest KEEP_CKPTS. The checkpoint is written
+    to a .tmp file and renamed, after its checksum: a run killed at any point leaves either a whole, checked
+    checkpoint or none under that name (and what it left half-done goes at the next save)."""
+    ckpt_dir = run_dir / "ckpt"
+    ckpt_dir.mkdir(exist_ok=True)
+    path = ckpt_dir / f"step_{state['step']:07d}.pt"
+    tmp = path.with_name(path.name + ".tmp")
+    rng = {"cpu": torch.get_rng_state()}   # --stochastic-o draws from torch's generator: resume continues its stream
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state, "rng": rng}, tmp)
+    write_checksum(path, tmp)
+    os.replace(tmp, path)
+    keep = {file.name for ckpt in checkpoints(run_dir)[-KEEP_CKPTS:] for file in (ckpt, checksum_path(ckpt))}
+    for file in ckpt_dir.iterdir():
+        if file.is_file() and file.name not in keep:   # older checkpoints, and the .tmp and checksum of a killed save
+            file.unlink()
+
+
+def resume(run_dir, c, model, optimizer, columns):
+    """--resume: the loop's state of the run's newest good checkpoint (load_checkpoint), its model and optimizer
+    restored and its log cut back to it; RunError if the run has reached its --steps or --minutes already (a run
+    killed after its last checkpoint but before its summary resumes to write that summary)."""
+    state = load_checkpoint(run_dir, model, optimizer, torch.device(c["device"]), columns)
+    if (run_dir / "summary.json").exists() and is_finished(c, state["step"], state["elapsed"] / 60):
+        raise RunError(f"--resume: {run_dir}: {done(state['step'])}; give a larger --steps or --minutes to "
+                       f"train it further")
+    print(f"resuming {run_dir} at step {state['step']}")
+    return state
+
+
+def load_checkpoint(run_dir, model, optimizer, device, columns):
+    """Restore the newest good checkpoint and drop the log rows written after it (they will be written again). A
+    checkpoint that fails its checksum or cannot be read is named in one line, moved to ckpt/damaged/ (set_aside),
+    and the one before it tried; RunError if none is good, or if the model does not fit it (config.json edited)."""
+    for path in reversed(checkpoints(run_dir)):
+        problem = checksum_problem(path)
+        if problem is None:
+            try:
+                ckpt = torch.load(path, map_location=device)
+                break
+            except Exception as e:   # whatever a damaged file makes torch's zip reader or unpickler raise
+                # (torch's message goes on for lines of advice: its first sentence says what failed)
+                what = str(e).strip().partition("\n")[0].partition(". ")[0]
+                problem = f"it cannot be read ({type(e).__name__}: {what})"
+        damaged = set_aside(path)
+        print(f"{path}: skipped, {problem}; moved to {damaged}")
+    else:   # (no break: none was good)
+        raise nothing_to_resume(run_dir)
+    if problem := misfit(model, ckpt["model"]):   # before anything is written: the run stays as it was
+        raise RunError(f"{run_dir / 'config.json'}: its settings make a model that {path.name} does not fit "
+                       f"({problem}): was it edited? Its n_layer, n_embd, block_size, pos and qk_norm must be "
+                       f"those the run started with")
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    rng = ckpt.get("rng", {})   # (checkpoints written before it was saved have none)
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"].cpu())
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    state = ckpt["state"]
+    with open(run_dir / "log.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if int(row["step"]) <= state["step"]]
+    write_rows(run_dir / "log.csv", rows, columns, "w")
+    return state
+
+
+def misfit(model, weights):
+    """The first tensor in which a model and a checkpoint's weights differ in shape, or that one of them lacks, in
+    words; None if the weights fit."""
+    shapes = lambda tensors: {name: "x".join(map(str, t.shape)) for name, t in tensors.items()}
+    ours, theirs = shapes(model.state_dict()), shapes(weights)
+    for name in [*ours, *theirs]:
+        if ours.get(name) != theirs.get(name):
+            return f"{name}: {theirs.get(name, 'none')} in the checkpoint, {ours.get(name, 'none')} in the model"
+    return None
+
+
 def lock_holder(run_dir):
     """The process id in run_dir's lock if that process is alive (a run is writing the folder), else None: a lock
     whose process is gone was left by a run that was killed, and is stale."""
@@ -255,55 +339,100 @@ def locked(run_dir):
         lock.unlink(missing_ok=True)
 
 
-def read_json(path):
-    """A config.json or summary.json, its settings in today's spellings (as_current): {} if there is none,
-    DamagedFile if it cannot be parsed."""
-    if not path.exists():
-        return {}
+def claim_folder(run_dir, c, resume, presets):
+    """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
+    is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
+    collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
+    first checkpoint has nothing to continue, nor one whose checkpoints --resume found all damaged: a new run
+    replaces it."""
+    ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
+    collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
+                if summary.get("collapsed") else None)
+    if resume:
+        if collapse:
+            raise RunError(f"--resume: {run_dir} is kept as it ended: {collapse}; start a new run with another --name")
+        if ckpt is None:
+            raise nothing_to_resume(run_dir)
+    elif ckpt or summary:
+        saved = read_json(run_dir / "config.json")
+        if not saved:
+            raise RunError(f"{run_dir} holds a run without config.json: pass --name for a new run")
+        ran = as_ran(saved, presets)
+        differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
+        afresh = f"or delete {run_dir} to start it afresh"
+        finished = summary and ckpt and is_finished(c, int(ckpt.stem.split("_")[1]), summary.get("minutes", 0))
+        advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
+                  f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
+                  f"{done(summary.get('steps', 0))}: --resume with a larger --steps trains it further, --name "
+                  f"starts a new run, {afresh}"
+                  if finished else f"pass --resume to continue it, --name for a new run, {afresh}")
+        raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
+    else:
+        attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
+        if attempt:
+            print(f"{run_dir}: replacing an attempt that stopped before its first checkpoint (no checkpoint, "
+                  f"no summary.json)")
+        for path in attempt:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def is_finished(c, step, minutes):
+    """Whether a run at `step`, after `minutes` of training, has reached its --steps or --minutes (settings c):
+    resuming it would train no step."""
+    return step >= c["steps"] or (c["minutes"] is not None and minutes >= c["minutes"])
+
+
+def done(steps):
+    """What a finished run's folder says of it."""
+    return f"it is finished: no collapse in {steps:,} steps (summary.json)"
+
+
+def nothing_to_resume(run_dir):
+    """--resume's refusal of a run with no checkpoint to continue from, and how to start it afresh: in its folder
+    (an attempt is replaced), or, beside a summary.json (a result, never replaced), under another --name."""
+    ckpt_dir = run_dir / "ckpt"
+    why = (f"no good checkpoint in {ckpt_dir} (the damaged ones are in {ckpt_dir / DAMAGED})"
+           if (ckpt_dir / DAMAGED).exists() else f"no checkpoint in {ckpt_dir} (the run stopped before its first)")
+    afresh = ("start it afresh under another --name" if (run_dir / "summary.json").exists()
+              else "leave out --resume to start it afresh")
+    return RunError(f"--resume: {why}: {afresh}")
+
+
+class Stopped(Exception):
+    """Ctrl-C during training, at a step (the number of steps trained) of the run c in run_dir: its message says where
+    the run stopped and how to continue it."""
+    def __init__(self, run_dir, c, step):
+        super().__init__(stopped(run_dir, c, step))
+
+
+def stopped(run_dir, c, step):
+    """What a run that Ctrl-C stopped at `step` says, in one line: its last checkpoint, and the command that
+    continues from it (--out and --name find the run; its config.json holds the rest of its settings)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return (f"stopped at step {step}, before the run's first checkpoint (every {c['ckpt_interval']:,} steps): "
+                f"nothing to resume; the same command starts the run again")
+    resume = shlex.join(["python", "train.py", "--resume", "--out", c["out"], "--name", c["name"]])
+    return f"stopped at step {step}; last checkpoint {ckpt}; to continue from it: {resume}"
+
+
+@contextmanager
+def refusals():
+    """train.py's two ends other than a run's own, as a command line ends: a command that cannot run as given (a
+    setting, the text, the run folder: RunError, TextError) in one line per problem on stderr, exit status 2, as
+    argparse refuses a malformed flag; Ctrl-C (Stopped) in the line that continues the run, exit status 130."""
     try:
-        value = json.loads(path.read_text())
-    except ValueError as e:   # not JSON, or not even UTF-8 text
-        raise DamagedFile(f"{path} cannot be parsed as JSON ({e})") from None
-    if not isinstance(value, dict):   # (train.py writes an object)
-        raise DamagedFile(f"{path} holds JSON but not an object")
-    return as_current(value)
-
-
-# The block's options (model.py) as every run recorded before they existed ran them: GPT-2's block
-GPT2_BLOCK = {"pos": "learned", "qk_norm": False}
-
-
-def as_current(settings):
-    """A run's settings as an older train.py wrote them (a config.json, a summary.json, a row of runs.csv, typed or
-    as text), in today's spellings; every reader of those files gets them through here, and the files, being
-    data, stay as written. Before, fix was a bool in some runs (True: "on"); what delta reads was three settings,
-    delta_from_p ("p"), delta_fp32 ("fp32-o") and stochastic_o "delta" ("stochastic-o"), now the one setting
-    delta; precision "paper", the paper's rounding points under autocast, is "autocast"; a run's settings without
-    the block's options ran GPT2_BLOCK. A row's flags (its arm's train.py flags) read likewise. Today's settings
-    come back unchanged."""
-    settings = dict(settings)
-    if "attn" in settings:   # (a run's settings, not another table's row)
-        settings = {**GPT2_BLOCK, **settings}
-    yes = lambda value: value in (True, "True")   # (a runs.csv cell read as text)
-    if settings.get("fix") in (True, False, "True", "False"):
-        settings["fix"] = "on" if yes(settings["fix"]) else "off"
-    if {"delta_from_p", "delta_fp32"} & set(settings) or settings.get("stochastic_o") == "delta":
-        reads = [value for key, value in (("delta_from_p", "p"), ("delta_fp32", "fp32-o")) if yes(settings.get(key))]
-        if settings.get("stochastic_o") == "delta":
-            reads.append("stochastic-o")
-            settings["stochastic_o"] = "off"
-        settings["delta"] = reads[0] if reads else "o"   # (train.py refused more than one)
-        settings.pop("delta_from_p", None)
-        settings.pop("delta_fp32", None)
-    if settings.get("precision") == "paper":
-        settings["precision"] = "autocast"
-    flags = ((r" ?--no-delta-(from-p|fp32)\b", ""), (r"--delta-from-p\b", "--delta p"),   # (as an arm gave them)
-             (r"--delta-fp32\b", "--delta fp32-o"), (r"--stochastic-o([= ])delta\b", r"--delta\1stochastic-o"),
-             (r"--precision([= ])paper\b", r"--precision\1autocast"))
-    if isinstance(settings.get("flags"), str):
-        for old, new in flags:
-            settings["flags"] = re.sub(old, new, settings["flags"]).strip()
-    return settings
+        yield
+    except (RunError, TextError) as e:
+        for line in str(e).splitlines():
+            print(f"train.py: error: {line}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Stopped as e:   # (the run folder's lock is let go by now)
+        print(f"train.py: {e}", file=sys.stderr)
+        raise SystemExit(130) from None   # 128 + SIGINT, the status a shell gives a command that Ctrl-C ended
 
 
 def write_json(path, value):
@@ -313,6 +442,45 @@ def write_json(path, value):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def write_rows(path, rows, columns, mode="a"):
+    """Append rows to a log.csv (the file closed after each, so a run stopped at any point has flushed every row it
+    wrote), or (mode "w") write the log anew with its header: to a .tmp file, then renamed, so that a run stopped as
+    --resume rewrites its log (dropping the rows after its checkpoint) keeps the whole log."""
+    written = path.with_name(path.name + ".tmp") if mode == "w" else path
+    with open(written, mode, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        if mode == "w":
+            writer.writeheader()
+        writer.writerows(rows)
+    if mode == "w":
+        os.replace(written, path)
+
+
+def mfu(c, tokens_per_s):
+    """Model FLOPs utilisation at tokens_per_s, against one H200's bf16 peak (H200_BF16_PEAK_FLOPS)."""
+    return c["flops_per_token"] * tokens_per_s / H200_BF16_PEAK_FLOPS
+
+
+def write_summary(run_dir, c, collapse):
+    """summary.json, from log.csv (so a resumed run summarises all of itself: log_outcome, which also reads runs that
+    ended without one) and the collapse, if any."""
+    outcome = log_outcome(read_log(run_dir / "log.csv"))
+    device = torch.device(c["device"])
+    summary = dict(
+        collapsed=collapse is not None,
+        collapse_step=(collapse or {}).get("step"),
+        collapse_minute=(collapse or {}).get("minute"),
+        reason=(collapse or {}).get("reason"),
+        **outcome,   # steps, minutes, final losses (None after a non-finite loss), max logit, tokens/s
+        mfu=mfu(c, outcome["tokens_per_s"] or 0.0),
+        peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        name=c["name"], **{k: c[k] for k in ARM}, data_sha1=c["data_sha1"],   # the arm, whole
+        provenance=provenance(),   # of this invocation (a resumed run's config.json keeps its first one's)
+    )
+    write_json(run_dir / "summary.json", summary)
+    return summary
 
 
 def log_path(run_dir):

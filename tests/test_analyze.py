@@ -15,7 +15,8 @@ import train
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
-from nanolp.runs import Run, as_current, find_runs, load_run, load_runs, read_table, study_runs, write_csv
+from nanolp.runconfig import as_current
+from nanolp.runs import Run, find_runs, load_run, load_runs, read_table, study_runs, write_csv
 
 N_LAYER, N_HEAD = 2, 2  # the tiny preset's
 STEPS = np.arange(0, 400, 10)
@@ -73,7 +74,7 @@ def write_run(root, name, seed, collapse, rng, **settings):
 
 def fake_run(**config):
     """A run of this config (with the exponent, which runs before the option lack), as loading its config.json
-    reads it: an older run's spellings in today's (nanolp.runs.as_current)."""
+    reads it: an older run's spellings in today's (nanolp.runconfig.as_current)."""
     return Run(Path("r"), as_current({"exponent": "fma", **config}), {}, {})
 
 
@@ -99,12 +100,11 @@ def test_runs_before_the_exponent_option_are_named_so():
     # older runs, in the spellings of their day
     (dict(fix="paper", delta_fp32=True), "--fix paper --delta fp32-o"),
     (dict(fix="off", delta_from_p=True, delta_fp32=False, stochastic_o="off"), "--fix off --delta p"),
-    (dict(fix="off", stochastic_o="delta"), "--fix off --delta stochastic-o"),
     (dict(fix="off", precision="paper"), "--fix off --precision autocast"),
     (dict(fix="on", attn="sdpa", precision="paper", delta_from_p=True), "--attn sdpa"),
     (dict(attn="fp32", pos="none"), "--attn fp32 --pos none"),
     (dict(fix="off", pos="rope", qk_norm=True), "--fix off --pos rope --qk-norm"),   # a switch: its flag alone
-    (dict(fix=True), "--fix on"),  # an older run: a bool, and keys added since missing
+    (dict(fix="on"), "--fix on"),  # an older run: keys added since missing
     (dict(preset="tiny", fix="off", lr=3e-3, n_layer=2), "--preset tiny --fix off"),  # the preset's own values
     (dict(preset="tiny", fix="off", n_layer=4, delta_from_p=False), "--preset tiny --fix off --n-layer 4"),
 ])

@@ -6,7 +6,7 @@ import pytest
 
 import train
 from experiments import late_stage
-from nanolp.runs import read_json
+from nanolp.runconfig import read_json
 from tests.test_train import text  # noqa: F401  (the fixture)
 
 

@@ -1,11 +1,12 @@
 """nanolp/runs.py: the git state a run records (train.py records the rest: tests/test_train.py), what a log says
-of its run, and a run recorded in older spellings read in today's."""
+of its run, and a run recorded in older spellings read in today's (nanolp/runconfig.py's as_current), every
+committed one among them."""
 
 import json
 import subprocess
 from pathlib import Path
 
-from nanolp import runs
+from nanolp import runconfig, runs
 
 
 def test_git_state_outside_a_checkout(tmp_path):
@@ -34,29 +35,42 @@ def test_log_outcome_reads_a_log_as_train_py_summarises_it(tmp_path):
 
 
 def test_a_config_in_the_older_spellings_loads_in_todays(tmp_path):
-    """A committed run's config.json, as train.py wrote it before fix, delta and precision took today's spellings
-    and before --qk-norm, loads in today's: delta_from_p / delta_fp32 / stochastic_o "delta" as the one setting
-    delta, precision "paper" as "autocast", a fix that was a bool as "off" / "on", the block it ran (GPT-2's) as
-    today's settings of it; the file itself is left as it was."""
+    """A committed run's config.json, as train.py wrote it before delta and precision took today's spellings and
+    before --qk-norm, loads in today's: delta_from_p / delta_fp32 as the one setting delta, precision "paper" as
+    "autocast", the block it ran (GPT-2's) as today's settings of it; the file itself is left as it was."""
     committed = Path(__file__).resolve().parents[1] / "results" / "seed_study" / "runs" / "paper-fp32-o-s0" / "config.json"
     original = json.loads(committed.read_text())
     assert original["delta_from_p"] is False and original["delta_fp32"] is True and "delta" not in original
     assert "qk_norm" not in original
-    loaded = runs.read_json(committed)
+    loaded = runconfig.read_json(committed)
     assert (loaded["fix"], loaded["precision"], loaded["delta"], loaded["stochastic_o"]) == (
         "paper", "fa2", "fp32-o", "off")
     assert loaded == {k: v for k, v in original.items() if k not in ("delta_from_p", "delta_fp32")} | dict(
         delta="fp32-o", qk_norm=False)
     for old, new in ((dict(precision="paper", delta_from_p=True), dict(precision="autocast", delta="p")),
-                     (dict(fix=False, delta_fp32=True), dict(fix="off", delta="fp32-o")),
-                     (dict(fix=True, stochastic_o="delta"), dict(fix="on", stochastic_o="off", delta="stochastic-o"))):
+                     (dict(delta_from_p=False), dict(delta="o"))):
         (tmp_path / "config.json").write_text(json.dumps(original | dict(delta_fp32=False) | old))
-        loaded = runs.read_json(tmp_path / "config.json")
+        loaded = runconfig.read_json(tmp_path / "config.json")
         assert "delta_from_p" not in loaded and "delta_fp32" not in loaded
         assert {k: loaded[k] for k in ("fix", "precision", "delta", "stochastic_o")} == {
             k: new.get(k, original.get(k, "o")) for k in ("fix", "precision", "delta", "stochastic_o")}, old
-        assert runs.read_json(tmp_path / "config.json") == runs.as_current(loaded)   # today's come back unchanged
+        # today's come back unchanged
+        assert runconfig.read_json(tmp_path / "config.json") == runconfig.as_current(loaded)
     assert json.loads(committed.read_text()) == original
+
+
+def test_every_committed_run_reads_in_todays_spellings():
+    """Every config.json, summary.json and runs.csv row under results/ reads in today's spellings: no key or value
+    that as_current translates is left, and a run's settings have the block's."""
+    root = Path(__file__).resolve().parents[1] / "results"
+    files = sorted(root.glob("*/runs/*/config.json")) + sorted(root.glob("*/runs/*/summary.json"))
+    settings = [runconfig.read_json(path) for path in files]
+    settings += [row for table in sorted(root.glob("**/runs.csv")) for row in runs.read_table(table)]
+    assert len(files) >= 40 and len(settings) > len(files)
+    for s in settings:
+        assert not {"delta_from_p", "delta_fp32"} & s.keys() and s.get("precision") != "paper", s.get("name")
+        assert "--delta-from-p" not in (s.get("flags") or "") and "--precision paper" not in (s.get("flags") or "")
+        assert "attn" not in s or set(runconfig.GPT2_BLOCK) <= s.keys()
 
 
 def test_a_table_without_the_block_options_reads_as_gpt2s_block(tmp_path):

@@ -12,7 +12,8 @@ import torch
 
 from experiments import sweep
 from nanolp import data
-from nanolp.runs import as_current, cell, load_run
+from nanolp.runconfig import as_current
+from nanolp.runs import cell, load_run
 
 # A stand-in for train.py: writes config.json (its flags), log.csv (a row every 10 steps, diagnostics every 100),
 # summary.json and device.txt (CUDA_VISIBLE_DEVICES, start and end time), after --sleep seconds.
@@ -187,8 +188,8 @@ def test_flags_against_a_run_config(tmp_path):
     assert "fix='on'" in sweep.contradiction(run, ["--fix", "paper"])
     assert "delta='o'" in sweep.contradiction(run, ["--delta", "p"])
     assert "stochastic_o=None" in sweep.contradiction(run, ["--stochastic-o", "off"])  # an older run: no such key
-    # a run recorded in the older spellings (fix a bool, delta_fp32, precision "paper") reads in today's
-    (run / "config.json").write_text(json.dumps(dict(fix=True, delta_from_p=False, delta_fp32=True,
+    # a run recorded in the older spellings (delta_fp32, precision "paper") reads in today's
+    (run / "config.json").write_text(json.dumps(dict(fix="on", delta_from_p=False, delta_fp32=True,
                                                      stochastic_o="off", precision="paper")))
     assert sweep.contradiction(run, ["--fix", "on", "--delta", "fp32-o", "--precision", "autocast",
                                      "--stochastic-o", "off"]) == ""
@@ -443,7 +444,7 @@ def test_collect_reads_an_older_runs_csv(tmp_path):
     (tmp_path / "s" / "runs.csv").write_text(
         "name,arm,flags,fix,precision,delta_from_p,delta_fp32,stochastic_o,steps\n"
         "p-s0,p,--precision paper --fix off --delta-from-p,off,paper,True,False,off,999\n"
-        "d-s0,d,--fix off --stochastic-o delta,False,fa2,False,False,delta,998\n")
+        "d-s0,d,--fix off,off,fa2,False,False,off,998\n")
     write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), dict(steps=40), [dict(step=40, elapsed_s=4)])
     assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out"), "--collect"]) == 0
     with open(tmp_path / "s" / "runs.csv", newline="") as f:
@@ -452,7 +453,7 @@ def test_collect_reads_an_older_runs_csv(tmp_path):
     assert [(r["name"], r["flags"], r["fix"], r["precision"], r["delta"], r["stochastic_o"], r["steps"])
             for r in rows] == [
         ("p-s0-nolog", "--precision autocast --fix off --delta p", "off", "autocast", "p", "off", "999"),
-        ("d-s0-nolog", "--fix off --delta stochastic-o", "off", "fa2", "stochastic-o", "off", "998"),
+        ("d-s0-nolog", "--fix off", "off", "fa2", "o", "off", "998"),
         ("x-s0", "--fix off", "off", "fa2", "o", "off", "40")]
 
 
@@ -523,8 +524,8 @@ def test_collect_synthetic_runs(tmp_path):
     # an old run: no summary.json, no delta/mantissa_bits/stochastic_o in its config, no head ever grows
     old = {k: v for k, v in config.items() if k not in ("delta", "mantissa_bits", "stochastic_o")}
     write_run(tmp_path / "old", "legacy", dict(old, seed=0), None, rows[:3])
-    # a run of the older spellings: delta as delta_from_p / delta_fp32 / stochastic_o "delta", precision "paper"
-    older = dict(old, seed=1, precision="paper", delta_from_p=False, delta_fp32=False, stochastic_o="delta")
+    # a run of the older spellings: delta as delta_from_p / delta_fp32, precision "paper"
+    older = dict(old, seed=1, precision="paper", delta_from_p=True, delta_fp32=False, stochastic_o="off")
     write_run(tmp_path / "old", "older", older, None, rows[:3])
 
     sweep.main(["--collect", str(tmp_path / "runs"), str(tmp_path / "old" / "legacy"),
@@ -534,7 +535,7 @@ def test_collect_synthetic_runs(tmp_path):
     table = {row["name"]: row for row in read_csv(tmp_path / "out.csv")}
     assert list(table) == ["arm-s3", "legacy", "older"]
     a, b, c = table["arm-s3"], table["legacy"], table["older"]
-    assert (c["precision"], c["delta"], c["stochastic_o"]) == ("autocast", "stochastic-o", "off")
+    assert (c["precision"], c["delta"], c["stochastic_o"]) == ("autocast", "p", "off")
     assert (a["arm"], a["flags"], a["seed"], a["mantissa_bits"], a["delta"], a["stochastic_o"]) == (
         "arm", "", "3", "3", "p", "forward")
     assert (a["collapsed"], a["collapse_step"], a["steps"], a["max_logit"]) == ("True", "60", "70", "6.0")
@@ -590,7 +591,7 @@ def test_tiny_study_on_cpu(tmp_path, text, gpus):
 
 
 def committed_rows():
-    """The committed rows as the code reads them: in today's spellings (nanolp.runs.as_current)."""
+    """The committed rows as the code reads them: in today's spellings (nanolp.runconfig.as_current)."""
     for table in sorted(sweep.ROOT.glob("results/*/runs.csv")):
         for row in read_csv(table):
             yield table.parent, as_current(row)

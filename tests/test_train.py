@@ -55,6 +55,11 @@ def run(tmp_path, text):
     return run
 
 
+def parse_args(argv):
+    """train.py's command line, as its main reads it."""
+    return runconfig.parse_args(argv, train.PRESETS, train.CHOICES)
+
+
 def read_log(run_dir):
     with open(run_dir / "log.csv", newline="") as f:
         return list(csv.DictReader(f))
@@ -93,7 +98,7 @@ def test_smoke_run_learns_and_writes_its_folder(run, tmp_path, capsys):
     assert all(r["val_loss"] and r["max_logit_L1"] and r["delta_err_L0_H1"] for r in rows if int(r["step"]) % 20 == 0)
     assert not rows[0]["val_loss"] and not rows[0]["sn_q_L0"]  # only every --eval/--diag-interval steps
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary) == OUTCOME | set(train.ARM) | {"name", "data_sha1", "provenance"}
+    assert set(summary) == OUTCOME | set(runconfig.ARM) | {"name", "data_sha1", "provenance"}
     assert summary["collapsed"] is False and summary["steps"] == 60 and summary["tokens_per_s"] > 0
     assert summary["final_val_loss"] == pytest.approx(float(rows[-1]["val_loss"]))
     config = json.loads((run_dir / "config.json").read_text())
@@ -115,13 +120,13 @@ def test_summary_holds_the_arm(run):
                stochastic_o="forward", mantissa_bits=0, amplify="p", exponent="fma", pos="learned", qk_norm=False, lr=0.002,
                warmup=20, beta1=0.9, beta2=0.95, weight_decay=0.0, grad_clip=1.0, n_layer=2, n_head=4, n_embd=64, block_size=32,
                batch_size=8, dtype="bf16", data=config["data"], seed=3)
-    assert {k: summary[k] for k in train.ARM} == arm and summary["name"] == "arm"
+    assert {k: summary[k] for k in runconfig.ARM} == arm and summary["name"] == "arm"
     assert summary["data_sha1"] == config["data_sha1"] and len(summary["data_sha1"]) == 40
     assert float(read_log(run_dir)[-1]["train_loss"]) < 4.0   # it trains
 
 
 def default_name(tmp_path, *flags):
-    return runconfig.resolve_config(train.parse_args([*flags, "--out", str(tmp_path / "runs")]), train.PRESETS)["name"]
+    return runconfig.resolve_config(parse_args([*flags, "--out", str(tmp_path / "runs")]), train.PRESETS)["name"]
 
 
 def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
@@ -192,11 +197,11 @@ ARM_CHANGES = [("--preset", "default"), ("--attn", "emulate"), ("--fix", "on"), 
 def test_resume_refuses_to_change_the_arm(run, text, tmp_path, capsys):
     run_dir = run("r", "--steps", "20")
     config = json.loads((run_dir / "config.json").read_text())
-    flagged = {"--" + k.replace("_", "-") for k in train.ARM if k in vars(train.parse_args([]))}
+    flagged = {"--" + k.replace("_", "-") for k in runconfig.ARM if k in vars(parse_args([]))}
     assert {change[0] for change in ARM_CHANGES} | {"--data"} == flagged   # every flag of the arm is tried
     for change in ARM_CHANGES:
         key = change[0][2:].replace("-", "_")
-        new = vars(train.parse_args(list(change)))[key]
+        new = vars(parse_args(list(change)))[key]
         assert f"{change[0]}: the run has {config[key]!r}, this command {new!r}" in refusal(
             capsys, lambda: run("r", "--steps", "40", "--resume", *change))
     other = tmp_path / "other.txt"
@@ -264,12 +269,12 @@ def test_resume_may_change_the_length_and_intervals(run):
 
 
 def test_resume_continues_a_run_in_the_older_spellings(run, capsys):
-    """A run folder written before fix and delta were spelled as today (fix a bool; delta_from_p, delta_fp32 and
-    stochastic_o where delta is now) resumes under today's flags, refuses a flag that differs from what it ran,
-    and goes on in today's spellings."""
+    """A run folder written before delta was spelled as today (delta_from_p and delta_fp32 where delta is now, as
+    the committed runs have it) resumes under today's flags, refuses a flag that differs from what it ran, and goes
+    on in today's spellings."""
     run_dir = run("old", "--attn", "emulate", "--delta", "fp32-o", "--steps", "20")
     config = json.loads((run_dir / "config.json").read_text())
-    old = {k: v for k, v in config.items() if k != "delta"} | dict(fix=False, delta_from_p=False, delta_fp32=True)
+    old = {k: v for k, v in config.items() if k != "delta"} | dict(delta_from_p=False, delta_fp32=True)
     (run_dir / "config.json").write_text(json.dumps(old))
     assert "--delta: the run has 'fp32-o', this command 'p'" in refusal(
         capsys, lambda: run("old", "--attn", "emulate", "--delta", "p", "--steps", "40", "--resume"))
@@ -294,7 +299,7 @@ def test_a_new_run_never_continues_another(run, capsys):
 
 def test_help_groups_the_flags(capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        parse_args(["--help"])
     groups, title = {}, None
     for line in capsys.readouterr().out.split("\noptions:\n")[1].splitlines():
         if re.fullmatch(r"\S.*:", line):
@@ -310,7 +315,7 @@ def test_help_groups_the_flags(capsys):
                                   "--log-interval", "--eval-interval", "--diag-interval", "--ckpt-interval"}
 
     # every flag says what it does in words, and every flag that takes a value says its default
-    for action in train.parser()._actions:
+    for action in runconfig.parser(train.PRESETS, train.CHOICES)._actions:
         words = re.sub(r"\(default[^)]*\)", "", action.help)
         assert len(words.split()) >= 2, action.dest
         if action.option_strings and action.nargs != 0 and action.dest != "help":
@@ -320,7 +325,7 @@ def test_help_groups_the_flags(capsys):
 @pytest.mark.parametrize("argv", [["--preset", "tiny", "--help"], ["--help", "--preset", "tiny"], ["--help"]])
 def test_help_shows_the_chosen_presets_defaults(argv, capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(argv)
+        parse_args(argv)
     text = " ".join(capsys.readouterr().out.split())
     tiny = "tiny" in argv
     assert f"The defaults shown are the {'tiny' if tiny else 'default'} preset's" in text
@@ -478,7 +483,7 @@ def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tm
     def interrupted(*args):
         raise KeyboardInterrupt
     with monkeypatch.context() as patched:
-        patched.setattr(train, "save_checkpoint", interrupted)   # Ctrl-C as the first checkpoint was due
+        patched.setattr(runs, "save_checkpoint", interrupted)   # Ctrl-C as the first checkpoint was due
         capsys.readouterr()
         with pytest.raises(SystemExit) as exited:
             run("early", "--steps", "40")
@@ -544,8 +549,8 @@ def test_a_gpu_preset_without_cuda_is_refused_unless_device_cpu_insists(text, tm
     with monkeypatch.context() as patched:
         def built(*args, **kwargs):
             raise AssertionError("built before the refusal")
-        for step in ("find_text", "prepare", "GPT", "locked"):
-            patched.setattr(train, step, built)
+        for module, step in ((data, "find_text"), (data, "prepare"), (train, "GPT"), (runs, "locked")):
+            patched.setattr(module, step, built)
         assert refusal(capsys, lambda: train.main(common)) == (
             "train.py: error: the default preset is sized for a GPU and this machine has no CUDA device: a step takes "
             "about 42-50 s on two CPU cores, its 200,000 steps 97-116 days (--device cpu trains it here anyway); a "
@@ -571,7 +576,7 @@ def test_a_gpu_without_bf16_is_refused_in_one_line(text, tmp_path, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     def built(*args, **kwargs):
         raise AssertionError("built before the refusal")
-    monkeypatch.setattr(train, "find_text", built)
+    monkeypatch.setattr(data, "find_text", built)
     common = ["--data", str(text), "--out", str(tmp_path / "runs")]
     assert refusal(capsys, lambda: train.main(common)) == (
         "train.py: error: this GPU (Tesla T4, compute capability 7.5) has no bf16, the precision whose failure this "
