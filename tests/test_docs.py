@@ -106,7 +106,7 @@ def test_kernel_md_gpu_tests_are_their_file():
     root = Path(analyze.__file__).parent
     latest = re.search(r"^(\d+) passed, \d+ skipped", (root / "results/speed/gpu_tests.txt").read_text(), re.M)
     kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
-    assert f"with the kernel as it ships {latest.group(1)} passed, none failed (`results/speed/gpu_tests.txt`" in kernel_md
+    assert f"at the commit it names, {latest.group(1)} passed, none failed (`results/speed/gpu_tests.txt`" in kernel_md
 
 
 def seeds_text(seeds):
