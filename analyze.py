@@ -28,7 +28,7 @@ from matplotlib.lines import Line2D
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
 from model import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp import probe
-from nanolp.diagnostics import PROBE_LAYER
+from nanolp.diagnostics import LOGIT, PROBE_LAYER   # the layer that runs away, and its column
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
 from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, changed_settings
@@ -121,7 +121,6 @@ def outcome(group):
 # -----------------------------------------------------------------------------
 # The headline: per arm, each run's loss and layer 0's max logit to its end, and the share not yet collapsed
 
-LOGIT = f"max_logit_L{PROBE_LAYER}"  # the layer that runs away
 MEDIAN_RUNS = 3   # an arm's median is drawn only where all its lines, at least this many, are alive: the median of
                   # two is their midpoint, and a median of the survivors jumps where a run ends, which reads as a recovery
 

@@ -29,8 +29,7 @@ from tqdm import tqdm
 
 from model import ATTN_BACKENDS, GPT, POSITIONS, GPTConfig, implementation
 from nanolp import data, runconfig, runs
-from nanolp.data import get_batch
-from nanolp.diagnostics import PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
+from nanolp.diagnostics import LOGIT, PROBE_BATCHES, PROBE_LAYER, diag_columns, diagnose
 from nanolp.runconfig import GPT2_BLOCK, PLAIN_NUMERICS
 
 # -----------------------------------------------------------------------------
@@ -77,7 +76,6 @@ SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minim
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
 DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T, T) scores per layer
-LOGIT = f"max_logit_L{PROBE_LAYER}"   # the progress bar's and the end's logit: layer 0's, the one that runs away
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 # the model's options that the flags --attn and --pos choose from (model.py's; nanolp never imports model.py)
 CHOICES = dict(attn=ATTN_BACKENDS, pos=POSITIONS)
@@ -95,8 +93,8 @@ def train(c, corpus, resume):
     # delta_probe's rows, fixed batches of the training text, where the memorised model's gradient is tiny (the
     # regime the curvature effect is about); 10**6 is a seed no run uses, so they are not a run's own batches.
     train_tokens, val_tokens = corpus.train.long().to(device), corpus.val.long().to(device)
-    diag_x, diag_y = get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
-    probe = [get_batch(train_tokens, B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)]
+    diag_x, diag_y = data.get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
+    probe = [data.get_batch(train_tokens, B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)]
 
     # the model
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
@@ -141,7 +139,7 @@ def train(c, corpus, resume):
             lr = get_lr(step, c)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = get_batch(train_tokens, B, T, c["seed"], step)
+            x, y = data.get_batch(train_tokens, B, T, c["seed"], step)
             torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may now reuse the last step's output buffers
             with ctx:
                 _, loss = train_model(x, y)
@@ -226,7 +224,7 @@ def evaluate(model, tokens, c, ctx):
     """Validation loss on the same eval_iters batches every time, in every run (seed 0), so runs compare."""
     total = torch.zeros((), device=tokens.device)
     for i in range(c["eval_iters"]):
-        x, y = get_batch(tokens, c["batch_size"], c["block_size"], seed=0, step=i)
+        x, y = data.get_batch(tokens, c["batch_size"], c["block_size"], seed=0, step=i)
         with ctx:
             total += model(x, y)[1]
     return (total / c["eval_iters"]).item()

@@ -36,6 +36,7 @@ from nanolp.emulate import causal_scores, emulate_forward_fp32, scores
 
 SHARP_EPS = 1e-3  # below it, delta's error from O's cast copies the dominant logit's gradient
 PROBE_LAYER = 0    # the layer that runs away
+LOGIT = f"max_logit_L{PROBE_LAYER}"   # its max attention logit, log.csv's column that the figures and the bar follow
 PROBE_BATCHES = 4  # batches of the training batch size: ~4e5 rows at the default preset
 PROBE_TERMS = ("total", "lin", "curv", "indep")
 

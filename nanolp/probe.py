@@ -22,11 +22,10 @@ import re
 import matplotlib.pyplot as plt
 import numpy as np
 
-from nanolp.diagnostics import PROBE_LAYER, PROBE_TERMS
+from nanolp.diagnostics import LOGIT, PROBE_LAYER, PROBE_TERMS
 from nanolp.plots import run_styles, save, step_axis
 from nanolp.runs import write_csv
 
-LOGIT = f"max_logit_L{PROBE_LAYER}"
 REFERENCE_STEP = 10_000
 PHASE_BOUNDS = (2.0, 10.0)  # phase 2 starts at 2x the reference logit, phase 3 past 10x
 PHASES = {1: "below 2x", 2: "2-10x", 3: "beyond 10x"}

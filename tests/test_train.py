@@ -339,9 +339,9 @@ def poison_step(monkeypatch, at):
     the batch train.py's loop draws for that step (get_batch with the run's seed, 0, and that step; the tiny preset's
     evaluation draws seed 0's steps 0-3, the diagnostics step 0 and seed 10**6) goes through a GPT.forward whose
     loss is multiplied by NaN."""
-    poisoned = []
+    poisoned, original = [], data.get_batch
     def get_batch(tokens, batch_size, block_size, seed, step):
-        x, y = data.get_batch(tokens, batch_size, block_size, seed, step)
+        x, y = original(tokens, batch_size, block_size, seed, step)
         if (seed, step) == (0, at):
             poisoned.append(x)
         return x, y
@@ -349,7 +349,7 @@ def poison_step(monkeypatch, at):
     def poisoned_forward(self, idx, targets=None):
         logits, loss = forward(self, idx, targets)
         return logits, loss * math.nan if any(idx is x for x in poisoned) else loss
-    monkeypatch.setattr(train, "get_batch", get_batch)
+    monkeypatch.setattr(data, "get_batch", get_batch)   # (train.py calls data.get_batch)
     monkeypatch.setattr(model.GPT, "forward", poisoned_forward)
 
 
