@@ -174,12 +174,14 @@ def plot_headline(runs, study, path, title="the kernel as it ships"):
     for name, group in groups.items():
         colour = hues[name]
         lines = drawn.get(name, [])
-        # the fp32 control dashed and beneath the others: it trains where the fix does, and would hide its lines
-        style = dict(linestyle="--", zorder=1) if family(group[0]) == "fp32" else dict(zorder=2)
+        # the fix on top of every other arm, its lines wider; the fp32 control dashed and beneath them: both train
+        # where the controls do, and the fix is what the figure shows
+        style = {"fp32": dict(linestyle="--", zorder=1), "fix on": dict(zorder=3)}.get(family(group[0]), dict(zorder=2))
+        width = 1.5 if family(group[0]) == "fix on" else 0.8
         for ax, column in zip(axes, ("train_loss", LOGIT)):
             for run in lines:
                 if run.series(column) is not None:
-                    ax.plot(*run.series(column), color=colour, linewidth=0.8, alpha=0.75, **style)
+                    ax.plot(*run.series(column), color=colour, linewidth=width, alpha=0.75, **style)
                 mark_collapse(ax, run, column, colour)
             curve = median_line(lines, column)
             if curve is not None:
@@ -416,6 +418,8 @@ def analyze_runs(runs, out):
 ALONE_PACE = 8000   # steps a minute: a default-preset run of our kernel faster than this had the H200 alone from
                     # start to end (8,150-9,919 in the seed and stochastic-rounding studies; beside another run for
                     # all or part of its steps at most 7,344; its tokens/s, a median over log rows, misses the part)
+ALONE_GPU = "NVIDIA H200"   # the card of README's minutes (runs.csv's gpu): an H100's minutes are not an H200's;
+                            # a row without one (its summary gone) is from before the runs met any other card
 RUNAWAY_LOGIT = 1e4   # a max logit past this ran away: the seed study's arms whose logits stay flat (fp32
                       # attention, delta from P or the fp32 O, the fix) peak at 84-242 over all layers
 DOCS = ("README.md", "results/README.md", "docs/findings.md")   # where --table's tables go, between their markers
@@ -459,14 +463,15 @@ def readme_order(arms):
 
 
 def alone_minutes(group, kin=()):
-    """Each run's minutes to its collapse (or its end) alone on the H200: its own where it had the GPU alone, else
+    """Each run's minutes to its collapse (or its end) alone on the H200: its own where it had an H200 alone, else
     its steps at the median pace of the arm's runs that did, or where none did, of the runs of kin (kin_of: the
     fix costs a training step ~1%); None where none of either did."""
     end = lambda row: (row["collapse_step"], row["collapse_minute"]) if row["collapsed"] else (row["steps"],
                                                                                                 row["minutes"])
-    alone = [row for row in group if end(row)[0] / end(row)[1] > ALONE_PACE]
+    had_it = lambda row: (row.get("gpu") or ALONE_GPU) == ALONE_GPU and end(row)[0] / end(row)[1] > ALONE_PACE
+    alone = [row for row in group if had_it(row)]
     if not alone:
-        alone = [row for row in kin if end(row)[0] / end(row)[1] > ALONE_PACE]
+        alone = [row for row in kin if had_it(row)]
     if not alone:
         return None
     pace = median([end(row)[0] / end(row)[1] for row in alone])

@@ -72,7 +72,7 @@ GROWTH = 3.0
 COLUMNS = ["name", "arm", "flags", "seed", "attn", "fix", *NUMERICS, *GPT2_BLOCK, "lr", "batch_size", "block_size",
            "n_layer", "n_embd", "steps", "minutes", "collapsed", "collapse_step", "collapse_minute", "reason",
            "max_logit", "tie_rate_final", "tie_rate_head_peak", "final_val_loss", "final_train_loss", "tokens_per_s",
-           "peak_mem_gb", "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
+           "peak_mem_gb", "gpu", "first_growth_layer", "first_growth_head", "first_growth_step", "log_kept"]
 # a row whose run folder was never kept (an earlier sample of the same arm and seed, known by its summary alone)
 # is named ARM-sSEED-nolog, so that a new run of that arm and seed, with its log, takes the plain name
 NO_LOG = "-nolog"
@@ -429,7 +429,7 @@ def collect_row(run, arm=None, flags=""):
         tie_rate_final=max(tie_rates) if tie_rates else None,
         tie_rate_head_peak=max(head_peaks) if head_peaks else None,    # the paper's failure starts in a few heads
         final_val_loss=o["final_val_loss"], final_train_loss=o["final_train_loss"],
-        tokens_per_s=o["tokens_per_s"], peak_mem_gb=s.get("peak_mem_gb"),
+        tokens_per_s=o["tokens_per_s"], peak_mem_gb=s.get("peak_mem_gb"), gpu=s.get("provenance", {}).get("gpu"),
         first_growth_layer=layer, first_growth_head=head, first_growth_step=growth_step, log_kept=True,
     )
 

@@ -28,7 +28,7 @@ def test_doc_tables_are_generated_from_their_runs_csv():
             assert block.split(f"<!-- end of {kind} -->")[0] == "\n".join(lines) + "\n", (doc, kind, table)
             blocks.append((doc, kind, table))
     seed, stochastic = "results/seed_study/runs.csv", "results/stochastic_rounding/runs.csv"
-    shipped = f"{seed} results/modern_block/runs.csv"   # README's: the kernel as it ships, in both studies
+    shipped = f"{seed} results/cure/runs.csv results/modern_block/runs.csv"   # README's: the kernel as it ships
     assert {("README.md", "table", shipped), ("README.md", "commands", shipped), ("results/README.md", "all runs", seed),
             ("docs/findings.md", "table", stochastic)} <= set(blocks)
 
@@ -104,9 +104,12 @@ def test_readme_numbers_are_their_files():
 def test_kernel_md_gpu_tests_are_their_file():
     """docs/kernel.md's count of the kernel tests on the GPU is the latest run's in results/speed/gpu_tests.txt."""
     root = Path(analyze.__file__).parent
-    latest = re.search(r"^(\d+) passed, \d+ skipped", (root / "results/speed/gpu_tests.txt").read_text(), re.M)
+    latest = re.search(r"^(?:(\d+) failed, )?(\d+) passed, \d+ skipped", (root / "results/speed/gpu_tests.txt").read_text(),
+                       re.M)
+    failed, passed = latest.groups()
     kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
-    assert f"at the commit it names, {latest.group(1)} passed, none failed (`results/speed/gpu_tests.txt`" in kernel_md
+    counts = f"{passed} passed and {failed} failed" if failed else f"{passed} passed, none failed"
+    assert f"at the commit it names, {counts} (`results/speed/gpu_tests.txt`" in kernel_md
 
 
 def seeds_text(seeds):

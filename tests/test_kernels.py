@@ -725,7 +725,7 @@ def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
     monkeypatch.setattr(kernels, "capability", lambda device: (7, 5))
     for attention in (kernels.flash_attention, emulate.emulate_attention):
         with pytest.raises(TypeError, match=re.escape("bfloat16 needs a GPU of compute capability 8.0 or later (an "
-                                                      "A100, RTX 30xx, L4, H100); cpu has 7.5")):
+                                                      f"A100, RTX 30xx, L4, H100); {q.device} has 7.5")):
             attention(q, q, q, fix="on")
     assert kernels.flash_attention(q.half(), q.half(), q.half()).dtype == torch.float16   # float16 is not refused
 
