@@ -588,6 +588,16 @@ def study_table(rows):
 BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": run_lines}
 
 
+def is_runs_table(path):
+    """Whether path is a study's runs.csv: a file whose first line names the columns name, arm and flags."""
+    try:
+        with open(path) as f:
+            header = f.readline().strip().split(",")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return {"name", "arm", "flags"} <= set(header)
+
+
 def update_docs(root, tables):
     """Replace the lines between each marker of these runs.csv in DOCS (<!-- KIND: python analyze.py --table
     CSV [CSV ...] --> ... <!-- end of KIND -->, KIND a key of BLOCKS) with that block, regenerated from their rows:
@@ -667,6 +677,9 @@ def main(argv=None):
     if missing:   # one line, not a traceback
         fail(f"no such file or folder: {', '.join(missing)}")
     if args.table:
+        others = [path for path in args.table if not is_runs_table(path)]
+        if others:
+            fail(f"not a study's runs.csv (a CSV with columns name, arm and flags): {', '.join(map(str, others))}")
         return update_docs(Path(__file__).resolve().parent, args.table)
 
     paths = [] if args.mechanism else find_runs(given)

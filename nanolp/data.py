@@ -59,8 +59,9 @@ def find_text(path=None):
     path = path or os.environ.get("NANOLP_DATA")
     if path:
         if not Path(path).is_file():
-            raise TextError(f"no text file at {path}: that file does not exist (give an existing one with --data PATH "
-                            f"or NANOLP_DATA=PATH, or neither for TinyShakespeare)")
+            raise TextError(f"no text file at {path}: that file does not exist (data/README.md says how to get each "
+                            f"text; give an existing one with --data PATH or NANOLP_DATA=PATH, or neither for "
+                            f"TinyShakespeare)")
         return Path(path)
     if not DEFAULT_TEXT.is_file():
         print(f"downloading TinyShakespeare from {DEFAULT_URL}")

@@ -472,6 +472,9 @@ def test_a_missing_folder_is_named(tmp_path, monkeypatch, capsys):
     (tmp_path / "empty").mkdir()
     assert refused(["empty"]) == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
+    (tmp_path / "README.md").write_text("# not a table\n")
+    assert refused(["--table", "README.md", "empty"]) == ("analyze.py: error: not a study's runs.csv (a CSV with "
+                                                          "columns name, arm and flags): README.md, empty\n")
     (tmp_path / "runs.csv").write_text("name,arm,flags\n")
     assert refused(["--table", "runs.csv"]).startswith("analyze.py: error: no block of runs.csv in README.md")
 

@@ -8,6 +8,7 @@ import zipfile
 
 import pytest
 
+import train
 from experiments import corpus
 
 
@@ -166,3 +167,10 @@ def test_main_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("corpus: ") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "out.txt").exists()
+
+
+def test_train_corpus_preset_reads_the_text_this_builds():
+    """train.py's corpus preset names, from the checkout's root where its commands run, the file main() writes."""
+    assert corpus.ROOT / train.PRESETS["corpus"]["data"] == corpus.DEFAULT_OUT
+    assert {k: v for k, v in train.PRESETS["corpus"].items() if k != "data"} == \
+           {k: v for k, v in train.DEFAULT.items() if k != "data"}   # the default run but for its text
