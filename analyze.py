@@ -31,7 +31,7 @@ from nanolp import probe
 from nanolp.diagnostics import LOGIT, PROBE_LAYER   # the layer that runs away, and its column
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
-from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, changed_settings
+from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, as_shipped, changed_settings
 from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------
@@ -423,13 +423,6 @@ ALONE_GPU = "NVIDIA H200"   # the card of README's minutes (runs.csv's gpu): an 
 RUNAWAY_LOGIT = 1e4   # a max logit past this ran away: the seed study's arms whose logits stay flat (fp32
                       # attention, delta from P or the fp32 O, the fix) peak at 84-242 over all layers
 DOCS = ("README.md", "results/README.md", "docs/findings.md")   # where --table's tables go, between their markers
-
-
-def as_shipped(settings):
-    """Whether a run (its config and summary, or its runs.csv row) ran the kernel as it ships: it records the
-    exponent (nanolp.presets.BEFORE_OPTION), which the earlier kernels' runs did not have. README's table and
-    headline figure hold these runs; results/README.md and the second figure the earlier ones."""
-    return all(settings.get(key) is not None for key in BEFORE_OPTION)
 
 
 def command(name):

@@ -75,6 +75,13 @@ OPTIONAL = dict(minutes=float, data=str)
 JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "an object"}
 
 
+def as_shipped(settings):
+    """Whether a run (its config and summary, or its runs.csv row) ran the kernel as it ships: it records the
+    exponent (BEFORE_OPTION), which the earlier kernels' runs did not have. README's table and headline figure hold
+    these runs; results/README.md and the second figure the earlier ones."""
+    return all(settings.get(key) is not None for key in BEFORE_OPTION)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         """A malformed flag in one line, as train.py refuses every command that cannot run."""

@@ -1,0 +1,118 @@
+"""The failure against the learning rate: per arm (fix off, fix on, fp32 attention), the step where layer 0's max
+logit first passes 100 and the step of the collapse (or how long a run went without one), against the lr.
+
+    python -m experiments.lr_curve results/lr_sweep/runs.csv results/seed_study/runs.csv results/cure/runs.csv \\
+        --out results/lr_sweep                     -> lr_curve.csv, figures/lr_curve.png
+
+The lr_sweep study holds the rates other than the default; the default's runs (lr 1e-3) are the seed and cure
+studies'. A point is a run of the kernel as it ships (nanolp.runconfig.as_shipped) on seed 0 whose flags are one of
+ARMS, with or without --lr; layer 0's step comes from its kept log (diagnostic rows every 1,000 steps: the first
+such row past 100).
+"""
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from nanolp.diagnostics import LOGIT
+from nanolp.plots import PALETTE, save
+from nanolp.runconfig import as_shipped
+from nanolp.runs import load_run, read_table, write_csv
+
+ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32"}   # flags -> nanolp.plots family
+SEED = 0
+PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs at lr 1e-3 sit at 11-23 before it)
+COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "past_100_step"]
+
+
+def base_flags(flags):
+    """A row's flags without --lr and its value: '--fix on --lr 3e-3' -> '--fix on'."""
+    words = shlex.split(flags or "")
+    keep = [w for i, w in enumerate(words) if w != "--lr" and (i == 0 or words[i - 1] != "--lr")]
+    return shlex.join(keep)
+
+
+def first_past(run, value=PAST):
+    """The first logged step where layer 0's max logit exceeds value; None if it never does."""
+    series = run.series(LOGIT)
+    if series is None:
+        return None
+    steps, logits = series
+    above = np.flatnonzero(logits > value)
+    return int(steps[above[0]]) if len(above) else None
+
+
+def points(tables):
+    """One row (COLUMNS) per run of the tables that is a point of the curve, by arm then lr."""
+    rows = []
+    for table in map(Path, tables):
+        for row in read_table(table):
+            arm = base_flags(row["flags"])
+            if arm not in ARMS or row["seed"] != SEED or not as_shipped(row) or row.get("variant"):
+                continue
+            run = load_run(table.parent / "runs" / row["name"]) if row.get("log_kept") else None
+            rows.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=table.parent.name,
+                             steps=row["steps"], collapsed=row["collapsed"], collapse_step=row["collapse_step"],
+                             past_100_step=first_past(run) if run else None))
+    return sorted(rows, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"]))
+
+
+def plot(rows, path):
+    """Steps against lr, log-log, per arm in its colour: a filled dot at the collapse, an open dot where layer 0
+    passed 100, a triangle at a run's end without a collapse (it would collapse later, if at all)."""
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for i, (arm, family) in enumerate(ARMS.items()):
+        mine = [r for r in rows if r["arm"] == arm]
+        if not mine:
+            continue
+        colour, shift = PALETTE[family][0], 1.04 ** (i - 1)   # arms side by side at each lr, not on top of each other
+        lr = np.array([r["lr"] for r in mine]) * shift
+        end = np.array([r["collapse_step"] if r["collapsed"] else r["steps"] for r in mine], dtype=float)
+        ax.plot(lr, end, color=colour, linewidth=1.2, label=f"python train.py {arm}")
+        fell = np.array([r["collapsed"] for r in mine])
+        ax.plot(lr[fell], end[fell], "o", color=colour, markersize=8)
+        ax.plot(lr[~fell], end[~fell], "^", color=colour, markersize=9, markerfacecolor="white")
+        past = np.array([np.nan if r["past_100_step"] is None else r["past_100_step"] for r in mine], dtype=float)
+        ax.plot(lr, past, "o", color=colour, markersize=7, markerfacecolor="white", linestyle=":", linewidth=1)
+    for marker, fill, text in (("o", "gray", "the collapse"), ("^", "white", "the run's end, no collapse"),
+                               ("o", "white", f"layer 0's max logit past {PAST:g} (dotted)")):
+        ax.plot([], [], marker, color="gray", markerfacecolor=fill, label=text)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    rates = sorted({r["lr"] for r in rows})
+    ax.set_xticks(rates, [f"{lr:g}" for lr in rates])
+    ax.set_xticks([], minor=True)
+    ax.set_xlabel("learning rate (seed 0, the default preset otherwise)")
+    ax.set_ylabel("step")
+    ax.set_title("the failure against the learning rate")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("tables", nargs="+", help="studies' runs.csv (the lr sweep's and the default lr's)")
+    p.add_argument("--out", type=Path, default=Path("results/lr_sweep"), help="where lr_curve.csv and figures/ go")
+    args = p.parse_args(argv)
+    missing = [t for t in args.tables if not Path(t).is_file()]
+    if missing:
+        sys.exit(f"lr_curve: no such file: {', '.join(missing)}")
+    rows = points(args.tables)
+    if not rows:
+        sys.exit(f"lr_curve: no run of {', '.join(ARMS)} on seed {SEED} in {', '.join(args.tables)}")
+    write_csv(args.out / "lr_curve.csv", rows, COLUMNS)
+    (args.out / "figures").mkdir(parents=True, exist_ok=True)
+    plot(rows, args.out / "figures" / "lr_curve.png")
+    for r in rows:
+        end = f"collapsed at {r['collapse_step']:,}" if r["collapsed"] else f"no collapse in {r['steps']:,}"
+        print(f"{r['arm']:12s} lr {r['lr']:<7g} {end:24s} layer 0 past {PAST:g}: {r['past_100_step'] or '-'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""experiments/lr_curve.py: which runs are the curve's points, layer 0's step past 100, and the committed curve
+regenerated from its studies' files."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import lr_curve
+from nanolp.runs import Run, read_table
+
+
+def test_base_flags_drop_the_lr_and_keep_the_rest():
+    assert lr_curve.base_flags("--fix on --lr 3e-3") == "--fix on"
+    assert lr_curve.base_flags("--lr 1e-2 --attn fp32") == "--attn fp32"
+    assert lr_curve.base_flags("--fix off --pos rope") == "--fix off --pos rope"   # not an arm of the curve
+    assert lr_curve.base_flags(None) == ""
+
+
+def test_first_past_is_the_first_logged_step_above_and_none_without_one():
+    log = {"step": np.array([1000.0, 2000, 3000, 4000]), lr_curve.LOGIT: np.array([20.0, np.nan, 150, 90])}
+    run = Run(None, {}, {}, log)
+    assert lr_curve.first_past(run) == 3000   # (the empty cell is no row of the series)
+    assert lr_curve.first_past(run, 200) is None
+    assert lr_curve.first_past(Run(None, {}, {}, {"step": log["step"]})) is None   # no diagnostics logged
+
+
+def test_committed_curve_is_its_studies_runs():
+    """results/lr_sweep/lr_curve.csv is points() of the three studies, regenerated, never typed; each arm has the
+    default lr's run and the sweep's."""
+    root = Path(__file__).resolve().parent.parent / "results"
+    tables = [root / study / "runs.csv" for study in ("lr_sweep", "seed_study", "cure")]
+    rows = lr_curve.points(tables)
+    committed = read_table(root / "lr_sweep" / "lr_curve.csv")
+    assert [{k: row[k] for k in lr_curve.COLUMNS} for row in committed] == rows
+    for arm in lr_curve.ARMS:
+        rates = [row["lr"] for row in rows if row["arm"] == arm]
+        assert 1e-3 in rates and len(rates) >= 2, arm
+
+
+def test_no_such_table_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="lr_curve: no such file: nope.csv"):
+        lr_curve.main(["nope.csv", "--out", str(tmp_path)])
