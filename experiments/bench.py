@@ -5,6 +5,11 @@ side in one run.
     python -m experiments.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
     python -m experiments.bench --table results/speed/bench.csv    # README's speed table, from the CSV (CPU)
     python -m experiments.bench --cost results/speed/bench.csv     # the fix's cost over fix off, every shape (CPU)
+    python -m experiments.bench --impls ours ours_fix --repeats 9 --out results/speed/fix_cost.csv   # the cost, paired
+
+--repeats R times every impl R times at each shape, in turn (impl 1, 2, ..., 1, 2, ...), so that a drift of the
+GPU's clock falls on all of them alike; --cost then takes, per shape, the median over the repeats of the fix's time
+over fix off's in the same round.
 
 bf16, causal; batch x heads sized so every shape holds 16k tokens x 2048 channels (fills an H200); median of
 repeated timings (triton.testing.do_bench); TFLOP/s count the causal half only (4 B H N^2 D / 2 forward,
@@ -14,6 +19,7 @@ SDPA backend on the H200).
 import argparse
 import csv
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -82,15 +88,19 @@ def speed_table(path):
 
 
 def fix_cost_table(path):
-    """The markdown lines of the fix's cost: fix "on"'s forward+backward time over fix "off"'s, minus 1, in per cent,
-    per head_dim (rows) and sequence length (columns), from a bench CSV."""
+    """The markdown lines of the fix's cost: fix "on"'s forward+backward time over fix "off"'s in the same round of
+    timings, minus 1, in per cent (the median over the rounds of --repeats; a CSV without them is one round), per
+    head_dim (rows) and sequence length (columns), from a bench CSV."""
     with open(path, newline="") as f:
-        ms = {(r["impl"], int(r["head_dim"]), int(r["seq"])): float(r["fwd_bwd_ms"]) for r in csv.DictReader(f)}
-    seqs = sorted({N for impl, _, N in ms if impl == "ours_fix"})
+        ms = {(r["impl"], int(r["head_dim"]), int(r["seq"]), int(r.get("repeat") or 0)): float(r["fwd_bwd_ms"])
+              for r in csv.DictReader(f)}
+    fix = [key[1:] for key in ms if key[0] == "ours_fix"]
+    cost = lambda D, N: statistics.median(ms["ours_fix", d, n, r] / ms["ours", d, n, r] - 1 for d, n, r in fix
+                                          if (d, n) == (D, N))
+    seqs = sorted({N for _, N, _ in fix})
     lines = ["| head_dim | " + " | ".join(f"{N:,}" for N in seqs) + " |", "|---" * (len(seqs) + 1) + "|"]
-    for D in sorted({D for impl, D, _ in ms if impl == "ours_fix"}):
-        cells = [f"{100 * (ms['ours_fix', D, N] / ms['ours', D, N] - 1):+.1f}%" for N in seqs]
-        lines.append(f"| {D} | " + " | ".join(cells) + " |")
+    for D in sorted({D for D, _, _ in fix}):
+        lines.append(f"| {D} | " + " | ".join(f"{100 * cost(D, N):+.1f}%" for N in seqs) + " |")
     return lines
 
 
@@ -99,9 +109,13 @@ def main(argv=None):
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--out", default="results/speed/bench.csv")
+    p.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS), help="the implementations timed")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of timings of every impl at each shape, in turn")
     p.add_argument("--table", metavar="CSV", help="print README's speed table from a bench CSV instead of timing")
     p.add_argument("--cost", metavar="CSV", help="print the fix's cost over fix off from a bench CSV instead of timing")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be 1 or more")
     if args.table or args.cost:
         print("\n".join(speed_table(args.table) if args.table else fix_cost_table(args.cost)))
         return
@@ -113,19 +127,20 @@ def main(argv=None):
             q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             flops_fwd = 4 * B * H * N * N * D / 2
-            for name, fn in IMPLS.items():
-                try:
-                    ms = time_impl(fn, q, k, v, do)
-                except RuntimeError as e:   # e.g. a backend that does not support this shape
-                    print(f"{name} D={D} N={N}: {e}".splitlines()[0])
-                    continue
-                tflops = [f / t * 1e-9 for f, t in zip((flops_fwd, 2.5 * flops_fwd, 3.5 * flops_fwd), ms)]
-                rows.append(dict(impl=name, head_dim=D, seq=N, batch=B, heads=H, fwd_ms=ms[0], bwd_ms=ms[1],
-                                 fwd_bwd_ms=ms[2], fwd_tflops=tflops[0], bwd_tflops=tflops[1],
-                                 fwd_bwd_tflops=tflops[2]))
-    base = {(r["head_dim"], r["seq"]): r for r in rows if r["impl"] == "sdpa_cudnn"}
+            for repeat in range(args.repeats):
+                for name in args.impls:
+                    try:
+                        ms = time_impl(IMPLS[name], q, k, v, do)
+                    except RuntimeError as e:   # e.g. a backend that does not support this shape
+                        print(f"{name} D={D} N={N}: {e}".splitlines()[0])
+                        continue
+                    tflops = [f / t * 1e-9 for f, t in zip((flops_fwd, 2.5 * flops_fwd, 3.5 * flops_fwd), ms)]
+                    rows.append(dict(impl=name, head_dim=D, seq=N, repeat=repeat, batch=B, heads=H, fwd_ms=ms[0],
+                                     bwd_ms=ms[1], fwd_bwd_ms=ms[2], fwd_tflops=tflops[0], bwd_tflops=tflops[1],
+                                     fwd_bwd_tflops=tflops[2]))
+    base = {(r["head_dim"], r["seq"], r["repeat"]): r for r in rows if r["impl"] == "sdpa_cudnn"}
     for r in rows:
-        b = base.get((r["head_dim"], r["seq"]))
+        b = base.get((r["head_dim"], r["seq"], r["repeat"]))
         for key in ("fwd", "bwd", "fwd_bwd"):
             r[f"{key}_vs_cudnn"] = b[f"{key}_ms"] / r[f"{key}_ms"] if b else float("nan")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -30,3 +30,12 @@ def test_kernel_md_fix_cost_table_is_the_benchmarks():
     assert begin in text, "docs/kernel.md has lost its cost table's marker"
     lines = text.split(begin, 1)[1].split("<!-- end of cost -->", 1)[0].strip().splitlines()
     assert lines == bench.fix_cost_table(ROOT / "results" / "speed" / "bench_h100.csv")
+
+
+def test_fix_cost_is_the_median_over_rounds_of_the_paired_ratio(tmp_path):
+    """With --repeats, each round's fix time over the same round's fix-off time; a slow round of both cancels."""
+    rounds = [(1.0, 1.02), (2.0, 2.10), (1.0, 1.01)]   # round 1: the GPU at half speed, both timings alike
+    path = tmp_path / "bench.csv"
+    path.write_text("impl,head_dim,seq,repeat,fwd_bwd_ms\n" + "".join(
+        f"ours,64,1024,{r},{off}\nours_fix,64,1024,{r},{on}\n" for r, (off, on) in enumerate(rounds)))
+    assert bench.fix_cost_table(path)[2] == "| 64 | +2.0% |"   # the ratios 1.02, 1.05, 1.01: their median
