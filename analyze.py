@@ -509,7 +509,7 @@ def shipped_table(rows):
                  f"**{len(fell)} / {len(group)}**", "; ".join(steps), "-" if minutes is None else span(minutes, ".1f"),
                  span(kept_peaks(group), ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + ["", f"Minutes alone: a run's own where it had the GPU to itself (over {ALONE_PACE:,} steps a "
+    return lines + ["", f"Minutes alone: a run's own where it had an H200 to itself (over {ALONE_PACE:,} steps a "
                         f"minute), else its steps at the pace of its command's runs that did, or where none did, of "
                         f"the other commands' runs of the same attention and block that did; `-` where none did."]
 
