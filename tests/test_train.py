@@ -248,7 +248,7 @@ def test_the_docstring_says_what_the_seed_study_holds():
     run; no run whose delta read the fp32 O (`--fix on`, or an experiment's `--delta fp32-o`) collapsed."""
     root = Path(train.__file__).parent
     rows = [row for study in ("seed_study", "cure") if (root / "results" / study / "runs.csv").exists()
-            for row in runs.read_table(root / "results" / study / "runs.csv") if not row["variant"]]
+            for row in runs.read_table(root / "results" / study / "runs.csv") if not row.get("variant")]
     line = lambda fix: next(line for line in train.__doc__.splitlines() if f"python train.py --fix {fix} " in line)
     assert all(row["collapsed"] for row in rows if row["fix"] in ("off", "paper") and row["attn"] == "kernel"
                and row["delta"] == "o" and row["stochastic_o"] == "off")
