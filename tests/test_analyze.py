@@ -651,7 +651,7 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
     shipped = analyze.shipped_table(rows)
     assert shipped[2:] == ["| `python train.py --fix off` | 2 (0, 1) | **2 / 2** | 20,000 (10,000-30,000) "
                            "| 2.0 (1.0-3.0) | - |", "", shipped[-1]]
-    assert shipped[-1].startswith("Minutes alone: a run's own where it had the GPU to itself (over 8,000 steps")
+    assert shipped[-1].startswith("Minutes alone: a run's own where it had an H200 to itself (over 8,000 steps")
     # (the comments start one space after the longest command: here the only one)
     assert analyze.run_lines(rows) == ["    python train.py --fix off # collapsed on 2 of 2 seeds, "
                                        "1.0-3.0 min alone on an H200"]
