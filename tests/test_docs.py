@@ -217,3 +217,121 @@ def test_findings_modern_block_numbers_are_their_files():
                if step <= next(s for s in log if log[s]["max_logit_L0"] > 2 * logit(log, 10_000))]
     assert f"{100 * min(sharp):.0f}-{100 * max(sharp):.0f}% of layer 0's rows are sharp (GPT-2's block: at " \
            f"most {100 * max(learned):.2f}% before the doubling)" in text
+
+
+def doc_section(doc, heading, until):
+    """The whitespace-normalised text of a doc from a heading to the next one named (or the end)."""
+    text = (Path(analyze.__file__).parent / doc).read_text().split(heading)[1]
+    return " ".join((text.split(until)[0] if until else text).split())
+
+
+def sci(value, digits=1):
+    """3.4e-03 -> "3.4e-3", 4.9e+05 -> "4.9e5": the docs' spelling of a power of ten."""
+    mantissa, exponent = f"{value:.{digits}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def onset_lines(path):
+    """experiments/onset.py's per-run lines (onset.txt: layer 0's step-10,000 logit, when it doubled and passed 100,
+    the sharp rate's largest before the doubling, the tie rate's range) by run; the lines of runs whose logs were not
+    kept can only be read, not recomputed."""
+    runs = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"(\S+)\s+base\s+(\S+)\s+2x at (\S+)\s+>100 at (\S+)\s+sharp rate up to 2x: mean \S+ max (\S+).*"
+                     r"tie rate 5k-30k (\S+)-(\S+)$", line)
+        if m:
+            name, base, doubled, past, sharp, tie_low, tie_high = m.groups()
+            step = lambda cell: None if cell == "None" else int(cell)
+            runs[name] = dict(base=float(base), doubled=step(doubled), past_100=step(past), sharp=float(sharp),
+                              ties=(float(tie_low), float(tie_high)))
+    return runs
+
+
+def late_lines(path):
+    """experiments/onset.py --late's lines (late_stage.txt) by run: the steps from 1e6 to the collapse or the end, and
+    layer 0's last logged max logit."""
+    runs = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"(\S+)\s+>1e3 at .*1e6->(collapse|end) (\S+)\s+last (\S+)", line)
+        if m:
+            runs[m[1]] = dict(collapsed=m[2] == "collapse", after_1e6=None if m[3] == "-" else int(m[3].replace(",", "")),
+                              last=float(m[4]))
+    return runs
+
+
+def fix_off(row):
+    """A seed-study row of the fix off with the plain kernel: the earlier kernels' `off` and the shipped `off-fma`."""
+    return row["arm"] in ("off", "off-fma")
+
+
+def test_findings_words_numbers_are_their_files():
+    """The default run's settings as findings' "Words" give them (train.py's preset, a run's config.json), and the
+    tokens/s of a run alone and of two side by side (the seed study's runs.csv)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "**Words.**", "## 1. ")
+    d = train.PRESETS["default"]
+    config = json.loads((root / "results/seed_study/runs/off-fma-s0/config.json").read_text())
+    assert f"a {d['n_layer']}-layer, {d['n_head']}-head, {d['n_embd']}-dim character GPT on TinyShakespeare " \
+           f"({config['vocab_size']} characters), context {d['block_size']}, batch {d['batch_size']}, AdamW " \
+           f"({d['beta1']:g}, {d['beta2']:g}), lr {sci(d['lr'], 0)} constant after {d['warmup']} warmup steps, clip " \
+           f"{d['grad_clip']:.1f}, bf16 autocast" in text and config["grad_clip"] == d["grad_clip"]
+    assert f"training loss {train.SPIKE_NATS:g} nat above its running minimum" in text
+    rows = [row for row in read_table(root / "results/seed_study/runs.csv") if row["minutes"] and row["tokens_per_s"]]
+    pace = lambda row: row["steps"] / row["minutes"]   # analyze.ALONE_PACE: faster than this, the run was alone
+    alone = np.median([row["tokens_per_s"] for row in rows if pace(row) > analyze.ALONE_PACE])
+    shared = np.median([row["tokens_per_s"] for row in rows if pace(row) <= analyze.ALONE_PACE])
+    assert f"(~{alone / 1e6:.0f}M tokens/s; two side by side get ~{shared / 1e6:.1f}M each)" in text
+
+
+def test_findings_failure_numbers_are_their_files():
+    """Section 1 (what fails): the losses, layer 0's logit at step 10,000 and at the collapse, the other layers'
+    logits where layer 0 stays flat, against the seed study's runs.csv, onset.txt and logs."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 1. ", "## 2. ")
+    rows = read_table(root / "results/seed_study/runs.csv")
+    trained = [row for row in rows if not row["collapsed"]]
+    vocab = json.loads((root / "results/seed_study/runs/off-fma-s0/config.json").read_text())["vocab_size"]
+    val = [row["final_val_loss"] for row in trained]
+    assert f"Train loss falls to ~{np.median([row['final_train_loss'] for row in trained]):.2f} while the val loss " \
+           f"passes ln {vocab} = {np.log(vocab):.2f} (a uniform guess) within the first 10,000 steps and ends at " \
+           f"{analyze.between(val)} nats" in text
+    for run in sorted((root / "results/seed_study/runs").iterdir()):   # every kept log: past ln 65 by step 10,000
+        steps, loss = load_run(run).series("val_loss")
+        assert steps[np.argmax(loss > np.log(vocab))] <= 10_000, run
+    off = [row for row in rows if fix_off(row)]
+    onset = onset_lines(root / "results/seed_study/onset.txt")
+    decade = lambda value: f"1e{int(np.floor(np.log10(value)))}"
+    peaks = [row["max_logit"] for row in off]
+    assert f"layer 0's max attention logit sits at {analyze.between([onset[row['name']]['base'] for row in off], '.0f')}" \
+           f", doubles, and runs away to {decade(min(peaks))}-{decade(max(peaks))} before the collapse" in text
+    flat = [row["max_logit"] for row in trained if row["max_logit"] < analyze.RUNAWAY_LOGIT]
+    assert f"the other layers' logits grow in every arm, to {analyze.between(flat, '.0f')} where layer 0 stays flat" \
+           in text
+    assert all(row["collapsed"] for row in off) and "Fix off collapsed on every seed run, with both kernels" in text
+    assert {row["arm"] for row in off} == {"off", "off-fma"}
+
+
+def test_findings_delta_term_numbers_are_their_files():
+    """Section 2 (which term): the slow drift of layer 0 where delta does not read the bf16 O (the logs), the tie
+    and sharp rates of the fix-off runs (onset.txt), and the synthetic sharp rows (results/mechanism/sharp_rows.txt)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 2. ", "## 3. ")
+    study = root / "results/seed_study/runs"
+    drift = lambda run: (lambda s, v: v.max() / v[s == 10_000][0])(*load_run(run).series(analyze.LOGIT))
+    fp32 = {int(run.name[-1]): drift(run) for run in sorted(study.glob("attn-fp32-s*"))}
+    both = {int(run.name[-1]): drift(run) for run in sorted(study.glob("paper-fp32-o-s*"))}
+    assert f"(fp32 attention's at most {analyze.between(fp32.values(), '.2f')}x its step-10,000 value on " \
+           f"{seeds_text(sorted(fp32))}, the paper's rule with the fp32 O's {analyze.between(both.values(), '.2f')}x " \
+           f"on {seeds_text(sorted(both))}: the slow drift is training's)" in text
+    rows = read_table(root / "results/seed_study/runs.csv")
+    onset = onset_lines(root / "results/seed_study/onset.txt")
+    off = [onset[row["name"]] for row in rows if fix_off(row)]
+    ties = [100 * rate for run in off for rate in run["ties"]]
+    assert f"ties are rare in layer 0 ({analyze.between(ties)}% of its rows)" in text
+    assert f"(at most {sci(max(run['sharp'] for run in off if run['sharp'] == run['sharp']))} of layer 0's rows in " \
+           "our fix-off runs until its logit has doubled)" in text
+    rows = re.findall(r"1 - p_max\s+(\S+):.*corr\(delta error, dS_max\) (\S+),", (root / "results/mechanism/sharp_rows.txt")
+                      .read_text())
+    exact = [float(eps) for eps, corr in rows if corr == "+1.000"]
+    assert exact and all(float(eps) > max(exact) for eps, corr in rows if corr != "+1.000")
+    assert f"(corr +1.000 on synthetic rows with eps <= {max(exact):.0e}".replace("e-0", "e-") in text
