@@ -1,5 +1,5 @@
-"""README.md's numbers and tables, and findings' on a modern block, against the committed files they come from
-(analyze.py regenerates them)."""
+"""The numbers and tables of README.md, docs/findings.md and docs/kernel.md ("Speed", "Correctness evidence")
+against the committed files they come from (analyze.py regenerates the tables)."""
 
 import json
 import re
@@ -197,6 +197,9 @@ def test_findings_modern_block_numbers_are_their_files():
     assert f"layer 0's max logit went {listed(went)}, doubling at steps {listed([f'{s:,}' for s in doubled])}, at " \
            f"150,000 {listed([f'{logit(qk, 150_000) / logit(qk, 10_000):.1f}x' for qk in qks])} its step-10,000 " \
            f"value" in text
+    at_150k = [v[s == 150_000][0] / v[s == 10_000][0] for run in (root / "results/seed_study/runs").glob("paper-fp32-o-s*")
+               for s, v in [load_run(run).series(analyze.LOGIT)]]
+    assert f"where the runs of the paper's rule with the fp32 O drift {analyze.between(at_150k, '.2f')}x" in text
     # the seeds on which it passed 100 and trained on, against GPT-2's block's collapse on each
     past = {seed: (min(over), peak(qk)) for seed, qk in zip(seeds["qk-norm"], qks)
             if (over := [s for s, r in qk.items() if r["max_logit_L0"] > 100])}
@@ -217,3 +220,393 @@ def test_findings_modern_block_numbers_are_their_files():
                if step <= next(s for s in log if log[s]["max_logit_L0"] > 2 * logit(log, 10_000))]
     assert f"{100 * min(sharp):.0f}-{100 * max(sharp):.0f}% of layer 0's rows are sharp (GPT-2's block: at " \
            f"most {100 * max(learned):.2f}% before the doubling)" in text
+
+
+def doc_section(doc, heading, until):
+    """The whitespace-normalised text of a doc from a heading to the next one named (or the end)."""
+    text = (Path(analyze.__file__).parent / doc).read_text().split(heading)[1]
+    return " ".join((text.split(until)[0] if until else text).split())
+
+
+def sci(value, digits=1):
+    """3.4e-03 -> "3.4e-3", 4.9e+05 -> "4.9e5": the docs' spelling of a power of ten."""
+    mantissa, exponent = f"{value:.{digits}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def onset_lines(path):
+    """experiments/onset.py's per-run lines (onset.txt: layer 0's step-10,000 logit, when it doubled and passed 100,
+    the sharp rate's largest before the doubling, the tie rate's range) by run; the lines of runs whose logs were not
+    kept can only be read, not recomputed."""
+    runs = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"(\S+)\s+base\s+(\S+)\s+2x at (\S+)\s+>100 at (\S+)\s+sharp rate up to 2x: mean \S+ max (\S+).*"
+                     r"tie rate 5k-30k (\S+)-(\S+)$", line)
+        if m:
+            name, base, doubled, past, sharp, tie_low, tie_high = m.groups()
+            step = lambda cell: None if cell == "None" else int(cell)
+            runs[name] = dict(base=float(base), doubled=step(doubled), past_100=step(past), sharp=float(sharp),
+                              ties=(float(tie_low), float(tie_high)))
+    return runs
+
+
+def late_lines(path):
+    """experiments/onset.py --late's lines (late_stage.txt) by run: the steps from 1e6 to the collapse or the end, and
+    layer 0's last logged max logit."""
+    runs = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"(\S+)\s+>1e3 at .*1e6->(collapse|end) (\S+)\s+last (\S+)", line)
+        if m:
+            after = None if m[3] == "-" else int(m[3].replace(",", ""))
+            runs[m[1]] = dict(collapsed=m[2] == "collapse", after_1e6=after, last=float(m[4]))
+    return runs
+
+
+def fix_off(row):
+    """A seed-study row of the fix off with the plain kernel: the earlier kernels' `off` and the shipped `off-fma`."""
+    return row["arm"] in ("off", "off-fma")
+
+
+def test_findings_words_numbers_are_their_files():
+    """The default run's settings as findings' "Words" give them (train.py's preset, a run's config.json), and the
+    tokens/s of a run alone and of two side by side (the seed study's runs.csv)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "**Words.**", "## 1. ")
+    d = train.PRESETS["default"]
+    config = json.loads((root / "results/seed_study/runs/off-fma-s0/config.json").read_text())
+    assert f"a {d['n_layer']}-layer, {d['n_head']}-head, {d['n_embd']}-dim character GPT on TinyShakespeare " \
+           f"({config['vocab_size']} characters), context {d['block_size']}, batch {d['batch_size']}, AdamW " \
+           f"({d['beta1']:g}, {d['beta2']:g}), lr {sci(d['lr'], 0)} constant after {d['warmup']} warmup steps, clip " \
+           f"{d['grad_clip']:.1f}, bf16 autocast" in text and config["grad_clip"] == d["grad_clip"]
+    assert f"training loss {train.SPIKE_NATS:g} nat above its running minimum" in text
+    rows = [row for row in read_table(root / "results/seed_study/runs.csv") if row["minutes"] and row["tokens_per_s"]]
+    pace = lambda row: row["steps"] / row["minutes"]   # analyze.ALONE_PACE: faster than this, the run was alone
+    alone = np.median([row["tokens_per_s"] for row in rows if pace(row) > analyze.ALONE_PACE])
+    shared = np.median([row["tokens_per_s"] for row in rows if pace(row) <= analyze.ALONE_PACE])
+    assert f"(~{alone / 1e6:.0f}M tokens/s; two side by side get ~{shared / 1e6:.1f}M each)" in text
+
+
+def test_findings_failure_numbers_are_their_files():
+    """Section 1 (what fails): the losses, layer 0's logit at step 10,000 and at the collapse, the other layers'
+    logits where layer 0 stays flat, against the seed study's runs.csv, onset.txt and logs."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 1. ", "## 2. ")
+    rows = read_table(root / "results/seed_study/runs.csv")
+    trained = [row for row in rows if not row["collapsed"]]
+    vocab = json.loads((root / "results/seed_study/runs/off-fma-s0/config.json").read_text())["vocab_size"]
+    val = [row["final_val_loss"] for row in trained]
+    assert f"Train loss falls to ~{np.median([row['final_train_loss'] for row in trained]):.2f} while the val loss " \
+           f"passes ln {vocab} = {np.log(vocab):.2f} (a uniform guess) within the first 10,000 steps and ends at " \
+           f"{analyze.between(val)} nats" in text
+    for run in sorted((root / "results/seed_study/runs").iterdir()):   # every kept log: past ln 65 by step 10,000
+        steps, loss = load_run(run).series("val_loss")
+        assert steps[np.argmax(loss > np.log(vocab))] <= 10_000, run
+    off = [row for row in rows if fix_off(row)]
+    onset = onset_lines(root / "results/seed_study/onset.txt")
+    decade = lambda value: f"1e{int(np.floor(np.log10(value)))}"
+    peaks = [row["max_logit"] for row in off]
+    bases = [onset[row["name"]]["base"] for row in off]
+    assert f"layer 0's max attention logit sits at {analyze.between(bases, '.0f')}, doubles, and runs away to " \
+           f"{decade(min(peaks))}-{decade(max(peaks))} before the collapse" in text
+    flat = [row["max_logit"] for row in trained if row["max_logit"] < analyze.RUNAWAY_LOGIT]
+    assert f"the other layers' logits grow in every arm, to {analyze.between(flat, '.0f')} where layer 0 stays flat" \
+           in text
+    assert all(row["collapsed"] for row in off) and "Fix off collapsed on every seed run, with both kernels" in text
+    assert {row["arm"] for row in off} == {"off", "off-fma"}
+
+
+def test_findings_delta_term_numbers_are_their_files():
+    """Section 2 (which term): the slow drift of layer 0 where delta does not read the bf16 O (the logs), the tie
+    and sharp rates of the fix-off runs (onset.txt), and the synthetic sharp rows (results/mechanism/sharp_rows.txt)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 2. ", "## 3. ")
+    study = root / "results/seed_study/runs"
+    drift = lambda run: (lambda s, v: v.max() / v[s == 10_000][0])(*load_run(run).series(analyze.LOGIT))
+    fp32 = {int(run.name[-1]): drift(run) for run in sorted(study.glob("attn-fp32-s*"))}
+    both = {int(run.name[-1]): drift(run) for run in sorted(study.glob("paper-fp32-o-s*"))}
+    assert f"(fp32 attention's at most {analyze.between(fp32.values(), '.2f')}x its step-10,000 value on " \
+           f"{seeds_text(sorted(fp32))}, the paper's rule with the fp32 O's {analyze.between(both.values(), '.2f')}x " \
+           f"on {seeds_text(sorted(both))}: the slow drift is training's)" in text
+    rows = read_table(root / "results/seed_study/runs.csv")
+    onset = onset_lines(root / "results/seed_study/onset.txt")
+    off = [onset[row["name"]] for row in rows if fix_off(row)]
+    ties = [100 * rate for run in off for rate in run["ties"]]
+    assert f"ties are rare in layer 0 ({analyze.between(ties)}% of its rows)" in text
+    assert f"(at most {sci(max(run['sharp'] for run in off if run['sharp'] == run['sharp']))} of layer 0's rows in " \
+           "our fix-off runs until its logit has doubled)" in text
+    rows = re.findall(r"1 - p_max\s+(\S+):.*corr\(delta error, dS_max\) (\S+),",
+                      (root / "results/mechanism/sharp_rows.txt").read_text())
+    exact = [float(eps) for eps, corr in rows if corr == "+1.000"]
+    assert exact and all(float(eps) > max(exact) for eps, corr in rows if corr != "+1.000")
+    assert f"(corr +1.000 on synthetic rows with eps <= {max(exact):.0e}".replace("e-0", "e-") in text
+
+
+def test_findings_cure_numbers_are_their_files():
+    """Section 3 (what cures it): the cure's run against results/cure/, the seeds still to run against studies.toml,
+    the fix's earlier forms against the seed and stochastic-rounding studies' runs.csv."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 3. ", "## 4. ")
+    cure = read_table(root / "results/cure/runs.csv")
+    on = load_run(root / "results/cure/runs/on-s0")
+    steps, logit = on.series(analyze.LOGIT)
+    gpt2 = {row["seed"]: row for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] == "off-fma"}
+    assert [row["seed"] for row in cure] == [0] and not on.summary["collapsed"] and "seed 0 so far" in text
+    assert f"it trained {on.summary['steps']:,} steps without a collapse where fix off collapsed at " \
+           f"{gpt2[0]['collapse_step']:,} on the same seed, layer 0's max logit {logit[steps == 10_000][0]:.1f} at " \
+           f"step 10,000 and {logit[-1]:.1f} at the end" in text
+    _, declared = load_study(root / "results/studies.toml", "cure").arms["on"]
+    assert f"{seeds_text(sorted(set(declared) - {row['seed'] for row in cure}))} are still to run" in text
+    rows = read_table(root / "results/seed_study/runs.csv")
+    arm = lambda name: [row for row in rows if row["arm"] == name]
+    delta = arm("delta-fp32")
+    assert not any(row["collapsed"] for row in delta)
+    assert f"trained {' and '.join(format(row['steps'], ',') for row in delta)} steps on two seeds" in text
+    forward = [row for row in read_table(root / "results/stochastic_rounding/runs.csv")
+               if row["arm"] == "forward-delta-fp32"]
+    assert not any(row["collapsed"] for row in forward)
+    assert f"and {analyze.between([row['steps'] for row in forward], ',')} steps on three seeds with O " \
+           "stochastically rounded in the forward" in text and len(forward) == 3
+    both = arm("paper-fp32-o")
+    assert not any(row["collapsed"] for row in both) and len(both) == 8
+    assert f"it trained {analyze.between([row['steps'] for row in both], ',')} steps on eight seeds, layer 0 never " \
+           "doubling its step-10,000 value" in text
+    for run in (root / "results/seed_study/runs").glob("paper-fp32-o-s*"):
+        s, v = load_run(run).series(analyze.LOGIT)
+        assert v.max() < 2 * v[s == 10_000][0], run
+    off = [onset_lines(root / "results/seed_study/onset.txt")[row["name"]] for row in rows if fix_off(row)]
+    assert f"ties are {analyze.between([100 * rate for run in off for rate in run['ties']])}% of layer 0's rows" in text
+    lse = arm("lse-fp64")
+    assert len(lse) == 2 and all(row["collapsed"] for row in lse) and "(both seeds collapsed)" in text
+
+
+def test_findings_curvature_numbers_are_their_files():
+    """Section 4 (the curvature hypothesis): the probe's interval and its sign before the runaway in every run
+    (results/delta_probe/), the quadratic loss's measured over predicted (results/mechanism/report.md)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 4. ", "## 5. ")
+    probe = json.loads((root / "results/delta_probe/runs/off-s0/config.json").read_text())
+    assert f"The probe (layer 0, every {probe['diag_interval']:,} steps on training batches)" in text
+    before = [row for row in read_table(root / "results/delta_probe/probe_runs.csv")
+              if row["probe_batches"] == "train" and row["phase"] == 1 and row["term"] == "total"]
+    assert before and all(row["mean"] > 0 for row in before) and "positive before the runaway in every run" in text
+    report = (root / "results/mechanism/report.md").read_text().split("### The curvature effect")[1].split("###")[0]
+    ratios = [float(cells[-1]) for line in report.splitlines() if line.startswith("| ")
+              for cells in [[c.strip() for c in line.strip("|").split("|")]] if re.fullmatch(r"[\d.]+", cells[-1])]
+    assert len(ratios) >= 6
+    assert f"On a quadratic loss with known H the effect is exact (to {100 * max(abs(r - 1) for r in ratios):.1f}%)" \
+           in text
+
+
+def test_findings_late_stage_numbers_are_their_files():
+    """Section 5 (the exponent's form): torch's backends' last logits and their steps past 1e6, the shipped
+    kernel's steps from 1e6 to each collapse (seed_study/late_stage.txt), and the fork's table (late_stage/)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 5. ", "## 6. ")
+    late = late_lines(root / "results/seed_study/late_stage.txt")
+    rows = read_table(root / "results/seed_study/runs.csv")
+    torch_runs = [late[row["name"]] for row in rows if row["arm"] in ("sdpa", "sdpa-flash")]
+    forks = {arm: load_run(root / "results/late_stage/runs" / arm) for arm in ("fma", "torch", "sdpa-flash")}
+    fork = int(forks["torch"].config["forked_from"].split("@")[1])
+    after = {arm: (lambda s, v: v[s > fork])(*run.series(analyze.LOGIT)) for arm, run in forks.items()}
+    last = [run["last"] for run in torch_runs] + [after[arm][-1] for arm in ("torch", "sdpa-flash")]
+    assert not any(run["collapsed"] for run in torch_runs)
+    assert f"their runs ended at logits of {sci(min(last), 0)}-{sci(max(last), 0)} without a collapse" in text
+    assert max(run["after_1e6"] or 0 for run in torch_runs) >= 20_000 and "some after tens of thousands of steps " \
+           "above 1e6" in text
+    shipped = [late[row["name"]]["after_1e6"] for row in rows if analyze.as_shipped(row) and row["collapsed"]]
+    assert shipped and max(shipped) < 10_000
+    assert "within a few thousand steps of 1e6 with the kernel as it ships" in text
+    seed = forks["torch"].config["seed"]
+    assert all(run.config["seed"] == seed and run.config["forked_from"] == forks["torch"].config["forked_from"]
+               for run in forks.values())
+    assert f"| arm | after the fork (step {fork:,}, seed {seed}) |" in text
+    collapse = forks["fma"].summary["collapse_step"]
+    assert f"| loss collapse {collapse - fork:,} steps later | to {sci(after['fma'].max())} |" in text
+    for arm in ("torch", "sdpa-flash"):
+        run = forks[arm]
+        assert not run.summary["collapsed"]
+        assert f"| none in {run.summary['steps'] - fork:,} steps | {sci(after[arm].min())}-{sci(after[arm].max())} |" \
+               in text, arm
+
+
+def test_findings_autocast_numbers_are_their_files():
+    """Section 6 (the autocast precision mode): the fix-off collapses and when layer 0 passed 100
+    (results/paper_precision/runs.csv, onset.txt), against the fa2 mode's (seed_study/onset.txt)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 6. ", "## 7. ")
+    off = [row for row in read_table(root / "results/paper_precision/runs.csv") if row["arm"] == "paper-precision-off"]
+    onset = onset_lines(root / "results/paper_precision/onset.txt")
+    past = [run["past_100"] for name, run in onset.items() if name.startswith("paper-precision-off-s")]
+    fa2 = [run["past_100"] for name, run in onset_lines(root / "results/seed_study/onset.txt").items()
+           if re.match(r"off-(fma-)?s\d", name)]
+    assert len(past) == len(off) and min(fa2) >= 20_000   # "tens of thousands"
+    assert f"fix off collapsed on {sum(row['collapsed'] for row in off)} of {len(off)} seeds, layer 0 past 100 at " \
+           f"steps {analyze.between(past, ',')} (fa2 mode: tens of thousands)" in text
+
+
+def test_findings_amplifier_numbers_are_their_files():
+    """Section 7 (the amplifier): the 3-bit fix-off runs (results/amplifier/gpu_runs.csv) and the bits law's fit
+    (bits_law.txt)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 7. ", "## 8. ")
+    # P at 3 bits with O read for delta: the fix off and the paper's rule (its tie-counting variants among them;
+    # the shift of every tile, p3-paper-shift-all, is another rule)
+    rows = read_table(root / "results/amplifier/gpu_runs.csv")
+    off, paper = ([row for row in rows if row["arm"] == arm] for arm in ("p3-off", "p3-paper"))
+    assert all(row["mantissa_bits"] == 3 and row["delta"] == "o" and row["precision"] == "fa2" for row in off + paper)
+    survived = max(row["steps"] for row in off if not row["collapsed"])
+    assert all(row["collapsed"] for row in off + paper if row["steps"] > survived)
+    assert f"every fix-off run past {survived:,} steps collapsed, and the paper's rule too" in text
+    from_p = [row for row in rows if row["arm"] == "p3-delta-from-p"]
+    assert from_p and not any(row["collapsed"] for row in from_p) and "delta from P prevents it" in text
+    law = (root / "results/amplifier/bits_law.txt").read_text()
+    bits = re.findall(r"^P at (\d) bits: collapsed", law, re.M)
+    fit = re.search(r"fit through ([\d, ]+) bits: ([\d.]+)x later per bit; at (\d+) bits \(plain bf16\) ([\d,]+) steps",
+                    law)
+    assert fit[1].replace(", ", "/") == "/".join(bits) == "2/3/4"
+    steps = int(fit[4].replace(",", ""))
+    assert f"Collapse comes {fit[2]}x later per bit of P ({' / '.join(bits)} bits), which extrapolated to bf16's " \
+           f"{fit[3]} bits is ~{round(steps, -3):,} steps" in text
+
+
+def test_findings_learning_rate_numbers_are_their_files():
+    """Section 9 (the learning rate): each run of results/lr_sweep/ against its log (every layer's max logit, the
+    train loss's minimum) and runs.csv, and the default lr's collapses (the seed study's `off-fma`)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 9. ", "## 10. ")
+    rows = {row["name"]: row for row in read_table(root / "results/lr_sweep/runs.csv")}
+    runs = {name: load_run(root / "results/lr_sweep/runs" / name) for name in rows}
+    layers = lambda run: {int(c[len("max_logit_L"):]): run.series(c) for c in run.columns(r"max_logit_L\d+")}
+    at = lambda series, step: float(series[1][series[0] == step][0])
+    past = lambda series, level: int(series[0][np.argmax(series[1] > level)])
+    others = lambda run: max(float(s[1].max()) for layer, s in layers(run).items() if layer)
+    low = lambda run: float(np.nanmin(run.series("train_loss")[1]))
+    off3, on3 = runs["off-lr3e-3-s0"], runs["on-lr3e-3-s0"]
+    off3_l0, on3_l0 = layers(off3)[0], layers(on3)[0]
+    default = [row["collapse_step"] for row in read_table(root / "results/seed_study/runs.csv")
+               if row["arm"] == "off-fma"]
+    assert f"past 100 by step {past(off3_l0, 100):,} (the first diagnostic after it), the other layers at most " \
+           f"{others(off3):.0f}, and the loss collapsed at step {rows['off-lr3e-3-s0']['collapse_step']:,}, after " \
+           f"the model had learnt its text (train loss at its minimum {low(off3):.2f}), against " \
+           f"{min(default):,}-{max(default):,} steps at the default 1e-3" in text
+    high = [name for name in rows if "lr1e-2" in name]
+    first = min(int(s[0][0]) for name in high for s in layers(runs[name]).values())
+    assert all(past(s, 100) == first for name in high for s in layers(runs[name]).values()) and len(high) == 3
+    collapsed = [name for name in high if rows[name]["collapsed"]]
+    assert f"every layer's max logit passed 100 by step {first:,} in all three attentions" in text
+    fp32 = rows["fp32-lr1e-2-s0"]
+    assert f"(its minimum {analyze.between([low(runs[name]) for name in collapsed])}): the fix off at " \
+           f"{rows['off-lr1e-2-s0']['collapse_step']:,} steps, the fix on at " \
+           f"{rows['on-lr1e-2-s0']['collapse_step']:,}" \
+           f"; fp32 attention had not collapsed at {fp32['steps']:,} steps, its logits at {sci(fp32['max_logit'])}" \
+           in text and not fp32["collapsed"]
+    assert not rows["on-lr3e-3-s0"]["collapsed"]
+    assert f"At 3e-3 the fix on did not collapse in {rows['on-lr3e-3-s0']['steps']:,} steps (fix off: " \
+           f"{rows['off-lr3e-3-s0']['collapse_step']:,}), yet layer 0 alone still grew, slower: " \
+           f"{at(on3_l0, 4_000):.1f} at step 4,000 (fix off: {at(off3_l0, 4_000):.0f}), past 100 at " \
+           f"{past(on3_l0, 100):,}, {on3_l0[1][-1]:.0f} at the end, the other layers at most {others(on3):.1f}" in text
+
+
+def test_findings_open_speed_numbers_are_their_file():
+    """Section 10's speed: the complete fix's forward+backward against cuDNN and torch's flash backend
+    (results/speed/bench.csv), as kernel.md gives them."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 10. ", "## 11. ")
+    fix, cudnn, flash = bench_ratios(root / "results/speed/bench.csv")
+    assert f"forward+backward at {cudnn} cuDNN at seq 4k-16k (`results/speed/bench.csv`; {flash} torch's flash " \
+           "backend at every length timed)" in text
+
+
+def bench_ratios(path):
+    """bench.csv's ratios for `fix="on"` ("ours_fix"): over `fix="off"` at every shape, to cuDNN from seq 4k
+    (forward+backward), over torch's flash backend at every shape; "low-highx" each."""
+    ms = {(row["impl"], row["head_dim"], row["seq"]): row for row in read_table(path)}
+    shapes = [(D, N) for impl, D, N in ms if impl == "ours_fix"]
+    ratio = lambda values: f"{analyze.between(list(values), '.2f')}x"
+    over_off = ratio(ms["ours_fix", D, N]["fwd_bwd_ms"] / ms["ours", D, N]["fwd_bwd_ms"] for D, N in shapes)
+    to_cudnn = ratio(ms["ours_fix", D, N]["fwd_bwd_vs_cudnn"] for D, N in shapes if N >= 4096)
+    over_flash = ratio(ms["sdpa_flash", D, N]["fwd_bwd_ms"] / ms["ours_fix", D, N]["fwd_bwd_ms"] for D, N in shapes)
+    return over_off, to_cudnn, over_flash
+
+
+def test_kernel_md_speed_numbers_are_their_files():
+    """docs/kernel.md's "Speed": the fix's cost in one H100 run (bench_h100.csv) and in training (train_speed.txt),
+    the kernel against cuDNN and torch's flash backend (bench.csv), the host's path (host_path/ and
+    bench_before_host_path.csv)."""
+    root = Path(analyze.__file__).parent
+    speed = root / "results/speed"
+    text = doc_section("docs/kernel.md", "## Speed", None)
+    ratio = lambda values: f"{analyze.between(list(values), '.2f')}x"
+    h100 = {(row["impl"], row["head_dim"], row["seq"]): row for row in read_table(speed / "bench_h100.csv")}
+    shapes = [(D, N) for impl, D, N in h100 if impl == "ours_fix"]
+    over_off = lambda impl, column: ratio(h100[impl, D, N][column] / h100["ours", D, N][column] for D, N in shapes)
+    assert f"passes {over_off('ours_fix', 'bwd_ms')} apart between the two (`bwd_ms`)" in text
+    assert f"the forward of `fix=\"paper\"` is {over_off('ours_paper', 'fwd_ms')} fix off's in the same file, the " \
+           f"fix's {over_off('ours_fix', 'fwd_ms')}" in text
+    # train_speed.txt: two tables (the H200's, then the H100's), arm, steps, tokens/s
+    tables = [{" ".join(line.split()[:-2]): (int(line.split()[-2]), float(line.split()[-1]))
+               for line in block.splitlines() if line.startswith("--")}
+              for block in (speed / "train_speed.txt").read_text().split("\narm ")[1:]]
+    h200, h100_train = tables
+    (on_steps, on), (off_steps, off) = h100_train["--fix on"], h100_train["--fix off"]
+    assert on_steps == off_steps and f"`--fix on` trained {on / 1e6:.3f}M tokens/s and `--fix off` " \
+                                      f"{off / 1e6:.3f}M, {on_steps:,} steps each" in text
+    assert f"`--fix on` trains {h200['--fix on'][1] / 1e6:.2f}M tokens/s, `--attn sdpa` (cuDNN) " \
+           f"{h200['--attn sdpa'][1] / 1e6:.2f}M, `--fix off` {h200['--fix off'][1] / 1e6:.2f}M" in text
+    fix, cudnn, flash = bench_ratios(speed / "bench.csv")
+    rows = {(row["impl"], row["head_dim"], row["seq"]): row for row in read_table(speed / "bench.csv")}
+    big = [(D, N) for impl, D, N in rows if impl == "ours" and N >= 4096]
+    off_cudnn = ratio(rows["ours", D, N]["fwd_bwd_vs_cudnn"] for D, N in big)
+    low, high = (float(x) for x in fix.rstrip("x").split("-"))
+    cost = f"{100 * (low - 1):.0f}-{100 * (high - 1):.0f}%"
+    assert f"`fix=\"on\"` forward+backward {flash} torch's flash backend at every length timed (seq 256 to 16k, " \
+           f"head_dim 64 and 128), {cudnn} cuDNN at seq 4k-16k (`fix=\"off\"` {off_cudnn}), {cost} over " \
+           "`fix=\"off\"`" in text
+    assert f"From seq 1k the kernels: {cudnn} cuDNN at 4k-16k (0.8x asked), the fix {cost} (5% asked)" in text
+    assert f"The fix's forward runs at {ratio(rows['ours_fix', D, N]['fwd_vs_cudnn'] for D, N in big)} cuDNN's " \
+           f"forward, the backward at {ratio(rows['ours_fix', D, N]['bwd_vs_cudnn'] for D, N in big)}" in text
+    # the host's path: before (host_path_before.csv: "no op" skips the custom ops) and after (host_path.csv)
+    host = lambda name: {(row["head_dim"], row["case"]): row for row in read_table(speed / "host_path" / name)
+                         if row["seq"] == 256}
+    before, after = host("host_path_before.csv"), host("host_path.csv")
+    ms = lambda values, spec=".2f": analyze.between([v / 1000 for v in values], spec)
+    dims = (64, 128)
+    host_ms, kernel_ms = (ms([before[D, "fwd+bwd"][column] for D in dims], spec)
+                          for column, spec in (("cpu_us", ".1f"), ("gpu_us", ".2f")))
+    dispatch_ms = ms([before[D, "fwd+bwd"]["cpu_us"] - before[D, "fwd+bwd, no op"]["cpu_us"] for D in dims])
+    assert f"At seq 256 an eager forward+backward cost the host {host_ms} ms against {kernel_ms} ms of kernels, " \
+           f"{dispatch_ms} ms of it the custom ops' dispatch" in text
+    old = {(row["head_dim"], row["seq"], row["impl"]): row["fwd_bwd_ms"]
+           for row in read_table(speed / "bench_before_host_path.csv")}
+    new = {(D, N, impl): row["fwd_bwd_ms"] for (impl, D, N), row in rows.items()}
+    moved = ", ".join(f"{old[D, 256, 'ours_fix']:.2f} -> {new[D, 256, 'ours_fix']:.2f} ms "
+                      f"({'head_dim 64' if D == 64 else D})" for D in dims)
+    flash_ratio = lambda table: ratio(table[D, 256, "sdpa_flash"] / table[D, 256, "ours_fix"] for D in dims)
+    assert f"256 {moved}, from {flash_ratio(old)} torch flash to {flash_ratio(new)}" in text
+    launches = [row["cpu_us"] for (D, case), row in after.items() if case.startswith("launch ")]
+    assert len(launches) == 8 and f"({ms([after[D, 'fwd+bwd']['cpu_us'] for D in dims])} ms of host a call, Triton's " \
+           f"launcher {analyze.between(launches, '.0f')} us of it per launch, four a step)" in text
+
+
+def test_kernel_md_correctness_numbers_are_their_code():
+    """docs/kernel.md's "Correctness evidence": the shared memory a block may have per GPU (nanolp/compile_sm90.py),
+    the head_dim-128 forward's stages on the smaller ones (kernels.py), the bitwise tests' shapes."""
+    import kernels
+    root = Path(analyze.__file__).parent
+    # compile_sm90.py's SHARED_LIMIT, read from its source: the module refuses to import under the interpreter
+    limits = re.search(r"^SHARED_LIMIT = \{(.*)\}$", (root / "nanolp/compile_sm90.py").read_text(), re.M)[1]
+    SHARED_LIMIT = {int(arch): int(kb) * 1024 for arch, kb in re.findall(r"(\d+): (\d+) \* 1024", limits)}
+    text = doc_section("docs/kernel.md", "## Correctness evidence", "## Speed")
+    assert f"fits the {SHARED_LIMIT[90] // 1024} KB of shared memory a block may have there" in text
+    smaller = ", ".join(str(SHARED_LIMIT[arch] // 1024) for arch in (80, 86, 89))
+    assert f"fit the shared memory a block may have there ({smaller} KB)" in text
+    # kernels.py's tunings as the GPU runs them, read from its source: under the interpreter it runs others
+    source = (root / "kernels.py").read_text()
+    tuning = lambda name: eval(re.search(rf"^{name} = (.*)$", source, re.M)[1], {"FWD_TUNING": {}})
+    stages, small = tuning("FWD_TUNING")[128][2], tuning("FWD_TUNING_SMALL_SHARED")[128][2]
+    assert kernels.SMALL_SHARED == ((8, 6), (8, 9)) and stages > small
+    assert f"the head_dim-128 forward, whose {stages} stages would take 128 KiB, takes {small} on sm_86 and sm_89" \
+           in text
+    shapes = re.search(r"^SHAPES = (\[.*\])$", (root / "tests/test_kernels.py").read_text(), re.M)[1]
+    count = ["", "one", "two", "three", "four", "5", "6", "7"][len(eval(shapes))]
+    assert f"bit for bit: {count} shapes (seq 1, odd lengths)" in text
