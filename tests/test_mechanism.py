@@ -48,6 +48,7 @@ With the other keys only 1-8 nats below (gap_range=(1, 8)), their P are not tiny
 autocast mode is then biased for k = 1 as well and the fix does not reduce it.
 """
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -257,6 +258,20 @@ def test_paper_rule_alone_leaves_the_sharp_rows_error():
     m_off, _ = delta_error_with_fix("sharp", "off")
     m_paper, se_paper = delta_error_with_fix("sharp", "paper")
     assert abs(m_paper) > 10 * se_paper and m_paper == pytest.approx(m_off, rel=0.05)
+
+
+def test_findings_quote_these_measurements():
+    """docs/findings.md, section 3, quotes the tests above: the tie bias of O without and with the paper's rule, and
+    delta's error with the fix and without (fa2, two tied maxima, 1024 rows), each recomputed here."""
+    findings = (Path(__file__).resolve().parent.parent / "docs" / "findings.md").read_text()
+    text = " ".join(findings.split("## 3. ")[1].split("## 4. ")[0].split())
+    sci = lambda x, spec: (lambda m, e: f"{m}e{int(e)}")(*format(x, spec).split("e"))   # +3.8e-04 -> +3.8e-4
+    (off, _), (paper, _) = measure("fa2", 2, "off")[0], measure("fa2", 2, "paper")[0]
+    assert f"the mean error of O falls from {sci(off, '+.1e')} to {sci(paper, '+.1e')}" in text
+    on = [delta_error_with_fix("tied", "on", seed) for seed in (0, 1)]
+    m_off, se_off = delta_error_with_fix("tied", "off", 0)
+    assert f"({sci(on[0][0], '.1e')} and {sci(on[1][0], '.1e')}, t {on[0][0] / on[0][1]:.1f} and " \
+           f"{on[1][0] / on[1][1]:.1f}, where the fix off's is {sci(m_off, '+.2e')}, t {m_off / se_off:+.0f}" in text
 
 
 @pytest.mark.parametrize("rows", ["tied", "sharp"])
