@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 import analyze
+import kernels
 import train
 from experiments.onset import log_rows
 from experiments.sweep import load_study
@@ -610,3 +611,15 @@ def test_kernel_md_correctness_numbers_are_their_code():
     shapes = re.search(r"^SHAPES = (\[.*\])$", (root / "tests/test_kernels.py").read_text(), re.M)[1]
     count = ["", "one", "two", "three", "four", "5", "6", "7"][len(eval(shapes))]
     assert f"bit for bit: {count} shapes (seq 1, odd lengths)" in text
+
+
+def test_the_fused_exponents_residue_is_fp32s_spacing():
+    """kernel.md and findings give the fused exponent's P at a row's max, 2^rho with rho up to half an fp32 ulp of
+    the scaled logit (log2 units, as the kernel scales by kernels.LOG2E): at logits ~10, 1e6 and 1e9."""
+    root = Path(analyze.__file__).parent
+    rho = {logit: float(np.spacing(np.float32(logit * kernels.LOG2E))) / 2 for logit in (10, 1e6, 1e9)}
+    at_1e6, at_1e9 = f"{100 * (2 ** rho[1e6] - 1):.0f}% at 1e6", f"2^{rho[1e9]:.0f} at 1e9"
+    kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
+    assert f"nothing at ordinary logits (2^{np.log2(rho[10]):.0f} at ~10), {at_1e6}, {at_1e9};" in kernel_md
+    assert f"nothing at logits ~10, {at_1e6}, {at_1e9}, and a one-hot row's" in doc_section("docs/findings.md", "## 5. ",
+                                                                                           "## 6. ")
