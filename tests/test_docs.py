@@ -333,8 +333,14 @@ def test_findings_delta_term_numbers_are_their_files():
     off = [onset[row["name"]] for row in rows if fix_off(row)]
     ties = [100 * rate for run in off for rate in run["ties"]]
     assert f"ties are rare in layer 0 ({analyze.between(ties)}% of its rows)" in text
-    assert f"(at most {sci(max(run['sharp'] for run in off if run['sharp'] == run['sharp']))} of layer 0's rows in " \
-           "our fix-off runs until its logit has doubled)" in text
+    most = max(run["sharp"] for run in off if run["sharp"] == run["sharp"])   # (NaN: no doubling to count up to)
+    assert f"(at most {sci(most)} of layer 0's rows in our fix-off runs until its logit has doubled;" in text
+    more = {name: run for name, run in onset.items() if name.startswith("sdpa") and run["sharp"] > most}
+    seed = lambda name: int(name.split("-s")[-1].split("-")[0])
+    (only,) = {seed(name) for name in more}   # the seed on which torch's backends had more
+    flash, cudnn = more[f"sdpa-flash-s{only}-nolog"], more[f"sdpa-s{only}-nolog"]
+    assert f"torch's backends had more on seed {only} alone: flash {sci(flash['sharp'])}, cuDNN " \
+           f"{sci(cudnn['sharp'])}, its layer 0 at {cudnn['base']:.1f} at step 10,000)" in text
     rows = re.findall(r"1 - p_max\s+(\S+):.*corr\(delta error, dS_max\) (\S+),",
                       (root / "results/mechanism/sharp_rows.txt").read_text())
     exact = [float(eps) for eps, corr in rows if corr == "+1.000"]
