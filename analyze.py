@@ -458,7 +458,7 @@ def readme_order(arms):
 def alone_minutes(group, kin=()):
     """Each run's minutes to its collapse (or its end) alone on the H200: its own where it had an H200 alone, else
     its steps at the median pace of the arm's runs that did, or where none did, of the runs of kin (kin_of: the
-    fix costs a training step ~1%); None where none of either did."""
+    fix trains at fix off's pace, results/speed/train_speed.txt); None where none of either did."""
     end = lambda row: (row["collapse_step"], row["collapse_minute"]) if row["collapsed"] else (row["steps"],
                                                                                                 row["minutes"])
     had_it = lambda row: (row.get("gpu") or ALONE_GPU) == ALONE_GPU and end(row)[0] / end(row)[1] > ALONE_PACE
