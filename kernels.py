@@ -790,7 +790,7 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
         the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
     fix: "on" (the default): the backward's delta reads the forward's fp32 O (costs that fp32 O's store and
-            its memory until the backward); O and every other number are fix "off"'s.
+            its memory until the backward, where one can follow); O and every other number are fix "off"'s.
         "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
         "paper": the paper's rule, a tied row's max shifted up, for the experiments (it leaves O's final cast's
             error, which fails our runs); O is fix "off"'s up to the shift's rounding (docs/kernel.md).
@@ -799,4 +799,8 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     passes, no atomics: the same bits every run).
     """
     numerics = Numerics() if numerics is None else numerics
+    # no backward can follow: no fp32 O to store, and O is the same bits (what is not a tensor, forward refuses)
+    if fix == "on" and numerics.delta == "o" and not (torch.is_grad_enabled() and
+                                                      any(getattr(t, "requires_grad", True) for t in (q, k, v))):
+        fix = "off"
     return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics).o

@@ -87,20 +87,25 @@ def speed_table(path):
     return lines
 
 
-def fix_cost_table(path):
-    """The markdown lines of the fix's cost: fix "on"'s forward+backward time over fix "off"'s in the same round of
-    timings, minus 1, in per cent (the median over the rounds of --repeats; a CSV without them is one round), per
-    head_dim (rows) and sequence length (columns), from a bench CSV."""
+def fix_ratios(path, column="fwd_bwd_ms"):
+    """{(head_dim, seq): fix "on"'s time over fix "off"'s in the same round of timings, the median over the rounds
+    of --repeats (a CSV without them is one round)}, from a bench CSV; column: fwd_ms, bwd_ms or fwd_bwd_ms."""
     with open(path, newline="") as f:
-        ms = {(r["impl"], int(r["head_dim"]), int(r["seq"]), int(r.get("repeat") or 0)): float(r["fwd_bwd_ms"])
+        ms = {(r["impl"], int(r["head_dim"]), int(r["seq"]), int(r.get("repeat") or 0)): float(r[column])
               for r in csv.DictReader(f)}
     fix = [key[1:] for key in ms if key[0] == "ours_fix"]
-    cost = lambda D, N: statistics.median(ms["ours_fix", d, n, r] / ms["ours", d, n, r] - 1 for d, n, r in fix
-                                          if (d, n) == (D, N))
-    seqs = sorted({N for _, N, _ in fix})
+    return {(D, N): statistics.median(ms["ours_fix", d, n, r] / ms["ours", d, n, r] for d, n, r in fix
+                                      if (d, n) == (D, N)) for D, N, _ in fix}
+
+
+def fix_cost_table(path):
+    """The markdown lines of the fix's cost: fix_ratios' forward+backward, minus 1, in per cent, per head_dim (rows)
+    and sequence length (columns), from a bench CSV."""
+    cost = fix_ratios(path)
+    seqs = sorted({N for _, N in cost})
     lines = ["| head_dim | " + " | ".join(f"{N:,}" for N in seqs) + " |", "|---" * (len(seqs) + 1) + "|"]
-    for D in sorted({D for D, _, _ in fix}):
-        lines.append(f"| {D} | " + " | ".join(f"{100 * cost(D, N):+.1f}%" for N in seqs) + " |")
+    for D in sorted({D for D, _ in cost}):
+        lines.append(f"| {D} | " + " | ".join(f"{100 * (cost[D, N] - 1):+.1f}%" for N in seqs) + " |")
     return lines
 
 

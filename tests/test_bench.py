@@ -25,11 +25,11 @@ def test_fix_cost_table_is_fix_on_over_fix_off(tmp_path):
 
 
 def test_kernel_md_fix_cost_table_is_the_benchmarks():
-    begin = "<!-- cost: python -m experiments.bench --cost results/speed/bench_h100.csv -->"
+    begin = "<!-- cost: python -m experiments.bench --cost results/speed/fix_cost.csv -->"
     text = (ROOT / "docs" / "kernel.md").read_text()
     assert begin in text, "docs/kernel.md has lost its cost table's marker"
     lines = text.split(begin, 1)[1].split("<!-- end of cost -->", 1)[0].strip().splitlines()
-    assert lines == bench.fix_cost_table(ROOT / "results" / "speed" / "bench_h100.csv")
+    assert lines == bench.fix_cost_table(ROOT / "results" / "speed" / "fix_cost.csv")
 
 
 def test_fix_cost_is_the_median_over_rounds_of_the_paired_ratio(tmp_path):

@@ -439,6 +439,27 @@ def test_delta_from_the_fp32_o_returns_the_plain_forward_in_q_layout():
         assert o.dtype == q.dtype and o.stride() == want.stride() and torch.equal(o, want), options
 
 
+def test_fix_on_keeps_no_fp32_o_where_no_backward_can_follow(monkeypatch):
+    """flash_attention with fix "on" keeps the fp32 O only where a backward can follow (grad enabled and an
+    input that requires it); otherwise it runs fix "off"'s forward, whose O is the same bits, and stores none."""
+    kept, flash_fwd = [], kernels.flash_fwd
+
+    def spy(*args):
+        out = flash_fwd(*args)
+        kept.append(len(out) == 3)                               # O, lse and the fp32 O
+        return out
+    monkeypatch.setattr(kernels, "flash_fwd", spy)
+    q, k, v = (rand((1, 2, 19, 16), seed=s) for s in range(3))
+    want = kernels.flash_attention(q, k, v, fix="off")
+    trained = q.clone().requires_grad_()
+    with torch.no_grad():
+        o_no_grad = kernels.flash_attention(trained, k, v)
+    o_no_input = kernels.flash_attention(q, k, v)
+    o_grad = kernels.flash_attention(trained, k, v)
+    assert kept == [False, False, False, True]
+    assert all(torch.equal(o, want) for o in (o_no_grad, o_no_input, o_grad))
+
+
 @requires_interpreter
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
 @pytest.mark.parametrize("seq_major", [True, False])
