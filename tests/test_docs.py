@@ -90,10 +90,16 @@ def test_readme_numbers_are_their_files():
              if line.startswith("suite_s")]
     assert f"the tests, CPU only: {min(suite):.0f}-{max(suite):.0f} minutes on a 2-core machine" in readme
     # the kernel against torch's flash backend, forward+backward, at every shape of the benchmark
-    bench = read_table(root / "results/speed/bench.csv")
-    ms = {(row["impl"], row["head_dim"], row["seq"]): row["fwd_bwd_ms"] for row in bench}
+    ms = {(row["impl"], row["head_dim"], row["seq"]): row["fwd_bwd_ms"]
+          for row in read_table(root / "results/speed/bench.csv")}
     ratios = [ms["sdpa_flash", D, N] / t for (impl, D, N), t in ms.items() if impl == "ours_fix"]
-    assert len(ratios) == 8 and f'(`fix="on"`: {min(ratios):.2f}-{max(ratios):.2f}x)' in readme
+    assert len(ratios) == 8 and f"it ran {min(ratios):.2f}-{max(ratios):.2f}x torch's flash backend" in readme
+    # the fix's cost: fix_cost.csv's paired rounds, forward+backward, below seq 4k and from it
+    cost = {N: [] for N in (True, False)}
+    for (D, N), ratio in bench.fix_ratios(root / "results/speed/fix_cost.csv").items():
+        cost[N < 4096].append(100 * (ratio - 1))
+    assert f"costs {min(cost[True]):+.1f}% to {max(cost[True]):+.1f}% of forward+backward at seq 256-2k, at most " \
+           f"{max(cost[False]):+.1f}% from 4k" in readme
     # the settings it names: train.py's
     d, tiny = train.PRESETS["default"], train.PRESETS["tiny"]
     assert (f"({d['n_layer']} layers, {d['n_head']} heads, {d['n_embd']} channels, context {d['block_size']}, batch "
