@@ -4,8 +4,8 @@ side in one run.
 
     python -m experiments.bench [--out results/speed/bench.csv] [--seqs 1024 4096 16384] [--head-dims 64 128]
     python -m experiments.bench --table results/speed/bench.csv    # README's speed table, from the CSV (CPU)
-    python -m experiments.bench --cost results/speed/bench.csv     # the fix's cost over fix off, every shape (CPU)
-    python -m experiments.bench --impls ours ours_fix --repeats 9 --out results/speed/fix_cost.csv   # the cost, paired
+    python -m experiments.bench --impls ours ours_fix sdpa_cudnn --repeats 5 --out results/speed/fix_cost.csv
+    python -m experiments.bench --cost results/speed/fix_cost.csv  # the fix's cost over fix off, every shape (CPU)
 
 --repeats R times every impl R times at each shape, in turn (impl 1, 2, ..., 1, 2, ...), so that a drift of the
 GPU's clock falls on all of them alike; --cost then takes, per shape, the median over the repeats of the fix's time

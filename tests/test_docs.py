@@ -95,11 +95,9 @@ def test_readme_numbers_are_their_files():
     ratios = [ms["sdpa_flash", D, N] / t for (impl, D, N), t in ms.items() if impl == "ours_fix"]
     assert len(ratios) == 8 and f"it ran {min(ratios):.2f}-{max(ratios):.2f}x torch's flash backend" in readme
     # the fix's cost: fix_cost.csv's paired rounds, forward+backward, below seq 4k and from it
-    cost = {N: [] for N in (True, False)}
-    for (D, N), ratio in bench.fix_ratios(root / "results/speed/fix_cost.csv").items():
-        cost[N < 4096].append(100 * (ratio - 1))
-    assert f"costs {min(cost[True]):+.1f}% to {max(cost[True]):+.1f}% of forward+backward at seq 256-2k, at most " \
-           f"{max(cost[False]):+.1f}% from 4k" in readme
+    short, long = fix_cost(root)
+    assert f"costs {min(short):+.1f}% to {max(short):+.1f}% of forward+backward at seq 256-2k, at most " \
+           f"{max(long):+.1f}% from 4k" in readme
     # the settings it names: train.py's
     d, tiny = train.PRESETS["default"], train.PRESETS["tiny"]
     assert (f"({d['n_layer']} layers, {d['n_head']} heads, {d['n_embd']} channels, context {d['block_size']}, batch "
@@ -542,9 +540,16 @@ def test_findings_open_speed_numbers_are_their_file():
     rows = [row for row in read_table(root / "results/speed/fix_cost.csv") if row["impl"] == "ours_fix"]
     to_cudnn = [np.median([r["fwd_bwd_vs_cudnn"] for r in rows if (r["head_dim"], r["seq"]) == shape])
                 for shape in {(r["head_dim"], r["seq"]) for r in rows if r["seq"] >= 4096}]
-    short = [100 * (r - 1) for (D, N), r in bench.fix_ratios(root / "results/speed/fix_cost.csv").items() if N < 4096]
+    short, _ = fix_cost(root)
     assert f"as it ships, at {analyze.between(to_cudnn, '.2f')}x on an H100 (`results/speed/fix_cost.csv`), its " \
            f"fp32 O's store costing {min(short):+.1f}% to {max(short):+.1f}% below seq 4k" in text
+
+
+def fix_cost(root):
+    """fix_cost.csv's forward+backward cost of the fix over fix off (per cent, paired rounds): (below seq 4k, from
+    it), each a list over the shapes."""
+    cost = bench.fix_ratios(root / "results/speed/fix_cost.csv")
+    return tuple([100 * (r - 1) for (D, N), r in cost.items() if (N < 4096) == below] for below in (True, False))
 
 
 def bench_ratios(path):
@@ -568,8 +573,8 @@ def test_kernel_md_speed_numbers_are_their_files():
     text = doc_section("docs/kernel.md", "## Speed", None)
     ratio = lambda values: f"{analyze.between(list(values), '.2f')}x"
     # fix_cost.csv: the fix's time over fix off's, paired per round; forward+backward as per cent
-    fwd, bwd, both = (bench.fix_ratios(speed / "fix_cost.csv", column) for column in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"))
-    short, long = ([100 * (r - 1) for (D, N), r in both.items() if (N < 4096) == below] for below in (True, False))
+    fwd, bwd = (bench.fix_ratios(speed / "fix_cost.csv", column) for column in ("fwd_ms", "bwd_ms"))
+    short, long = fix_cost(root)
     assert f"The 3% asked holds from seq 4k (at most {max(long):+.1f}%), not below it ({min(short):+.1f}% to " \
            f"{max(short):+.1f}% at seq 256-2k)" in text and max(long) <= 3 < min(short)
     assert f"fix off's {ratio(r for (D, N), r in fwd.items() if N == 256)} at seq 256, " \
