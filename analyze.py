@@ -6,7 +6,8 @@
                                                  (per arm: collapsed, medians) and report.md, into DIR (by default
                                                  the runs' folder's figures/: runs/figures for `python analyze.py runs`)
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
-                                                 phase of layer 0's runaway; delta_probe_ARM.png: per run
+                                                 phase of layer 0's runaway, per run probe_runs.csv;
+                                                 delta_probe_ARM.png: per arm
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
     python analyze.py --table STUDY/runs.csv...  the tables of a study (or one of several) in README.md,
                                                  results/README.md and docs/findings.md: per command, how many
@@ -26,9 +27,9 @@ import numpy as np
 from matplotlib.lines import Line2D
 
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
-from model import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp import probe
-from nanolp.diagnostics import LOGIT, PROBE_LAYER   # the layer that runs away, and its column
+from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS   # the layer that runs away, its column; sharp rows
+from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
 from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, as_shipped, changed_settings
@@ -160,7 +161,7 @@ def survival(group):
     return np.array(steps), np.array(share)
 
 
-def plot_headline(runs, study, path, title="the kernel as it ships"):
+def plot_headline(runs, study, path, title):
     """Per arm, train loss and layer 0's max logit of each run with a log: a thin line to its end, an X where it
     collapsed, and the median where all of them, at least MEDIAN_RUNS, are alive; then the share of the arm's runs not yet
     collapsed, over `study`: the runs and every other run of their studies (runs.csv rows without a log), so that
@@ -272,6 +273,9 @@ def head_count(runs, layer):
     return max((len(run.columns(rf"sn_q_L{layer}_H\d+")) for run in runs), default=0)
 
 
+# -----------------------------------------------------------------------------
+# The report's tables: per run, then per arm (rates.csv); analyze_runs draws the figures and writes them
+
 def peak_logit(run):
     series = run.series(LOGIT)
     return None if series is None else float(series[1].max())
@@ -345,7 +349,7 @@ def rate_table(rates):
 
 def analyze_runs(runs, out):
     """The headline and the per-layer figures into `out`; returns the report section as markdown lines. A study's
-    runs (their folder's parent has a runs.csv) come with the study's other runs, those whose logs were not kept,
+    runs (STUDY/runs/NAME, beside STUDY/runs.csv) come with the study's other runs, those whose logs were not kept,
     for the counts that the table makes (the headline's survival panel and legend)."""
     tables = sorted({t for t in (run.path.parent.parent / "runs.csv" for run in runs) if t.exists()})
     logged = {run.path: run for run in runs}
@@ -379,7 +383,7 @@ def analyze_runs(runs, out):
         figures.append(plot_grid(
             runs, styles, [[f"tie_rate_L{i}" for i in layers], [f"sharp_rate_L{i}" for i in layers]],
             "tie rate: rows with >= 2 scores within TIE_TOL of the row max; below, sharp rate: rows whose "
-            "largest P exceeds 1 - 1e-3", "fraction of rows", out / "tie_rate.png"))
+            f"largest P exceeds 1 - {SHARP_EPS:g}", "fraction of rows", out / "tie_rate.png"))
         figures.append(plot_grid(
             runs, styles, [[f"delta_err_L{i}" for i in layers], [f"delta_push_L{i}" for i in layers]],
             "cumulative signed delta error (top) and its push on |W_Q|^2 + |W_K|^2 (bottom), summed over logged steps",
@@ -392,8 +396,8 @@ def analyze_runs(runs, out):
     if tiny:   # a CPU smoke run: its flat logits are no result
         lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
     for table in tables:   # a study's runs: results/README.md's table, the rows of runs whose logs were not kept too
-        lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` puts it in results/README.md):",
-                  ""] + study_table(table_rows([table])) + ["", "The runs with logs:", ""]
+        lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` writes it into the docs whose "
+                  "table marker names that file):", ""] + study_table(table_rows([table])) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
               "only; a run ended by itself in a collapse or at its --steps or --minutes. Also in rates.csv.",
@@ -491,20 +495,24 @@ def kept_peaks(group):
                                                  if row.get("log_kept"))]
 
 
+def shipped_commands(rows):
+    """The commands of the kernel as it ships (as_shipped) among rows (table_rows), in README's order: per command
+    its rows, the steps of those that collapsed, and their minutes alone on the H200 (alone_minutes; None)."""
+    shipped = [row for row in rows if as_shipped(row)]
+    return [(group, [row["collapse_step"] for row in group if row["collapsed"]],
+             alone_minutes(group, kin_of(group, shipped))) for group in readme_order(by_flags(shipped)).values()]
+
+
 def shipped_table(rows):
     """README's table: one line per train.py command of the runs of the kernel as it ships (as_shipped) among rows
     (table_rows), in the order they first appear: its runs, how many collapsed, at which step (or how long they ran
     without one), the minutes that takes alone on the H200 (alone_minutes) and layer 0's peak (from the kept
     logs)."""
-    shipped = [row for row in rows if as_shipped(row)]
-    arms = readme_order(by_flags(shipped))
     lines = ["| command | runs (seeds) | collapsed | steps: to the collapse, or run without one | minutes alone on "
              f"an H200 | peak of {LOGIT} |", "|---|---|---|---|---|---|"]
-    for group in arms.values():
-        fell = [row["collapse_step"] for row in group if row["collapsed"]]
+    for group, fell, minutes in shipped_commands(rows):
         stood = [row["steps"] for row in group if not row["collapsed"]]
         steps = ([span(fell)] if fell else []) + ([f"{span(stood)}, no collapse"] if stood else [])
-        minutes = alone_minutes(group, kin_of(group, shipped))
         cells = [f"`python train.py {group[0]['flags']}`", f"{len(group)} ({seed_list(row['seed'] for row in group)})",
                  f"**{len(fell)} / {len(group)}**", "; ".join(steps), "-" if minutes is None else span(minutes, ".1f"),
                  span(kept_peaks(group), ".3g")]
@@ -516,13 +524,9 @@ def shipped_table(rows):
 
 def run_lines(rows):
     """README's "Run it" lines of the table's commands: what each did, and in how many minutes alone."""
-    lines = []
-    shipped = [row for row in rows if as_shipped(row)]
-    groups = readme_order(by_flags(shipped)).values()
-    width = max(len(group[0]["flags"]) for group in groups) + len("python train.py ") + 1   # the comments aligned
-    for group in groups:
-        fell = [row["collapse_step"] for row in group if row["collapsed"]]
-        minutes = alone_minutes(group, kin_of(group, shipped))
+    lines, commands = [], shipped_commands(rows)
+    width = max(len(group[0]["flags"]) for group, _, _ in commands) + len("python train.py ") + 1   # comments aligned
+    for group, fell, minutes in commands:
         seeds = f"{len(group)} seed{'s' * (len(group) > 1)}"
         what = (f"collapsed on {len(fell)} of {seeds}" if fell else
                 f"no collapse on {seeds} in {span([row['steps'] for row in group])} steps")
@@ -561,12 +565,12 @@ def study_table(rows):
         lines += ["", f"Not in the table: {len(variants)} runs of patched kernels (runs.csv's `variant` column)."]
     quiet = {name: group for name, group in arms.items() if not any(row["collapsed"] for row in group)}
     high = {name: [row for row in group if (row["max_logit"] or 0) > RUNAWAY_LOGIT] for name, group in quiet.items()}
-    ran_away = {name: rows for name, rows in high.items() if rows}
+    ran_away = {name: high_rows for name, high_rows in high.items() if high_rows}
     if ran_away:   # "0 / 4" beside "10 / 10" reads as "stays flat"; these ran away and had not collapsed yet
         flat = [row["max_logit"] for name, group in quiet.items() if name not in ran_away for row in group
                 if row["max_logit"] is not None]
         lines += ["", f"No collapse is not no runaway: the max logit passed {RUNAWAY_LOGIT:,.0f} in " + ", ".join(
-            f"{len(rows)} of the {len(arms[name])} runs of `{name}`" for name, rows in ran_away.items()) +
+            f"{len(high_rows)} of the {len(arms[name])} runs of `{name}`" for name, high_rows in ran_away.items()) +
             ", which ended at the steps above before a collapse" + (
             f"; the other arms without a collapse peak at {max(flat):.3g}." if flat else ".")]
     for name, group in arms.items():

@@ -22,8 +22,10 @@ fix="on" is the fix (the default); fix="off" plain FlashAttention-2; fix="paper"
 blames rows with tied maxima (P exactly 1) and shifts their max up (its section before the forward): in our runs
 it does not cure. Why, and the evidence: docs/kernel.md, "The fix".
 
-Every rounding point is marked "ROUND", in both precision modes ("fa2", as production kernels; "autocast", as the
-paper's PyTorch code), and nanolp/emulate.py computes the same bits (docs/kernel.md, "Two precision modes, ...").
+Every rounding to the input dtype (or to fewer bits) is marked "ROUND", and so are the fp32 ones whose form is a
+choice (S's scale, the exponent), in both precision modes ("fa2", as production kernels; "autocast", as the paper's
+PyTorch code); nanolp/emulate.py computes the same bits, every fp32 operation in the kernel's order (docs/kernel.md,
+"Two precision modes, ...").
 Reading order, each piece before its first use (as in Triton's tutorial): S and P (the scores and the exponent every
 kernel shares); the paper's rule (the forward's inner loop calls it); forward; backward; the experiments' switches
 (Numerics) and their roundings; host code, ending in the entry points forward and flash_attention. This file imports
@@ -78,7 +80,8 @@ def _exp2(s, qk_scale, m, FMA: tl.constexpr):
 # calls _shifted_max). Softmax is shift invariant, so it is exact in real arithmetic; no tied P is exactly 1 after
 # it, so P V's rounding is no longer one-sided. It leaves O's final cast's error that delta reads, and does not cure
 # our runs (docs/kernel.md, "The paper's rule"). Each piece of its code guards a sharp edge of the rule (underflow,
-# r = 0, masked tiles, ties across tiles).
+# r = 0, masked tiles, ties across tiles). Last, its host side: the constants in the kernel's units (fix_constants;
+# p_bits is the amplifier's, Numerics below).
 
 # The paper's shift, in nats (TIE_TOL: exp(-x) rounds to 1.0 in bf16 below ~2^-9).
 TIE_TOL = 2.0 ** -9            # scores this close to a row's max tie with it
@@ -270,7 +273,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                                     offs_m, offs_n, offs_d, N, qk_scale,
                                     True, CAUSAL, AUTOCAST, SHIFT, P_BITS, FMA, BLOCK_N)
     # O = acc / l, stored in the input dtype (to O_BITS bits first with amplify="vo"); lse = m + log l in fp32
-    o = _round_bits(acc / l_i[:, None], O_BITS)
+    o = _round_bits(acc / l_i[:, None], O_BITS)                      # ROUND: to O_BITS bits (amplify="vo")
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
              mask=offs_m[:, None] < N)
     if KEEP_O32:
@@ -283,8 +286,8 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Backward, FA2 style, in two passes: delta first, then dK/dV (one program per key tile, looping over queries)
-# and dQ (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
+# Backward, FA2 style: delta first, then two passes, dK/dV (one program per key tile, looping over queries) and dQ
+# (one program per query tile, looping over keys), so nothing needs atomics. P is recomputed from lse.
 #     delta = rowsum(dO * O)      P = exp(S - lse)      dV += P^T dO      dP = dO V^T
 #     dS = P * (dP - delta)       dQ += dS K * scale    dK += dS^T Q * scale
 # 7 matrix products per tile pair. The paper's control, delta from P: docs/kernel.md, "Experiment options".
@@ -324,7 +327,8 @@ def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, AUT
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows, cols, offs_d, stride_qm, stride_om, N, qk_scale,
                    CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr, FMA: tl.constexpr):
-    """One query tile's share of a key tile's dK and dV; returns them and dS^T (in the input dtype)."""
+    """One query tile's share of a key tile's dK and dV; returns them and dS^T (in the input dtype), which the
+    one-pass backward of experiments/launch_variants.py reuses for dQ (the two-pass kernel below drops it)."""
     qT = tl.load(Q + offs_d[:, None] + rows[None, :] * stride_qm, mask=rows[None, :] < N, other=0.0)
     doT = tl.load(DO + offs_d[:, None] + rows[None, :] * stride_om, mask=rows[None, :] < N, other=0.0)
     lse = tl.load(LSE + rows, mask=rows < N, other=0.0)
@@ -450,7 +454,7 @@ class Numerics:
                         "(the paper's control); stochastic-o, an independent stochastic rounding of the fp32 O", "o",
                         ("o", "fp32-o", "p", "stochastic-o"))
     stochastic_o: str = option("forward: O stochastically rounded in the forward, the O that the next layer reads "
-                               "(and delta, with delta o)", "off", ("off", "forward"))
+                               "(and delta, with delta o and fix off or paper)", "off", ("off", "forward"))
     mantissa_bits: int = option("the amplifier: P (or V and O) rounded to 1-6 mantissa bits (3: FP8); 0: off",
                                 0, range(7))
     amplify: str = option("what mantissa_bits rounds: P before P V, or V and O (amplifies the tie bias)",
@@ -522,7 +526,7 @@ def amplified_v(v, bits):
     the backward read the same V; its gradient passes straight through to the unrounded V."""
     if not bits:
         return v
-    return round_mantissa(v, bits).to(v.dtype).detach() + (v - v.detach())
+    return round_mantissa(v, bits).to(v.dtype).detach() + (v - v.detach())      # ROUND: V to bits
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -625,6 +629,12 @@ def qk_scale_of(head_dim, precision):
     return head_dim ** -0.5 * (LOG2E if precision == "fa2" else 1.0)
 
 
+def delta_reads(fix, delta_from):
+    """Which O the backward's delta reads, as Numerics.delta names it: with fix "on" the fp32 O (THE FIX), else
+    delta_from's ("p" reads none: the O returned is passed on and not read)."""
+    return "fp32-o" if fix == "on" else delta_from
+
+
 def output_and_delta_o(o, o32, fix, stochastic, delta_from):
     """From the kernel's O and its fp32 O (o32, where kept), the O the caller gets and the O delta reads (o
     itself where it reads that). THE FIX (2, the choice): with fix "on" (or delta_from "fp32-o") delta reads
@@ -632,9 +642,10 @@ def output_and_delta_o(o, o32, fix, stochastic, delta_from):
     stochastic-rounding experiments' (Numerics)."""
     if stochastic:
         o = stochastic_round(o32)                                                     # ROUND: O, stochastically
-    if fix == "on" or delta_from == "fp32-o":
+    reads = delta_reads(fix, delta_from)
+    if reads == "fp32-o":
         return o, o32
-    return o, stochastic_round(o32) if delta_from == "stochastic-o" else o
+    return o, stochastic_round(o32) if reads == "stochastic-o" else o     # ROUND: delta's O, an independent draw
 
 
 # The custom ops take plain values (a schema has no dataclass): fix itself, Numerics' parts (delta_from:
@@ -648,7 +659,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, f
     B, H, N, D = q.shape
     o = empty_in_layout_of(q)
     # wherever output_and_delta_o reads the fp32 O, the kernel keeps it
-    keep_o32 = fix == "on" or stochastic or delta_from in ("fp32-o", "stochastic-o")
+    keep_o32 = stochastic or delta_reads(fix, delta_from) in ("fp32-o", "stochastic-o")
     o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
     assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
@@ -669,10 +680,9 @@ flash_fwd_op = torch.library.custom_op("nanolp::flash_fwd", flash_fwd, mutates_a
 @flash_fwd_op.register_fake
 def _(q, k, v, causal, fix, delta_from, precision, p_bits, o_bits, stochastic, fma):
     o, lse = empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    if fix == "on" or delta_from == "fp32-o":
-        return [o, lse, empty_in_layout_of(q, torch.float32)]
-    if delta_from == "stochastic-o":
-        return [o, lse, empty_in_layout_of(q)]
+    reads = delta_reads(fix, delta_from)
+    if reads in ("fp32-o", "stochastic-o"):
+        return [o, lse, empty_in_layout_of(q, torch.float32 if reads == "fp32-o" else None)]
     return [o, lse]
 
 

@@ -9,13 +9,14 @@ the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS be
     python train.py --preset tiny --fix on      # a CPU smoke run, through the kernel's emulation: no collapse
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
 
-Every setting is a flag; DEFAULT below holds their defaults. The experiments (--help) change the attention's numerics.
-Below the settings, the training (train): the data, the model, the optimizer, then the loop, which detects a
-collapse, logs the diagnostics and writes the checkpoints; then the command line (main). A run writes runs/<name>/
-(its files, and which folders a command may write or resume: nanolp/runs.py; its flags, settings and name:
-nanolp/runconfig.py). A command that cannot run is refused before it writes anything (exit status 2); so is a preset
-sized for a GPU on a machine without one, unless --device cpu insists. Ctrl-C stops a run with one line that names its
-last checkpoint and the command that continues from it (exit status 130).
+Every setting is a flag; DEFAULT below holds their defaults (--device's and --compile's follow the machine:
+nanolp/runconfig.py). The experiments (--help) change the attention's numerics. Below the settings, the training
+(train): the data, the model, the optimizer, then the loop, which detects a collapse, logs the diagnostics and writes
+the checkpoints; then the command line (main). A run writes runs/<name>/ (its files, and which folders a command may
+write or resume: nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A command that cannot run is
+refused before it writes anything (exit status 2); so is a preset sized for a GPU on a machine without one, unless
+--device cpu insists. Ctrl-C stops a run with one line that names its last checkpoint and the command that continues
+from it (exit status 130).
 """
 
 import hashlib
@@ -78,7 +79,7 @@ TINY_NOTE = ("the tiny preset checks the pipeline: at this size no collapse is e
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
 EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
-DIAG_ROWS = 16     # diagnostic batch rows: the probe holds fp32 (rows, heads, T, T) scores per layer
+DIAG_ROWS = 16     # diagnostic batch rows: the diagnostics hold fp32 (rows, heads, T, T) scores per layer
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 # the model's options that the flags --attn and --pos choose from (model.py's; nanolp never imports model.py)
 CHOICES = dict(attn=ATTN_BACKENDS, pos=POSITIONS)
@@ -168,7 +169,7 @@ def train(c, corpus, resume):
                 continue
 
             # a log row: the losses, the collapse test, an evaluation and diagnostics when due
-            train_loss = (loss_sum / n_acc).item()  # the loop's one host sync
+            train_loss = (loss_sum / n_acc).item()  # the row's first host sync (the steps between have none)
             tokens_per_s = n_acc * B * T / (time.time() - t_row)
             row = dict(step=step, elapsed_s=round(elapsed, 2), tokens=step * B * T, lr=lr, train_loss=train_loss,
                        grad_norm=(grad_sum / n_acc).item(), tokens_per_s=round(tokens_per_s, 1),
@@ -212,7 +213,8 @@ def get_lr(step, c):
 
 
 def loss_spike(state, step, c):
-    """The loss-spike half of the collapse criterion (above SPIKE_NATS): None, or why it fired."""
+    """The loss-spike half of the collapse criterion (above SPIKE_NATS): None, or why it fired. Updates
+    state["loss_min"], the smoothed loss's minimum after the warmup."""
     smoothed = state["ema"].item()
     if step > c["warmup"]:
         state["loss_min"] = min(state["loss_min"], smoothed)

@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import kernels
 from kernels import Numerics, _bwd_dkdv_tile, amplified_v
 
-# Tuning, as kernels.BWD_TUNING's (docs/kernel.md, "Speed", "kernels.py's settings").
+# Tuning, as kernels.BWD_TUNING's (results/speed/README.md, "kernels.py's settings and the timings behind them").
 ONE_PASS_TUNING = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2)}
 # dQ's shares: False, fp32 atomics; True, TMA reductions; None, TMA on sm_90 and later (docs/kernel.md, "Speed").
 DQ_TMA = None

@@ -36,7 +36,8 @@ def kernel_only(attn, settings):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Rounding helpers (also used by analyze.py; round_mantissa, shared with kernels.flash_attention, is kernels')
+# Rounding helpers (round_bf16 also experiments/mechanism.py's; round_mantissa, shared with kernels.flash_attention,
+# is kernels')
 
 def round_bf16(x):
     """Round float32 values to the nearest bfloat16 (ties to even); returned as float32."""

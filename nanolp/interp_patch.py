@@ -16,8 +16,8 @@ nanolp/emulate.fma_f32 rounds it once too, by rounding to odd from float64); sel
 rounding to float64 first and then to float32 would be wrong.
 
 Third, the stock interpreters have no TMA reduction (a tensor descriptor's atomic_add: "'InterpreterBuilder'
-object has no attribute 'create_descriptor_reduce'"), which kernels.py's one-pass backward uses with DQ_TMA;
-here it adds the block element by element with the interpreter's own atomics, as tl.atomic_add does.
+object has no attribute 'create_descriptor_reduce'"), which experiments/launch_variants.py's one-pass backward uses
+with DQ_TMA; here it adds the block element by element with the interpreter's own atomics, as tl.atomic_add does.
 
 The patch reaches into interpreter internals, so it is pinned to the versions it was checked on, and
 self_test() (run by tests/conftest.py before any test) fails loudly if it stops taking effect.

@@ -159,7 +159,7 @@ def headline(runs, study, monkeypatch):
     """The headline figure of `runs` (and `study`, the runs of their runs.csv), not saved."""
     figures = []
     monkeypatch.setattr(analyze, "save", lambda fig, path: figures.append(fig) or path)
-    analyze.plot_headline(runs, study, Path("h.png"))
+    analyze.plot_headline(runs, study, Path("h.png"), "the kernel as it ships")
     return figures[0]
 
 

@@ -71,9 +71,9 @@ def _tma_add_kernel(DESC, X, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 def test_tma_reduction_adds_in_launch_order_and_drops_rows_past_the_end():
-    """A tensor descriptor's atomic_add (kernels.py's one-pass dQ with DQ_TMA), which the stock interpreter
-    lacks: each program's block added in fp32 where it lies in the tensor, as tl.atomic_add adds, programs in
-    launch order, rows past the tensor's end dropped (not written to the next slice)."""
+    """A tensor descriptor's atomic_add (experiments/launch_variants.py's one-pass dQ with DQ_TMA), which the stock
+    interpreter lacks: each program's block added in fp32 where it lies in the tensor, as tl.atomic_add adds,
+    programs in launch order, rows past the tensor's end dropped (not written to the next slice)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     buf = torch.zeros(3, 20, 32)
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
