@@ -586,8 +586,10 @@ def check_device(q):
                      "PyTorch (the same numbers)")
 
 
-def check_inputs(q, k, v, fix, numerics):
+def check_inputs(q, k, v, causal, fix, numerics):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
+    if not isinstance(causal, bool):   # (a truthy string would run causal attention silently)
+        raise ValueError(f"causal must be True or False, got {causal!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -612,6 +614,15 @@ def check_inputs(q, k, v, fix, numerics):
     if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
         raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
     check_fix(fix, numerics)
+
+
+def as_numerics(numerics):
+    """The entry points' numerics: None is plain FlashAttention-2's, Numerics(); what is not a Numerics, refused."""
+    if numerics is None:
+        return Numerics()
+    if not isinstance(numerics, Numerics):
+        raise TypeError(f"numerics must be a kernels.Numerics or None, got {type(numerics).__name__}")
+    return numerics
 
 
 def empty_in_layout_of(t, dtype=None):
@@ -781,8 +792,8 @@ def forward(q, k, v, *, fix, causal=True, numerics=None):
     Returns Outputs(o, lse, o_delta): o the O returned (q's dtype; differentiable, as flash_attention's), lse
     each row's log-sum-exp (fp32; log2 units in "fa2"), o_delta the O the backward's delta reads: the fp32 O with
     fix "on" or delta "fp32-o" (THE FIX), a stochastic rounding of it with delta "stochastic-o", else o itself."""
-    numerics = Numerics() if numerics is None else numerics
-    check_inputs(q, k, v, fix, numerics)
+    numerics = as_numerics(numerics)
+    check_inputs(q, k, v, causal, fix, numerics)
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -808,7 +819,7 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward (two
     passes, no atomics: the same bits every run).
     """
-    numerics = Numerics() if numerics is None else numerics
+    numerics = as_numerics(numerics)
     # no backward can follow: no fp32 O to store, and O is the same bits (what is not a tensor, forward refuses)
     if fix == "on" and numerics.delta == "o" and not (torch.is_grad_enabled() and
                                                       any(getattr(t, "requires_grad", True) for t in (q, k, v))):

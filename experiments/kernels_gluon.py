@@ -573,14 +573,12 @@ def _ov_consumer(WG: gl.constexpr, q_desc, q_smem, q_bar, k_ring, v_ring, kv_rea
 
 def check(q, k, v, causal, fix, variant):
     """kernels.check_inputs' checks (fix's among them), then what this file adds; one clear error each."""
-    check_inputs(q, k, v, fix, Numerics())
+    check_inputs(q, k, v, causal, fix, Numerics())
     if q.shape[-1] not in (64, 128):
         raise ValueError(f"the Gluon forward takes head_dim 64 or 128, got {q.shape[-1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); call .contiguous()")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be True or False, got {causal!r}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
     if variant != "sync":   # TMA reads 16-byte aligned rows

@@ -18,8 +18,8 @@ from dataclasses import asdict
 
 import torch
 
-from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, check_inputs, fix_constants, output_and_delta_o,
-                     qk_scale_of, round_mantissa)
+from kernels import (BWD_TUNING, TILE_N, Numerics, amplified_v, as_numerics, check_inputs, fix_constants,
+                     output_and_delta_o, qk_scale_of, round_mantissa)
 
 
 # The attentions (model.py's attn) with the kernel's numerics: the kernel, and on any device this emulation. Only
@@ -287,20 +287,22 @@ class _EmulatedAttention(torch.autograd.Function):
             return (*backward(q, k, v, o, lse, do.contiguous(), *ctx.args), *[None] * 4)
 
 
-def emulate_attention(q, k, v, causal=True, *, fix, numerics=Numerics(), one_pass=None):
+def emulate_attention(q, k, v, causal=True, *, fix, numerics=None, one_pass=None):
     """Same arguments and result as kernels.flash_attention, computed tile by tile in PyTorch (with one_pass,
     (block_m, block_n), the one-pass backward's at those tiles, dQ as the CPU interpreter sums it); fix is the
     caller's (model.py's, a test's): flash_attention's default is the drop-in's."""
-    check_inputs(q, k, v, fix, numerics)
+    numerics = as_numerics(numerics)
+    check_inputs(q, k, v, causal, fix, numerics)
     v = amplified_v(v, numerics.o_bits)
     with torch.autocast(q.device.type, enabled=False):
         return _EmulatedAttention.apply(q, k, v, causal, fix, numerics, one_pass)
 
 
-def emulate_forward_fp32(q, k, v, *, fix, causal=True, numerics=Numerics()):
+def emulate_forward_fp32(q, k, v, *, fix, causal=True, numerics=None):
     """The forward's O before its final cast (no autograd): kernels.forward's o_delta with delta "fp32-o", what
     delta reads with fix "on"."""
-    check_inputs(q, k, v, fix, numerics)
+    numerics = as_numerics(numerics)
+    check_inputs(q, k, v, causal, fix, numerics)
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
         return forward(q, k, amplified_v(v, numerics.o_bits), causal, fix == "paper", numerics)[1]
 

@@ -738,6 +738,11 @@ def test_bad_input():
             kernels.flash_attention(q.half(), q.half(), q.half(), fix="off", numerics=numerics)
     with pytest.raises(TypeError, match="torch.Tensor"):
         kernels.flash_attention(q.tolist(), q, q)
+    for attention in (kernels.flash_attention, lambda *a, **kw: emulate.emulate_attention(*a, fix="on", **kw)):
+        with pytest.raises(ValueError, match=re.escape("causal must be True or False, got 'no'")):
+            attention(q, q, q, causal="no")
+        with pytest.raises(TypeError, match="numerics must be a kernels.Numerics or None, got dict"):
+            attention(q, q, q, numerics={"delta": "o"})
 
 
 def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
