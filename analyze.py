@@ -31,7 +31,7 @@ from nanolp import probe
 from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS   # the layer that runs away, its column; sharp rows
 from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
-from nanolp.runs import find_runs, load_runs, read_table, study_runs, write_csv
+from nanolp.runs import find_runs, load_runs, log_path, read_table, study_runs, write_csv
 from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, as_shipped, changed_settings
 from train import PRESETS, TINY_NOTE
 
@@ -352,6 +352,7 @@ def analyze_runs(runs, out):
     runs (STUDY/runs/NAME, beside STUDY/runs.csv) come with the study's other runs, those whose logs were not kept,
     for the counts that the table makes (the headline's survival panel and legend)."""
     tables = sorted({t for t in (run.path.parent.parent / "runs.csv" for run in runs) if t.exists()})
+    rows = {table: table_rows([table]) for table in tables}   # (before study_runs: refused in a line, if at all)
     logged = {run.path: run for run in runs}
     study = [logged.get(run.path, run) for table in tables for run in study_runs(table)]
     in_study = {run.path for run in study}
@@ -397,7 +398,7 @@ def analyze_runs(runs, out):
         lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
     for table in tables:   # a study's runs: results/README.md's table, the rows of runs whose logs were not kept too
         lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` writes it into the docs whose "
-                  "table marker names that file):", ""] + study_table(table_rows([table])) + ["", "The runs with logs:", ""]
+                  "table marker names that file):", ""] + study_table(rows[table]) + ["", "The runs with logs:", ""]
     lines += run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
               "only; a run ended by itself in a collapse or at its --steps or --minutes. Also in rates.csv.",
@@ -485,14 +486,28 @@ def kin_of(group, rows):
 
 def table_rows(tables):
     """The rows of one or more studies' runs.csv (nanolp.runs.read_table), in order, each with its study's `folder`,
-    where the runs whose logs are kept are (folder/runs/NAME)."""
-    return [dict(row, folder=Path(table).parent) for table in tables for row in read_table(table)]
+    where the runs whose logs are kept are (folder/runs/NAME). A table that cannot be read, or that says a run's log
+    is kept where there is none, is refused in one line."""
+    rows = []
+    for table in tables:
+        try:
+            rows += [dict(row, folder=Path(table).parent) for row in read_table(table)]
+        except (OSError, ValueError) as e:   # read_table's ValueError names the file (and line), as OSError's does
+            fail(str(e))
+    missing = [str(kept(row)) for row in rows if row.get("log_kept") and not log_path(kept(row)).exists()]
+    if missing:
+        fail(f"runs.csv says these runs' logs are kept, but there is none in {', '.join(missing)}")
+    return rows
+
+
+def kept(row):
+    """The folder of a row's run (table_rows), where its log is kept."""
+    return row["folder"] / "runs" / row["name"]
 
 
 def kept_peaks(group):
     """Layer 0's peak max logit in each run of the group (table_rows) whose log is kept."""
-    return [peak_logit(run) for run in load_runs(row["folder"] / "runs" / row["name"] for row in group
-                                                 if row.get("log_kept"))]
+    return [peak_logit(run) for run in load_runs(kept(row) for row in group if row.get("log_kept"))]
 
 
 def shipped_commands(rows):
@@ -684,8 +699,13 @@ def main(argv=None):
         fail(f"no run folders (with a log.csv or log.csv.gz) in {', '.join(given)}")
     root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
     out = args.out or root / "figures"
-    out.mkdir(parents=True, exist_ok=True)
     runs = load_runs(paths)   # (one with a damaged file: left out, in one line)
+    if paths and not runs:
+        fail(f"no readable runs in {', '.join(given)}: every one was left out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # a file of that name, or a folder that cannot be written
+        fail(f"--out must be a folder: cannot make {out} ({e.strerror})")
 
     if args.mechanism:
         section = demonstrate(out)

@@ -180,8 +180,14 @@ def train(c, corpus, resume):
                 collapse = dict(step=bad if bad >= 0 else step, minute=elapsed / 60, reason=reason)
                 stop_at = min(stop_at, step + EXTRA_ROWS * c["log_interval"])
                 tqdm.write(f"collapse at step {collapse['step']}: {reason}")
+            # the weights are poisoned by a non-finite loss, and by a non-finite gradient whose loss was finite (the
+            # backward can overflow before the forward): clipping makes it NaN. No eval, no diagnostics, no checkpoint
+            poisoned = bad >= 0 or not math.isfinite(row["grad_norm"])
             if bad >= 0:
-                stop_at = step  # the weights are poisoned: no eval, no diagnostics, no checkpoint
+                stop_at = step
+            elif poisoned:   # (the next step's loss is non-finite: a collapse, which stops the run)
+                tqdm.write(f"step {step}: a non-finite gradient norm, its loss finite: the weights are not finite; no "
+                           f"evaluation, diagnostics or checkpoint")
             else:
                 if step % c["eval_interval"] == 0 or step >= stop_at:
                     row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
@@ -192,7 +198,7 @@ def train(c, corpus, resume):
             pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
 
             # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
-            if collapse is None and (step % c["ckpt_interval"] == 0 or step >= stop_at):
+            if collapse is None and not poisoned and (step % c["ckpt_interval"] == 0 or step >= stop_at):
                 state.update(step=step, elapsed=elapsed)
                 runs.save_checkpoint(run_dir, model, optimizer, state)
             loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and time (which counts this row's work)

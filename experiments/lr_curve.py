@@ -46,11 +46,24 @@ def first_past(run, value=PAST):
     return int(steps[above[0]]) if len(above) else None
 
 
+def study_rows(table):
+    """The rows of a study's runs.csv (read_table); SystemExit, in one line, where the file cannot be read as one."""
+    try:
+        rows = read_table(table)
+    except (OSError, ValueError) as e:   # read_table's ValueError names the file (and line), as OSError's does
+        sys.exit(f"lr_curve: {e}")
+    needed = ("name", "flags", "seed", "lr", "steps", "collapsed", "collapse_step")   # what points reads
+    missing = [c for c in needed if c not in rows[0]] if rows else []
+    if missing:
+        sys.exit(f"lr_curve: {table} is not a study's runs.csv: no column {', '.join(missing)}")
+    return rows
+
+
 def points(tables):
     """One row (COLUMNS) per run of the tables that is a point of the curve, by arm then lr."""
     rows = []
     for table in map(Path, tables):
-        for row in read_table(table):
+        for row in study_rows(table):
             arm = base_flags(row["flags"])
             if arm not in ARMS or row["seed"] != SEED or not as_shipped(row) or row.get("variant"):
                 continue
@@ -106,8 +119,11 @@ def main(argv=None):
     rows = points(args.tables)
     if not rows:
         sys.exit(f"lr_curve: no run of {', '.join(ARMS)} on seed {SEED} in {', '.join(args.tables)}")
+    try:
+        (args.out / "figures").mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # a file of that name, or a folder that cannot be written
+        sys.exit(f"lr_curve: --out must be a folder: cannot make {args.out / 'figures'} ({e.strerror})")
     write_csv(args.out / "lr_curve.csv", rows, COLUMNS)
-    (args.out / "figures").mkdir(parents=True, exist_ok=True)
     plot(rows, args.out / "figures" / "lr_curve.png")
     for r in rows:
         end = f"collapsed at {r['collapse_step']:,}" if r["collapsed"] else f"no collapse in {r['steps']:,}"

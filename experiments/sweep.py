@@ -39,7 +39,6 @@ invocation resumes it. No run is started with less than MIN_MINUTES left.
 """
 
 import argparse
-import csv
 import os
 import re
 import shlex
@@ -55,7 +54,8 @@ import numpy as np
 
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, as_current,
                               read_json)
-from nanolp.runs import find_runs, latest_checkpoint, load_run, load_runs, log_path, thin_log, write_csv
+from nanolp.runs import (find_runs, latest_checkpoint, load_run, load_runs, log_outcome, log_path, read_rows,
+                         thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -115,6 +115,10 @@ def load_study(path, name):
         studies = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise StudyError(f"no studies file at {path}") from None
+    except OSError as e:   # a folder, say
+        raise StudyError(f"cannot read the studies file {path} ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise StudyError(f"{path} is not UTF-8 text ({e.reason})") from None
     except tomllib.TOMLDecodeError as e:
         raise StudyError(f"{path}: {e}") from None
     if name not in studies:
@@ -436,8 +440,11 @@ def collect_row(run, arm=None, flags=""):
 
 def collect(paths, csv_path):
     """One row per run folder found in `paths` (run folders or folders of them), written to csv_path; a folder with
-    a damaged file is left out, in one line."""
+    a damaged file is left out, in one line. StudyError, csv_path not written, where no run is left."""
     rows = [collect_row(run) for run in load_runs(find_runs(paths))]
+    if not rows:
+        raise StudyError(f"no readable run folders (with a log.csv or log.csv.gz) in {', '.join(map(str, paths))}; "
+                         f"{csv_path} not written")
     write_csv(csv_path, rows, COLUMNS)
     return rows
 
@@ -446,15 +453,21 @@ def collect_study(study, out, results):
     """Copy each run of the study from `out` into results/runs/ (config.json, summary.json, and log.csv thinned
     by thin_log), unless the copy there is finished and the run in `out` is not; then write results/runs.csv,
     one row per run of the study that results/runs/ holds, in the study's order. A run with a file that cannot be
-    parsed is left out, in one line: in `out`, it is not copied (the copy in results/runs/ stays); in
-    results/runs/, it has no row."""
+    parsed, or a log cut short of its summary, is left out, in one line: in `out`, it is not copied (the copy in
+    results/runs/ stays); in results/runs/, it has no row."""
     rows, runs = [], study.runs(out, results)
     for run in runs:
         src, dst = run["dir"], run["kept"]
         try:
-            # src's files read first: a summary.json (finished) or config.json that cannot be parsed is not copied
+            # src's files read first: a summary.json (finished) or config.json that cannot be parsed is not copied,
+            # nor a log that ends before its summary's steps (cut short by a copy or a full disk), whose thinned
+            # copy would replace a whole one
             if (src / "log.csv").exists() and (finished(src, run["min_steps"]) or not finished(dst, run["min_steps"])):
-                read_json(src / "config.json")
+                ran = load_run(src)
+                logged = log_outcome(ran.log)["steps"]
+                if logged < ran.summary.get("steps", 0):
+                    raise DamagedFile(f"{src / 'log.csv'} ends at step {logged:,}, before the "
+                                      f"{ran.summary['steps']:,} steps of its summary.json")
                 shutil.rmtree(dst, ignore_errors=True)
                 dst.mkdir(parents=True)
                 for name in ("config.json", "summary.json"):
@@ -480,13 +493,15 @@ def kept_rows(table, names):
     other cells as written), and the columns to write: COLUMNS, then any others that table has."""
     if not table.exists():
         return [], COLUMNS
-    with open(table, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [as_current(row) for row in reader if row["name"] not in names]
+    try:
+        written = read_rows(table)
+    except ValueError as e:   # (a row cut short would be written back with its cells empty)
+        raise StudyError(f"{e}; {table} not rewritten") from None
+    rows = [as_current(row) for row in written if row["name"] not in names]
     for row in rows:
         row["log_kept"] = False
         row["name"] += "" if row["name"].endswith(NO_LOG) else NO_LOG
-    columns = as_current(dict.fromkeys(reader.fieldnames))   # (an older table's columns, as its rows now read)
+    columns = as_current(dict.fromkeys(written[0] if written else COLUMNS))   # (an older table's, as its rows now read)
     return rows, COLUMNS + [c for c in columns if c not in COLUMNS]
 
 
@@ -505,11 +520,18 @@ def main(argv=None):
                    help="only collect: the study's runs (no DIR), or these run folders (or folders of them) into --csv")
     p.add_argument("--csv", help="with --collect DIR...: the CSV to write")
     args = p.parse_args(argv)
+    if args.minutes is not None and not 0 < args.minutes < float("inf"):   # (nan too)
+        p.error("--minutes must be a positive number")
 
     if args.collect:
         if args.study or not args.csv:
             p.error("--collect DIR... takes --csv PATH and no study (a study collects with --collect alone)")
-        rows = collect(args.collect, args.csv)
+        if Path(args.csv).is_dir():
+            p.error(f"--csv must be a file: {args.csv} is a folder")
+        try:
+            rows = collect(args.collect, args.csv)
+        except StudyError as e:
+            p.error(str(e))
         print(f"{len(rows)} runs -> {args.csv}")
         return 0
     if args.csv:
@@ -523,18 +545,16 @@ def main(argv=None):
         out = Path(args.out or Path("runs") / study.name)
         results = Path(args.results or Path(args.studies).parent / study.name)
         runs = plan(study, out, results)
-        for run in runs:
+        todo = [run for run in runs if run["state"] not in (*DONE, "damaged")]
+        slots = device_slots(args.per_gpu, study.cpu_sized, study.name) if args.collect is None and todo else []
+        for run in runs:   # (after a study sized for a GPU is refused on a machine without one)
             detail = (f" ({run['kept']})" if run["state"] == "collected" else
                       f", left out: {run['damage']}" if run["state"] == "damaged" else "")
             print(f"{run['name']}: {run['state']}{detail}")
-        todo = [run for run in runs if run["state"] not in (*DONE, "damaged")]
-        outcome = {}
-        if args.collect is None and todo:
-            slots = device_slots(args.per_gpu, study.cpu_sized, study.name)
-            outcome = sweep(todo, slots, args.minutes)
+        outcome = sweep(todo, slots, args.minutes) if slots else {}
+        rows = collect_study(study, out, results)
     except StudyError as e:
         p.error(str(e))
-    rows = collect_study(study, out, results)
     print(f"{len(rows)} runs -> {results / 'runs.csv'}, logs in {results / 'runs'}")
     failed = {name: rc for name, rc in outcome.items() if isinstance(rc, int) and rc != 0}
     if failed:

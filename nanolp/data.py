@@ -58,10 +58,10 @@ def find_text(path=None):
     which is downloaded on first use."""
     path = path or os.environ.get("NANOLP_DATA")
     if path:
-        if not Path(path).is_file():
-            raise TextError(f"no text file at {path}: that file does not exist (data/README.md says how to get each "
-                            f"text; give an existing one with --data PATH or NANOLP_DATA=PATH, or neither for "
-                            f"TinyShakespeare)")
+        if not Path(path).is_file():   # (a folder or a device is no text file)
+            why = "it is not a regular file" if Path(path).exists() else "that file does not exist"
+            raise TextError(f"no text file at {path}: {why} (data/README.md says how to get each text; give an "
+                            f"existing one with --data PATH or NANOLP_DATA=PATH, or neither for TinyShakespeare)")
         return Path(path)
     if not DEFAULT_TEXT.is_file():
         print(f"downloading TinyShakespeare from {DEFAULT_URL}")
@@ -96,10 +96,17 @@ def prepare(path=None, data_dir=None, block_size=None):
     name = text_path.parent.name if text_path.stem == "input" else text_path.stem
     cache = Path(data_dir or DATA_DIR) / name
     meta_path = cache / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    if meta.get("sha1") == key:
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):   # none yet, or cut short as it was written: the cache is made again
+        meta = {}
+    # the cache is used if it holds this text's tokens whole: each token file as long as meta.json recorded (one
+    # cut short, or a cache written before meta.json recorded the lengths, is made again)
+    files = [cache / f"{split}.bin" for split in ("train", "val")]
+    sizes = [file.stat().st_size if file.is_file() else None for file in files]
+    if meta.get("sha1") == key and sizes == [2 * n for n in meta.get("tokens", [])]:   # (2 bytes a uint16 token)
         itos = meta["itos"]
-        train, val = (np.fromfile(cache / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
+        train, val = (np.fromfile(file, dtype=np.uint16) for file in files)
     else:
         try:
             text = raw.decode("utf-8")
@@ -115,9 +122,10 @@ def prepare(path=None, data_dir=None, block_size=None):
         n = split_point(len(ids))
         train, val = ids[:n], ids[n:]
         cache.mkdir(parents=True, exist_ok=True)
-        train.tofile(cache / "train.bin")
-        val.tofile(cache / "val.bin")
-        meta_path.write_text(json.dumps({"sha1": key, "source": str(text_path), "itos": itos}))  # meta last
+        train.tofile(files[0])
+        val.tofile(files[1])
+        meta_path.write_text(json.dumps({"sha1": key, "source": str(text_path), "itos": itos,  # meta last
+                                         "tokens": [len(train), len(val)]}))
     for split, tokens in (("training", train), ("validation", val)):
         if block_size is not None and len(tokens) < block_size + 1:
             need = next(n for n in itertools.count(block_size + 1)

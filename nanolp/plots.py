@@ -8,6 +8,8 @@ headline gives each arm a hue of its own instead, arm_hues). A
 config key missing from an older run reads as train.py's default.
 """
 
+import itertools
+
 import matplotlib
 
 matplotlib.use("Agg")  # figures go to files; never needs a display
@@ -62,11 +64,12 @@ def family(run):
 
 def arm_hues(families):
     """{arm: colour} of {arm: its family (a key of PALETTE)}: one clearly different hue per arm, no two shades of
-    one: the family's own colour for its first arm, then the unused of HUES, in order, for the others."""
+    one: the family's own colour for its first arm, then the unused of HUES, in order, for the others (round again
+    where there are more arms than hues: two arms share a hue, rather than no figure)."""
     own = {}
     for arm, kind in families.items():
         own.setdefault(PALETTE[kind][0], arm)
-    spare = iter(h for h in HUES if h not in own)
+    spare = itertools.cycle([h for h in HUES if h not in own])
     mine = {arm: colour for colour, arm in own.items()}
     return {arm: mine.get(arm) or next(spare) for arm in families}
 

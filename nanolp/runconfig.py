@@ -23,6 +23,7 @@ import argparse
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -212,8 +213,14 @@ def check_config(c):
     at_least = dict(steps=1, batch_size=1, n_layer=1, n_head=1, n_embd=1, block_size=1, warmup=0, log_interval=1,
                     eval_interval=1, diag_interval=1, ckpt_interval=1)
     problems = [f"{flag(k)} must be at least {low}, got {c[k]}" for k, low in at_least.items() if c[k] < low]
-    problems += [f"{flag(k)} must be positive, got {c[k]}" for k in ("lr", "minutes")
-                 if c[k] is not None and not c[k] > 0]
+    # finite too: an inf --lr makes every weight non-finite at the first step, and config.json is JSON, which has no inf
+    problems += [f"{flag(k)} must be a positive, finite number, got {c[k]}" for k in ("lr", "minutes")
+                 if c[k] is not None and not 0 < c[k] < math.inf]
+    # AdamW's first step divides the lr by 1 - beta1 (its bias correction) in float32, where a larger one overflows
+    largest_lr = torch.finfo(torch.float32).max * (1 - c["beta1"])
+    if math.isfinite(c["lr"]) and c["lr"] > largest_lr:
+        problems.append(f"--lr {c['lr']:g} overflows float32 in AdamW's first step, which divides it by 1 - beta1: "
+                        f"it must be at most {largest_lr:.3g}")
     ours = c["attn"] in OURS
     shape_ok = c["n_head"] >= 1 and c["n_embd"] >= 1
     if shape_ok and c["n_embd"] % c["n_head"]:
@@ -231,6 +238,10 @@ def check_config(c):
                         f"(--attn kernel or emulate), not --attn {c['attn']}")
     if c["dtype"] == "fp32" and c["attn"] not in ("sdpa", "fp32"):
         problems.append(f"--dtype fp32 needs --attn sdpa or fp32: --attn {c['attn']} takes bf16 or fp16 only")
+    if not c["out"]:   # (an empty --out would put the run folder in the current directory)
+        problems.append("--out is empty: give the folder that run folders go in")
+    if c["data"] == "":   # (resolve_config leaves an empty --data as it is: resolved, it would be this folder)
+        problems.append("--data is empty: give a text file's path, or neither for TinyShakespeare")
     if c["name"] in ("", ".", "..") or set(c["name"]) & {"/", "\\", "\0"}:
         problems.append(f"--name must be a plain folder name (no / or \\, not . or ..), got {c['name']!r}: the "
                         f"run folder is made inside --out")
@@ -293,7 +304,7 @@ def resolve_config(args, presets):
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
     if "data" not in given and os.environ.get("NANOLP_DATA"):
         given["data"] = os.environ["NANOLP_DATA"]   # the text is part of the arm: recorded as if --data gave it
-    if "data" in given:
+    if given.get("data"):   # (an empty one is refused: check_config)
         given["data"] = str(Path(given["data"]).resolve())   # one spelling per file, from wherever train.py runs
     preset = given.get("preset", "default")
     config = {**presets[preset], "preset": preset, **given}
@@ -302,8 +313,12 @@ def resolve_config(args, presets):
     if args.resume:
         run_dir = Path(config["out"]) / config["name"]
         saved = read_json(run_dir / "config.json")
-        if not saved:
+        if not (run_dir / "config.json").exists():
             raise RunError(f"--resume: no run at {run_dir} (no config.json)")
+        if not saved:   # (read_json's {} is a file that is there but holds {})
+            raise RunError(f"--resume: {run_dir / 'config.json'} holds no settings, so the run cannot be continued "
+                           f"as it started: restore its settings, or start a new run with another --name; nothing "
+                           f"changed")
         if damage := config_problems(run_dir / "config.json", saved, presets):   # (the checks below would trip on it)
             raise RunError("\n".join(damage))
         ran = as_ran(saved, presets)

@@ -16,9 +16,9 @@ renamed, and each log row is flushed as it is written.
 
 A run folder may still be in progress or may come from an older train.py, so every file and every column is
 optional: missing files read as empty, empty cells read as NaN, and settings an older train.py spelled otherwise
-read in today's spellings (nanolp.runconfig.as_current). A file that is there but cannot be read (cut short by a
-full disk or a copy) is DamagedFile, one line naming it; a checkpoint is checked against the sha256 written beside
-it (checksum_problem).
+read in today's spellings (nanolp.runconfig.as_current); only --resume, which continues the log, needs the log whole
+(log_rows). A file that is there but cannot be read (cut short by a full disk or a copy) is DamagedFile, one line
+naming it; a checkpoint is checked against the sha256 written beside it (checksum_problem).
 """
 
 import csv
@@ -34,6 +34,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -238,20 +239,49 @@ def save_checkpoint(run_dir, model, optimizer, state):
 
 def resume(run_dir, c, model, optimizer, columns):
     """--resume: the loop's state of the run's newest good checkpoint (load_checkpoint), its model and optimizer
-    restored and its log cut back to it; RunError if the run has reached its --steps or --minutes already (a run
-    killed after its last checkpoint but before its summary resumes to write that summary)."""
-    state = load_checkpoint(run_dir, model, optimizer, torch.device(c["device"]), columns)
+    restored and its log cut back to it (the rows after it will be written again). RunError, before the log is cut,
+    if the log is missing or damaged (log_rows); if --steps is below the steps the run has recorded (its
+    summary.json's or its log's), which would cut them back and write over its summary; or if the run has reached
+    its --steps or --minutes already (a run killed after its last checkpoint but before its summary resumes to
+    write that summary)."""
+    rows = log_rows(run_dir)
+    recorded = max([int(row["step"]) for row in rows] + [read_json(run_dir / "summary.json").get("steps", 0)])
+    if c["steps"] < recorded:   # (before a damaged checkpoint is set aside: nothing changes)
+        raise RunError(f"--resume: {run_dir} has recorded {recorded:,} steps: --steps {c['steps']:,} would cut it "
+                       f"back; give --steps {recorded:,} or more; nothing changed")
+    state = load_checkpoint(run_dir, model, optimizer, torch.device(c["device"]))
     if (run_dir / "summary.json").exists() and is_finished(c, state["step"], state["elapsed"] / 60):
         raise RunError(f"--resume: {run_dir}: {done(state['step'])}; give a larger --steps or --minutes to "
                        f"train it further")
+    write_rows(run_dir / "log.csv", [row for row in rows if int(row["step"]) <= state["step"]], columns, "w")
     print(f"resuming {run_dir} at step {state['step']}")
     return state
 
 
-def load_checkpoint(run_dir, model, optimizer, device, columns):
-    """Restore the newest good checkpoint and drop the log rows written after it (they will be written again). A
-    checkpoint that fails its checksum or cannot be read is named in one line, moved to ckpt/damaged/ (set_aside),
-    and the one before it tried; RunError if none is good, or if the model does not fit it (config.json edited)."""
+def log_rows(run_dir):
+    """The rows of a run's log.csv, for --resume to continue, each with a step; RunError in one line if the log is
+    missing, cannot be read (read_rows), holds no row or a row without a whole-number step: a run with a checkpoint
+    has logged its steps up to it, and would lose them."""
+    path = run_dir / "log.csv"
+    try:
+        rows = read_rows(path)
+    except FileNotFoundError:
+        raise RunError(f"--resume: {path} is missing: the run's log cannot be continued; nothing changed") from None
+    except ValueError as e:
+        raise DamagedFile(f"--resume: {e}: the run's log cannot be continued; nothing changed") from None
+    if not rows:
+        raise DamagedFile(f"--resume: {path} holds no rows, though the run has a checkpoint: its log is lost; "
+                          f"nothing changed")
+    if bad := next((row for row in rows if not str(row.get("step")).isdigit()), None):
+        raise DamagedFile(f"--resume: {path} is damaged: a row's step is {bad.get('step')!r}, not a whole number; "
+                          f"nothing changed")
+    return rows
+
+
+def load_checkpoint(run_dir, model, optimizer, device):
+    """Restore the newest good checkpoint. A checkpoint that fails its checksum or cannot be read is named in one
+    line, moved to ckpt/damaged/ (set_aside), and the one before it tried; RunError if none is good, or if the model
+    does not fit it (config.json edited)."""
     for path in reversed(checkpoints(run_dir)):
         problem = checksum_problem(path)
         if problem is None:
@@ -277,11 +307,7 @@ def load_checkpoint(run_dir, model, optimizer, device, columns):
         torch.set_rng_state(rng["cpu"].cpu())
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"].cpu())
-    state = ckpt["state"]
-    with open(run_dir / "log.csv", newline="") as f:
-        rows = [row for row in csv.DictReader(f) if int(row["step"]) <= state["step"]]
-    write_rows(run_dir / "log.csv", rows, columns, "w")
-    return state
+    return ckpt["state"]
 
 
 def misfit(model, weights):
@@ -491,8 +517,11 @@ def log_path(run_dir):
 
 def read_log(path):
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with opener(path, "rt", newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile, csv.Error) as e:   # (a short row is kept)
+        raise DamagedFile(f"{path} cannot be read ({e})") from None
     columns = rows[0].keys() if rows else []
     return {c: np.array([to_float(row[c]) for row in rows]) for c in columns}
 
@@ -525,22 +554,50 @@ def study_runs(table):
     """The runs of a study's runs.csv (experiments/sweep.py writes it beside the study's runs/ folder): each row's
     run folder where its log is kept, else a Run of the row alone, without a log (an earlier run whose log was not
     kept: its settings and outcome). Rows of patched kernels (the `variant` column) are left out: they are no
-    train.py command, and their flags would put them in the plain kernel's arm."""
+    train.py command, and their flags would put them in the plain kernel's arm. A kept run that cannot be read
+    (load_runs names it) is its row alone: it still counts."""
     folder = Path(table).parent / "runs"
-    return [load_run(folder / row["name"]) if row["log_kept"] else Run(folder / row["name"], {}, row, {})
-            for row in read_table(table) if not row.get("variant")]
+    runs = []
+    for row in read_table(table):
+        if row.get("variant"):
+            continue
+        try:
+            runs.append(load_run(folder / row["name"]) if row["log_kept"] else Run(folder / row["name"], {}, row, {}))
+        except (DamagedFile, FileNotFoundError):
+            runs.append(Run(folder / row["name"], {}, row, {}))
+    return runs
 
 
 def read_table(path):
     """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell), the settings in
-    today's spellings (as_current)."""
+    today's spellings (as_current); ValueError, naming the file and line, for a row that is not whole (read_rows)."""
+    return [as_current({k: from_cell(v) for k, v in row.items()}) for row in read_rows(path)]
+
+
+def read_rows(path):
+    """A CSV file's rows, each a dict of its header's columns and their cells (as csv.DictReader gives them, blank
+    lines skipped). ValueError in one line naming the file for text that is not UTF-8 or not CSV, or naming the
+    line for a row with more or fewer cells than the header (as a file cut short leaves its last): never a row
+    read with cells missing, which would read as empty and so give a wrong number rather than none."""
     with open(path, newline="") as f:
-        return [as_current({k: from_cell(v) for k, v in row.items()}) for row in csv.DictReader(f)]
+        reader = csv.reader(f)
+        try:
+            header, rows = next(reader, []), []
+            for cells in filter(None, reader):
+                if len(cells) != len(header):
+                    raise ValueError(f"{path}, line {reader.line_num}: {len(cells)} cells where the header has "
+                                     f"{len(header)} (the file cut short, or a line not written by its writer)")
+                rows.append(dict(zip(header, cells)))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text ({e.reason})") from None
+        except csv.Error as e:
+            raise ValueError(f"{path}, line {reader.line_num}: not CSV ({e})") from None
+    return rows
 
 
 def from_cell(text):
     """A CSV cell as the value it spells: None, a bool, an int, a float or the text."""
-    if text in ("", None):
+    if text == "":
         return None
     if text in ("True", "False"):
         return text == "True"

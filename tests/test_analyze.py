@@ -459,24 +459,51 @@ def test_a_layer_is_named_only_where_it_stands_out(tmp_path):
     assert not analyze.stands_out(0, {0: 5.0})   # one layer: nothing to stand out from
 
 
+def refused(argv, capsys):
+    """analyze.main's refusal of argv: exit status 2; what it wrote on stderr."""
+    with pytest.raises(SystemExit) as exited:
+        analyze.main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_a_missing_folder_is_named(tmp_path, monkeypatch, capsys):
     """One line on stderr and exit status 2, as argparse (and train.py) refuse a command."""
     monkeypatch.chdir(tmp_path)
-    def refused(argv):
-        with pytest.raises(SystemExit) as exited:
-            analyze.main(argv)
-        assert exited.value.code == 2
-        return capsys.readouterr().err
     for argv, missing in ((["nosuchdir"], "nosuchdir"), ([], "runs"), (["--table", "no.csv"], "no.csv")):
-        assert refused(argv) == f"analyze.py: error: no such file or folder: {missing}\n"
+        assert refused(argv, capsys) == f"analyze.py: error: no such file or folder: {missing}\n"
     (tmp_path / "empty").mkdir()
-    assert refused(["empty"]) == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty\n"
+    assert refused(["empty"], capsys) == "analyze.py: error: no run folders (with a log.csv or log.csv.gz) in empty\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]   # nothing written
     (tmp_path / "README.md").write_text("# not a table\n")
-    assert refused(["--table", "README.md", "empty"]) == ("analyze.py: error: not a study's runs.csv (a CSV with "
-                                                          "columns name, arm and flags): README.md, empty\n")
+    assert refused(["--table", "README.md", "empty"], capsys) == (
+        "analyze.py: error: not a study's runs.csv (a CSV with columns name, arm and flags): README.md, empty\n")
     (tmp_path / "runs.csv").write_text("name,arm,flags\n")
-    assert refused(["--table", "runs.csv"]).startswith("analyze.py: error: no block of runs.csv in README.md")
+    assert refused(["--table", "runs.csv"], capsys).startswith("analyze.py: error: no block of runs.csv in README.md")
+
+
+def test_no_readable_run_or_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    write_run(tmp_path / "runs", "off-s0", 0, False, rng)
+    (tmp_path / "report.md").write_text("a file\n")
+    assert refused([str(tmp_path / "runs"), "--out", str(tmp_path / "report.md")], capsys) == (
+        f"analyze.py: error: --out must be a folder: cannot make {tmp_path / 'report.md'} (File exists)\n")
+    (tmp_path / "runs" / "off-s0" / "summary.json").write_text("[1]")   # JSON, but not a summary: left out
+    assert refused([str(tmp_path / "runs")], capsys) == (
+        f"analyze.py: error: no readable runs in {tmp_path / 'runs'}: every one was left out\n")
+    assert not (tmp_path / "runs" / "figures").exists()
+
+
+def test_a_table_that_cannot_be_read_or_misses_a_kept_log_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    header = b"name,arm,flags,log_kept\n"   # (is_runs_table reads it; read_table, the rest)
+    for rest in (b"on-s0,on,--fix on,\n" * 1000 + b"\xff\n", b"on-s0,on\n"):   # not UTF-8 text; a row cut short
+        Path("runs.csv").write_bytes(header + rest)
+        error = refused(["--table", "runs.csv"], capsys)
+        assert error.startswith("analyze.py: error: runs.csv") and error.count("\n") == 1   # read_table's line
+    Path("runs.csv").write_text("name,arm,flags,log_kept\non-s0,on,--fix on,True\n")
+    assert refused(["--table", "runs.csv"], capsys) == (
+        f"analyze.py: error: runs.csv says these runs' logs are kept, but there is none in {Path('runs', 'on-s0')}\n")
 
 
 def test_probe_report_without_phases(tmp_path):
@@ -663,6 +690,8 @@ def test_headline_hues_are_one_per_arm():
     hues = plots.arm_hues({"off": "fix off", "flash": "sdpa", "cudnn": "sdpa", "on": "fix on", "on2": "fix on"})
     assert (hues["off"], hues["flash"], hues["on"]) == ("tab:red", "dimgray", "tab:blue")
     assert len(set(hues.values())) == 5
+    crowded = plots.arm_hues({f"off{i}": "fix off" for i in range(len(plots.HUES) + 2)})   # more arms than hues
+    assert list(crowded.values())[1:] == (plots.HUES[1:] * 2)[:len(plots.HUES) + 1]   # the spares again, in order
 
 
 def test_the_committed_probe_tables_pool_the_committed_runs():

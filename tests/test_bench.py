@@ -1,5 +1,7 @@
-"""README's speed table is experiments/bench.py's table of the committed benchmark, never typed."""
+"""README's speed table is experiments/bench.py's table of the committed benchmark, never typed; what bench refuses."""
 from pathlib import Path
+
+import pytest
 
 from experiments import bench
 
@@ -39,3 +41,37 @@ def test_fix_cost_is_the_median_over_rounds_of_the_paired_ratio(tmp_path):
     path.write_text("impl,head_dim,seq,repeat,fwd_bwd_ms\n" + "".join(
         f"ours,64,1024,{r},{off}\nours_fix,64,1024,{r},{on}\n" for r, (off, on) in enumerate(rounds)))
     assert bench.fix_cost_table(path)[2] == "| 64 | +2.0% |"   # the ratios 1.02, 1.05, 1.01: their median
+
+
+def refused(argv, capsys):
+    """bench.main's refusal of argv: exit status 2 and its one line of error, as argparse refuses a flag."""
+    with pytest.raises(SystemExit) as exited:
+        bench.main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_file_that_is_no_bench_csv_is_one_line(tmp_path, capsys):
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xd0\xff")
+    fix_cost = ROOT / "results" / "speed" / "fix_cost.csv"   # no sdpa_flash rows: no speed table
+    for argv, line in ((["--table", "nope.csv"], "No such file or directory: 'nope.csv'"),
+                       (["--cost", str(binary)], f"{binary} is not UTF-8 text"),
+                       (["--table", str(fix_cost)], f"{fix_cost} has no rows of sdpa_flash at seq 4096 and 16384, "
+                                                    f"head_dim 64"),
+                       (["--cost", str(ROOT / "results" / "cure" / "runs.csv")], "is not a bench CSV: no column impl")):
+        assert line in refused(argv, capsys)
+
+
+def test_timing_refuses_bad_shapes_no_gpu_and_no_rows_without_touching_out(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bench.csv"
+    out.write_text("a committed benchmark\n")
+    assert refused(["--seqs", "0", "--out", str(out)], capsys).endswith("--seqs and --head-dims must be 1 or more")
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    assert "timing needs a CUDA GPU" in refused(["--out", str(out)], capsys)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "measure", lambda *args: [])   # every implementation raised
+    assert refused(["--out", str(out)], capsys).endswith(f"no implementation ran at any shape: {out} left as it was")
+    assert out.read_text() == "a committed benchmark\n"
+    monkeypatch.setattr(bench, "measure", lambda *args: pytest.fail("timed before --out was checked"))
+    assert refused(["--out", str(tmp_path)], capsys).endswith(f"--out must be a file: {tmp_path} is a folder")

@@ -169,6 +169,16 @@ def test_main_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
     assert not (tmp_path / "out.txt").exists()
 
 
+def test_a_cache_that_is_a_file_is_refused_before_any_download(tmp_path, monkeypatch, capsys):
+    def download(url, timeout):
+        raise AssertionError("no download")
+
+    monkeypatch.setattr(corpus.urllib.request, "urlopen", download)
+    (tmp_path / "src").write_text("a file\n")
+    assert corpus.main(["--cache", str(tmp_path / "src"), "--out", str(tmp_path / "out.txt")]) == 2
+    assert capsys.readouterr().err == f"corpus: --cache must be a folder: {tmp_path / 'src'} is a file\n"
+
+
 def test_train_corpus_preset_reads_the_text_this_builds():
     """train.py's corpus preset names, from the checkout's root where its commands run, the file main() writes."""
     assert corpus.ROOT / train.PRESETS["corpus"]["data"] == corpus.DEFAULT_OUT

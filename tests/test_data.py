@@ -40,6 +40,26 @@ def test_cache_reused_and_invalidated(text_file, tmp_path, monkeypatch):
     assert "?" not in changed.itos and "d" in changed.itos
 
 
+def test_a_token_file_cut_short_is_made_again(text_file, tmp_path):
+    """The cache holds the text's tokens whole or is made again: a train.bin or val.bin cut short (a full disk, a
+    copy) would otherwise train on part of the text, or refuse it as too short, under the whole text's sha1."""
+    cache = tmp_path / "cache"
+    whole = data.prepare(text_file, data_dir=cache, block_size=64)
+    for split in ("train", "val"):
+        tokens = cache / "tiny" / f"{split}.bin"
+        tokens.write_bytes(tokens.read_bytes()[:200])   # 100 tokens: enough for a block of 64
+        again = data.prepare(text_file, data_dir=cache, block_size=64)
+        assert torch.equal(again.train, whole.train) and torch.equal(again.val, whole.val), split
+    (cache / "tiny" / "meta.json").write_text('{"sha1": "')   # cut short as it was written: made again too
+    assert torch.equal(data.prepare(text_file, data_dir=cache).train, whole.train)
+
+
+def test_a_folder_or_a_device_is_no_text_file(tmp_path):
+    for path in (tmp_path, "/dev/null"):
+        with pytest.raises(data.TextError, match=f"^no text file at {path}: it is not a regular file \\(data/"):
+            data.find_text(path)
+
+
 def test_env_var_then_explicit_path(text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOLP_DATA", str(text_file))
     assert data.find_text() == text_file

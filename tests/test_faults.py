@@ -1,6 +1,6 @@
 """train.py against the faults a long run meets: a kill at any point (between checkpoints, halfway through writing
 one, between its checksum and its rename), Ctrl-C, a damaged checkpoint, a damaged or hand-edited config.json or
-summary.json. The standard: a run resumed after any of them logs the same losses, bit for bit, as the same run
+summary.json, a damaged or lost log.csv, a --resume that would cut back what a run recorded. The standard: a run resumed after any of them logs the same losses, bit for bit, as the same run
 uninterrupted; a damaged file is named in one line, never a traceback, and nothing of the run is written over. (The
 sweep and analyze.py on damaged folders: their own tests.)"""
 import csv
@@ -276,3 +276,53 @@ def test_a_damaged_config_or_summary_is_named_in_one_line(text, copy, capsys, na
         assert re.fullmatch(rf"train.py: error: {re.escape(str(path))} (cannot be parsed as JSON \(.+\)|holds JSON but not an "
                             rf"object)\n", err)
     assert path.read_bytes() == damage
+
+
+def test_resume_never_cuts_back_the_steps_a_run_recorded(text, copy, capsys):
+    """--resume with a --steps below the steps the run has recorded (its summary.json's, or, killed before its
+    summary, its log's) is refused before anything changes: with its last checkpoint damaged, it would continue
+    from the one before, cut the log back and write over the summary with the shorter run."""
+    cut_short(copy / "ckpt" / "step_0000060.pt")
+    before = contents(copy)
+    err = refusal(capsys, lambda: train.main(command(text, copy, "--resume", "--steps", "50")))
+    assert err == (f"train.py: error: --resume: {copy} has recorded 60 steps: --steps 50 would cut it back; give "
+                   f"--steps 60 or more; nothing changed\n")
+    assert contents(copy) == before
+    (copy / "summary.json").unlink()   # killed before its summary: the log's steps are recorded too
+    assert "has recorded 60 steps: --steps 50" in refusal(capsys, lambda: train.main(
+        command(text, copy, "--resume", "--steps", "50")))
+
+
+# log.csv damaged or lost, and what the one line says of it after its path
+LOGS = {"missing": (None, " is missing: the run's log cannot be continued"),
+        "not text": (lambda log: log + b"\xff\xfe\n", " is not UTF-8 text (invalid start byte)"),
+        "a stray line": (lambda log: log + b"garbage,row\n", ", line 8: 2 cells where the header has"),
+        "cut short": (lambda log: log[:-60], ", line 7: "),   # (not within its last cell: no cell lost)
+        "a step not a number": (lambda log: log.replace(b"\n30,", b"\nthirty,"), " is damaged: a row's step is "
+                                                                                 "'thirty', not a whole number"),
+        "header only": (lambda log: log.split(b"\n")[0] + b"\n", " holds no rows, though the run has a checkpoint"),
+        "empty": (lambda log: b"", " holds no rows, though the run has a checkpoint")}
+
+
+@pytest.mark.parametrize("damage, problem", LOGS.values(), ids=LOGS)
+def test_resume_refuses_a_damaged_log_in_one_line(text, copy, capsys, damage, problem):
+    """The log is the run's history: --resume, which would cut it back or start it anew, refuses a log that is lost
+    or cannot be read, as it is, naming it in one line; nothing changes."""
+    log = copy / "log.csv"
+    if damage:
+        log.write_bytes(damage(log.read_bytes()))
+    else:
+        log.unlink()
+    before = contents(copy)
+    err = refusal(capsys, lambda: train.main(command(text, copy, "--resume", "--steps", "70")))
+    assert err.startswith(f"train.py: error: --resume: {log}{problem}") and err.endswith("; nothing changed\n"), err
+    assert err.count("\n") == 1 and contents(copy) == before
+
+
+def test_a_config_json_that_holds_no_settings_is_not_called_missing(text, copy, capsys):
+    (copy / "config.json").write_text("{}")
+    before = contents(copy)
+    err = refusal(capsys, lambda: train.main(command(text, copy, "--resume")))
+    assert err.startswith(f"train.py: error: --resume: {copy / 'config.json'} holds no settings, so the run cannot "
+                          f"be continued as it started")
+    assert contents(copy) == before

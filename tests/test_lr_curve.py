@@ -1,5 +1,6 @@
 """experiments/lr_curve.py: which runs are the curve's points, layer 0's step past 100, and the committed curve
 regenerated from its studies' files."""
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,3 +41,18 @@ def test_committed_curve_is_its_studies_runs():
 def test_no_such_table_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="lr_curve: no such file: nope.csv"):
         lr_curve.main(["nope.csv", "--out", str(tmp_path)])
+
+
+def test_a_table_that_is_no_runs_csv_or_an_out_that_is_a_file_is_one_line(tmp_path):
+    results = Path(__file__).resolve().parent.parent / "results"
+    binary, bench, out = tmp_path / "binary.csv", results / "speed" / "bench.csv", tmp_path / "out"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xd0\xff")
+    out.write_text("a file\n")
+    for argv, line in (([str(binary)], f"{binary} is not UTF-8 text"),
+                       ([str(bench)], f"{bench} is not a study's runs.csv: no column name, flags"),
+                       ([str(results / "lr_sweep" / "runs.csv"), "--out", str(out)],
+                        f"--out must be a folder: cannot make {out / 'figures'}")):
+        with pytest.raises(SystemExit, match=re.escape(f"lr_curve: {line}")) as exited:
+            lr_curve.main(argv)
+        assert "\n" not in str(exited.value)
+    assert out.read_text() == "a file\n"

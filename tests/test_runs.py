@@ -1,10 +1,13 @@
 """nanolp/runs.py: the git state a run records (train.py records the rest: tests/test_train.py), what a log says
 of its run, and a run recorded in older spellings read in today's (nanolp/runconfig.py's as_current), every
-committed one among them."""
+committed one among them; a study's table cut short refused."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from nanolp import runconfig, runs
 
@@ -84,3 +87,40 @@ def test_a_table_without_the_block_options_reads_as_gpt2s_block(tmp_path):
     assert [(r["pos"], r["qk_norm"]) for r in runs.read_table(tmp_path / "new.csv")] == [("rope", False),
                                                                                           ("learned", True)]
     assert runs.read_table(tmp_path / "probe.csv") == [dict(arm="off", total=1.5)]
+
+
+def test_a_table_cut_short_is_refused_naming_its_line(tmp_path):
+    """A runs.csv whose last row lost its last cells (a copy cut short) is refused, naming the file and the line,
+    rather than read with those cells empty (analyze.py --table would write its numbers into README.md)."""
+    committed = Path(__file__).resolve().parents[1] / "results" / "seed_study" / "runs.csv"
+    table = tmp_path / "runs.csv"
+    table.write_bytes(committed.read_bytes()[:-8])
+    lines = len(committed.read_text().splitlines())
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(table))}, line {lines}: \d+ cells where the header has "
+                                         rf"\d+ \(the file cut short"):
+        runs.read_table(table)
+    table.write_bytes(b"name,arm\nr,\xff\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(table))} is not UTF-8 text"):
+        runs.read_table(table)
+    table.write_text("name,arm\n\nr,off\n")   # a blank line is no row, as csv.DictReader reads it
+    assert runs.read_table(table) == [dict(name="r", arm="off")]
+
+
+@pytest.mark.parametrize("name, data", [("log.csv", b"step,train_loss\n1,\xff\xfe\n"),
+                                         ("log.csv.gz", b"\x1f\x8b\x08\x00 not a gzip stream")])
+def test_a_log_that_cannot_be_read_is_a_damaged_file(tmp_path, name, data):
+    """A log that is not UTF-8 or not gzip is named as a damaged file (which load_runs leaves out), not a traceback."""
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(runconfig.DamagedFile, match=re.escape(f"{tmp_path / name} cannot be read (")):
+        runs.read_log(tmp_path / name)
+
+
+def test_a_study_run_that_cannot_be_read_counts_as_its_row(tmp_path):
+    """study_runs gives a kept run whose files are damaged (or gone) as its runs.csv row alone, as for a run whose
+    log was not kept: the study's counts keep it, and the figures, which need its log, leave it out."""
+    (tmp_path / "runs.csv").write_text("name,arm,flags,seed,steps,collapsed,log_kept\n"
+                                       "off-s0,off,--fix off,0,100,True,True\noff-s1,off,--fix off,1,100,True,True\n")
+    (tmp_path / "runs" / "off-s0").mkdir(parents=True)
+    (tmp_path / "runs" / "off-s0" / "summary.json").write_text('{"steps": 1')     # off-s1: no folder at all
+    study = runs.study_runs(tmp_path / "runs.csv")
+    assert [(run.path.name, run.log, run.summary["steps"]) for run in study] == [("off-s0", {}, 100), ("off-s1", {}, 100)]

@@ -5,6 +5,7 @@ import csv
 import gzip
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -175,6 +176,11 @@ def test_flags_the_sweep_sets(tmp_path, flags):
 def test_missing_studies_file(tmp_path):
     with pytest.raises(sweep.StudyError, match="no studies file"):
         sweep.load_study(tmp_path / "nowhere.toml", "a")
+    (tmp_path / "binary.toml").write_bytes(b"\x89PNG\r\n\x1a\n\xd0\xff")
+    with pytest.raises(sweep.StudyError, match="binary.toml is not UTF-8 text"):
+        sweep.load_study(tmp_path / "binary.toml", "a")
+    with pytest.raises(sweep.StudyError, match=r"cannot read the studies file .* \(Is a directory\)"):
+        sweep.load_study(tmp_path, "a")
 
 
 def test_flags_against_a_run_config(tmp_path):
@@ -307,7 +313,8 @@ def test_gpu_study_refused_without_a_gpu(tmp_path, gpus, capsys):
     path = write_studies(tmp_path, "[big]\nmin_steps = 5\nseeds = [0]\n[big.arms]\nx = '--fix off'\n")
     with pytest.raises(SystemExit):
         sweep.main(["big", "--studies", str(path), "--out", str(tmp_path / "out")])
-    assert "no GPU found" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "no GPU found" in printed.err and printed.out == ""   # refused before the plan's lines
     assert not (tmp_path / "out").exists()
 
 
@@ -507,6 +514,33 @@ def diag_row(step, sn, tie):
     return row
 
 
+def test_a_log_cut_short_of_its_summary_is_not_collected(tmp_path, capsys):
+    """A run whose log ends before the steps its summary.json records (a copy cut short): the copy collected before
+    stays, and so does its row."""
+    study = sweep.load_study(write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = ''\n"), "s")
+    rows = [dict(step=step, elapsed_s=step / 10) for step in range(10, 101, 10)]
+    write_run(tmp_path / "out", "x-s0", {}, dict(steps=100), rows[:4])
+    log = write_run(tmp_path / "results" / "runs", "x-s0", {}, dict(steps=100), rows) / "log.csv"
+    whole = log.read_text()
+    (row,) = sweep.collect_study(study, tmp_path / "out", tmp_path / "results")
+    assert (f"x-s0: not collected, {tmp_path / 'out' / 'x-s0' / 'log.csv'} ends at step 40, before the 100 steps "
+            f"of its summary.json") in capsys.readouterr().out.splitlines()
+    assert log.read_text() == whole and (row["steps"], row["minutes"]) == (100, 10 / 60)
+
+
+def test_collect_refuses_no_runs_and_a_csv_that_is_a_folder(tmp_path, capsys):
+    nowhere, runs, csv_path = tmp_path / "nowhere", tmp_path / "runs", tmp_path / "any.csv"
+    write_run(runs, "x-s0", {}, dict(steps=10), [dict(step=10)])
+    for argv, error in (
+            ([str(nowhere), "--csv", str(csv_path)],
+             f"no readable run folders (with a log.csv or log.csv.gz) in {nowhere}; {csv_path} not written"),
+            ([str(runs), "--csv", str(tmp_path)], f"--csv must be a file: {tmp_path} is a folder")):
+        with pytest.raises(SystemExit) as exited:
+            sweep.main(["--collect", *argv])
+        assert exited.value.code == 2 and capsys.readouterr().err.endswith(f": error: {error}\n")
+    assert not csv_path.exists()
+
+
 def test_collect_synthetic_runs(tmp_path):
     base = {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 1.5, (1, 1): 0.5}
     config = dict(preset="test", attn="kernel", precision="fa2", fix="off", seed=3, lr=1e-3, batch_size=8,
@@ -556,6 +590,7 @@ def test_collect_synthetic_runs(tmp_path):
     (["s", "--collect", "x", "--csv", "y.csv"], "no study"),
     (["s", "--csv", "y.csv"], "--csv goes with --collect"),
     ([], "name a study"),
+    *((["s", "--minutes", minutes], "--minutes must be a positive number") for minutes in ("-1", "0", "nan")),
 ])
 def test_command_line_errors(argv, error, capsys):
     with pytest.raises(SystemExit):
@@ -623,3 +658,15 @@ def test_committed_rows_equal_their_run_folders():
             assert row[key] == str(summary[key]), (folder, key)
         checked += 1
     assert checked >= 2
+
+
+def test_collect_refuses_a_runs_csv_cut_short(tmp_path, capsys):
+    """An existing runs.csv whose last row is cut short is named in one line and left as it was: its rows would be
+    written back with their cells empty."""
+    table = tmp_path / "results" / "runs.csv"
+    table.parent.mkdir()
+    table.write_text("name,arm,flags,seed\noff-s0-nolog,off,--fix off,0\noff-s1-nolog,off,--fix")
+    before = table.read_bytes()
+    with pytest.raises(sweep.StudyError, match=re.escape(f"{table}") + ".*line 3.*not rewritten"):
+        sweep.kept_rows(table, set())
+    assert table.read_bytes() == before

@@ -368,6 +368,29 @@ def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, caps
     assert all(torch.isfinite(t).all() for t in last["model"].values())
 
 
+def test_a_non_finite_gradient_of_a_finite_loss_is_not_checkpointed(run, monkeypatch, capsys):
+    """A non-finite gradient whose loss is finite (as the backward can overflow before the forward does) makes the
+    weights NaN through the clipping; the row right after it neither evaluates, nor diagnoses (which would fail on
+    them), nor writes its checkpoint, and the run stops at the next step's non-finite loss, with the last good
+    checkpoint."""
+    clip, step = torch.nn.utils.clip_grad_norm_, iter(range(10**6))
+    def clip_with_an_inf_gradient(parameters, max_norm):
+        parameters = list(parameters)
+        if next(step) == 19:   # the last step before the checkpoint of step 20
+            for p in parameters:
+                p.grad.fill_(math.inf)
+        return clip(parameters, max_norm)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_an_inf_gradient)
+    run_dir = run("inf-grad", "--steps", "60", "--ckpt-interval", "10")
+    assert ("step 20: a non-finite gradient norm, its loss finite: the weights are not finite; no evaluation, "
+            "diagnostics or checkpoint") in capsys.readouterr().out
+    assert [p.name for p in runs.checkpoints(run_dir)] == ["step_0000010.pt"]
+    row = read_log(run_dir)[1]
+    assert row["step"] == "20" and row["grad_norm"] == "inf" and row["val_loss"] == row["max_logit_L0"] == ""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["collapse_step"] == 20 and summary["reason"] == "non-finite loss at step 20"
+
+
 def test_loss_spike_criterion():
     state = {"ema": torch.tensor(2.0), "loss_min": float("inf")}
     c = {"warmup": 100}
@@ -415,8 +438,15 @@ BAD_SETTINGS = [
     (("--n-head", "0"), "--n-head must be at least 1, got 0"),
     (("--block-size", "0"), "--block-size must be at least 1, got 0"),
     (("--warmup", "-1"), "--warmup must be at least 0, got -1"),
-    (("--lr", "0"), "--lr must be positive, got 0.0"),
-    (("--minutes", "-1"), "--minutes must be positive, got -1.0"),
+    (("--lr", "0"), "--lr must be a positive, finite number, got 0.0"),
+    (("--lr", "inf"), "--lr must be a positive, finite number, got inf"),   # (it would save inf weights)
+    (("--lr", "1e39"), "--lr 1e+39 overflows float32 in AdamW's first step, which divides it by 1 - beta1: it must "
+                       "be at most 3.4e+37"),
+    (("--lr", "3e38"), "--lr 3e+38 overflows float32 in AdamW's first step"),   # (a float32, but not lr / 0.1)
+    (("--minutes", "-1"), "--minutes must be a positive, finite number, got -1.0"),
+    (("--minutes", "inf"), "--minutes must be a positive, finite number, got inf"),   # (JSON has no inf)
+    (("--out", ""), "--out is empty: give the folder that run folders go in"),   # (not the current directory)
+    (("--data", ""), "--data is empty: give a text file's path, or neither for TinyShakespeare"),
     *[((f"--{kind}-interval", "0"), f"--{kind}-interval must be at least 1, got 0")
       for kind in ("log", "eval", "diag", "ckpt")],
     (("--attn", "emulate", "--mantissa-bits", "7"), "argument --mantissa-bits: invalid choice: 7 (choose from 0, 1"),
@@ -445,9 +475,11 @@ BAD_SETTINGS = [
 @pytest.mark.parametrize("flags, message", BAD_SETTINGS, ids=[" ".join(flags) for flags, _ in BAD_SETTINGS])
 def test_a_bad_setting_is_refused_before_a_folder_is_made(flags, message, run, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)   # a machine without CUDA, wherever this runs
+    monkeypatch.chdir(tmp_path)   # (where an empty --out would put the run)
     err = refusal(capsys, lambda: run("bad", *flags))
     assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1
     assert not (tmp_path / "runs").exists() and not (tmp_path.parent / "escape").exists()
+    assert not (tmp_path / "bad").exists()
 
 
 def test_every_bad_setting_gets_its_line(run, tmp_path, capsys):
