@@ -538,6 +538,11 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"{rows['off-lr3e-3-s0']['collapse_step']:,}), yet layer 0 alone still grew, slower: " \
            f"{at(on3_l0, 4_000):.1f} at step 4,000 (fix off: {at(off3_l0, 4_000):.0f}), past 100 at " \
            f"{past(on3_l0, 100):,}, {on3_l0[1][-1]:.0f} at the end, the other layers at most {others(on3):.1f}" in text
+    fp32_3, fp32_l0 = rows["fp32-lr3e-3-s0"], layers(runs["fp32-lr3e-3-s0"])[0]
+    assert f"fp32 attention at 3e-3 did not grow so: layer 0 at {at(fp32_l0, 1_000):.1f} by step 1,000, " \
+           f"{at(fp32_l0, 10_000):.1f} at step 10,000, at most {fp32_l0[1].max():.1f}, {fp32_l0[1][-1]:.1f} at the " \
+           f"end, no collapse in {fp32_3['steps']:,} steps" in text and not fp32_3["collapsed"]
+    assert fp32_l0[1].max() < 100 < on3_l0[1][-1]
 
 
 def test_findings_open_speed_numbers_are_their_file():
