@@ -188,6 +188,9 @@ def train(c, corpus, resume):
             elif poisoned:   # (the next step's loss is non-finite: a collapse, which stops the run)
                 tqdm.write(f"step {step}: a non-finite gradient norm, its loss finite: the weights are not finite; no "
                            f"evaluation, diagnostics or checkpoint")
+                if collapse is None and step >= stop_at:   # the last row: no next step will show it, so say it here
+                    collapse = dict(step=step, minute=elapsed / 60,
+                                    reason=f"non-finite gradient norm by step {step}, its loss finite")
             else:
                 if step % c["eval_interval"] == 0 or step >= stop_at:
                     row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)

@@ -391,6 +391,24 @@ def test_a_non_finite_gradient_of_a_finite_loss_is_not_checkpointed(run, monkeyp
     assert summary["collapse_step"] == 20 and summary["reason"] == "non-finite loss at step 20"
 
 
+def test_a_non_finite_gradient_in_the_last_row_is_a_collapse(run, monkeypatch):
+    """On the run's last row no next step's loss will be non-finite: the non-finite gradient itself is the collapse
+    (the weights it leaves are NaN), and no final checkpoint is written from them."""
+    clip, step = torch.nn.utils.clip_grad_norm_, iter(range(10**6))
+    def clip_with_an_inf_gradient(parameters, max_norm):
+        parameters = list(parameters)
+        if next(step) == 19:   # the run's last step
+            for p in parameters:
+                p.grad.fill_(math.inf)
+        return clip(parameters, max_norm)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_an_inf_gradient)
+    run_dir = run("inf-grad-last", "--steps", "20", "--ckpt-interval", "10")
+    assert [p.name for p in runs.checkpoints(run_dir)] == ["step_0000010.pt"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["collapsed"] is True and summary["collapse_step"] == 20
+    assert summary["reason"] == "non-finite gradient norm by step 20, its loss finite"
+
+
 def test_loss_spike_criterion():
     state = {"ema": torch.tensor(2.0), "loss_min": float("inf")}
     c = {"warmup": 100}
