@@ -543,6 +543,12 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"{at(fp32_l0, 10_000):.1f} at step 10,000, at most {fp32_l0[1].max():.1f}, {fp32_l0[1][-1]:.1f} at the " \
            f"end, no collapse in {fp32_3['steps']:,} steps" in text and not fp32_3["collapsed"]
     assert fp32_l0[1].max() < 100 < on3_l0[1][-1]
+    shift3 = runs["paper-fp32-o-lr3e-3-s0"]
+    shift3_l0 = layers(shift3)[0]
+    assert f"(`--fix paper --delta fp32-o --lr 3e-3`) layer 0 was at {at(shift3_l0, 4_000):.1f} at step 4,000, past " \
+           f"100 at {past(shift3_l0, 100):,}, {shift3_l0[1][-1]:.0f} at the end, the other layers at most " \
+           f"{others(shift3):.1f}, no collapse in {rows['paper-fp32-o-lr3e-3-s0']['steps']:,} steps" in text
+    assert not rows["paper-fp32-o-lr3e-3-s0"]["collapsed"] and shift3_l0[1][-1] > 100
 
 
 def test_findings_open_speed_numbers_are_their_file():
