@@ -368,19 +368,25 @@ def test_nan_stops_cleanly_and_keeps_last_good_checkpoint(run, monkeypatch, caps
     assert all(torch.isfinite(t).all() for t in last["model"].values())
 
 
+def inf_gradient(monkeypatch, at):
+    """Make every gradient of step `at` (counted from 0) infinite, its loss finite, as the backward can overflow
+    before the forward does: the clipping (train.py's next call) then makes the weights NaN."""
+    clip, step = torch.nn.utils.clip_grad_norm_, iter(range(10**6))
+    def clip_with_an_inf_gradient(parameters, max_norm):
+        parameters = list(parameters)
+        if next(step) == at:
+            for p in parameters:
+                p.grad.fill_(math.inf)
+        return clip(parameters, max_norm)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_an_inf_gradient)
+
+
 def test_a_non_finite_gradient_of_a_finite_loss_is_not_checkpointed(run, monkeypatch, capsys):
     """A non-finite gradient whose loss is finite (as the backward can overflow before the forward does) makes the
     weights NaN through the clipping; the row right after it neither evaluates, nor diagnoses (which would fail on
     them), nor writes its checkpoint, and the run stops at the next step's non-finite loss, with the last good
     checkpoint."""
-    clip, step = torch.nn.utils.clip_grad_norm_, iter(range(10**6))
-    def clip_with_an_inf_gradient(parameters, max_norm):
-        parameters = list(parameters)
-        if next(step) == 19:   # the last step before the checkpoint of step 20
-            for p in parameters:
-                p.grad.fill_(math.inf)
-        return clip(parameters, max_norm)
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_an_inf_gradient)
+    inf_gradient(monkeypatch, 19)   # the last step before the checkpoint of step 20
     run_dir = run("inf-grad", "--steps", "60", "--ckpt-interval", "10")
     assert ("step 20: a non-finite gradient norm, its loss finite: the weights are not finite; no evaluation, "
             "diagnostics or checkpoint") in capsys.readouterr().out
@@ -394,14 +400,7 @@ def test_a_non_finite_gradient_of_a_finite_loss_is_not_checkpointed(run, monkeyp
 def test_a_non_finite_gradient_in_the_last_row_is_a_collapse(run, monkeypatch):
     """On the run's last row no next step's loss will be non-finite: the non-finite gradient itself is the collapse
     (the weights it leaves are NaN), and no final checkpoint is written from them."""
-    clip, step = torch.nn.utils.clip_grad_norm_, iter(range(10**6))
-    def clip_with_an_inf_gradient(parameters, max_norm):
-        parameters = list(parameters)
-        if next(step) == 19:   # the run's last step
-            for p in parameters:
-                p.grad.fill_(math.inf)
-        return clip(parameters, max_norm)
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_an_inf_gradient)
+    inf_gradient(monkeypatch, 19)   # the run's last step
     run_dir = run("inf-grad-last", "--steps", "20", "--ckpt-interval", "10")
     assert [p.name for p in runs.checkpoints(run_dir)] == ["step_0000010.pt"]
     summary = json.loads((run_dir / "summary.json").read_text())
