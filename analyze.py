@@ -32,7 +32,7 @@ from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS   # the layer that 
 from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, log_path, read_table, study_runs, write_csv
-from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, as_shipped, changed_settings
+from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, Parser, as_shipped, changed_settings
 from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------
@@ -666,13 +666,12 @@ def update_report(path, section):
 
 
 def fail(message):
-    """A command that cannot run, refused as argparse (and train.py) refuse one: one line, exit status 2."""
-    print(f"analyze.py: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    """A command that cannot run, refused as its flags are (nanolp.runconfig.Parser): one line, exit status 2."""
+    Parser(prog="analyze.py").error(message)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = Parser(prog="analyze.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("runs", nargs="*", help="run folders, or folders of them (default: runs/)")
     parser.add_argument("--out", type=Path, help="where figures and report.md go (default: <runs root>/figures)")
     mode = parser.add_mutually_exclusive_group()

@@ -28,6 +28,7 @@ from triton.testing import do_bench
 
 from kernels import Numerics, flash_attention
 from experiments.launch_variants import one_pass_attention
+from nanolp.runconfig import Parser
 from nanolp.runs import read_rows
 
 TOKENS, CHANNELS = 16384, 2048
@@ -161,7 +162,8 @@ def measure(impls, head_dims, seqs, repeats):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m experiments.bench", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--out", default="results/speed/bench.csv")

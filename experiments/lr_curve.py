@@ -10,7 +10,6 @@ ARMS, with or without --lr; layer 0's step comes from its kept log (diagnostic r
 such row past 100).
 """
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 
 from nanolp.diagnostics import LOGIT
 from nanolp.plots import PALETTE, save
-from nanolp.runconfig import as_shipped
+from nanolp.runconfig import Parser, as_shipped
 from nanolp.runs import load_run, read_table, write_csv
 
 ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32"}   # flags -> nanolp.plots family
@@ -109,7 +108,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m experiments.lr_curve", description=__doc__.split("\n\n")[0])
     p.add_argument("tables", nargs="+", help="studies' runs.csv (the lr sweep's and the default lr's)")
     p.add_argument("--out", type=Path, default=Path("results/lr_sweep"), help="where lr_curve.csv and figures/ go")
     args = p.parse_args(argv)

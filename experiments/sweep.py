@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, as_current,
+from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, as_current,
                               read_json)
 from nanolp.runs import (find_runs, latest_checkpoint, load_run, load_runs, log_outcome, log_path, read_rows,
                          thin_log, write_csv)
@@ -509,7 +509,8 @@ def kept_rows(table, names):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m experiments.sweep", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("study", nargs="?", help="a study of the studies file")
     p.add_argument("--studies", default=STUDIES, help="the studies file (default results/studies.toml)")
     p.add_argument("--out", help="folder of the study's run folders (default runs/STUDY)")

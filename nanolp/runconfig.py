@@ -84,9 +84,11 @@ def as_shipped(settings):
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse's parser for the commands here (train.py, analyze.py, experiments'): a malformed flag refused in one
+    line, `prog: error: ...`, exit status 2, as each refuses every command that cannot run (argparse prints its usage
+    first). prog is given: a command run in a test or by `python -m` would otherwise name the wrong program."""
     def error(self, message):
-        """A malformed flag in one line, as train.py refuses every command that cannot run."""
-        print(f"train.py: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -99,7 +101,7 @@ def parse_args(argv, presets, choices):
 def preset_given(argv, presets):
     """The --preset of a command line (default: "default"), so that --help shows that preset's defaults; a bad
     value is left to the whole parser to refuse."""
-    pre = Parser(add_help=False, allow_abbrev=False)
+    pre = Parser(prog="train.py", add_help=False, allow_abbrev=False)
     pre.add_argument("--preset")
     preset = pre.parse_known_args(argv)[0].preset
     return preset if preset in presets else "default"
@@ -113,6 +115,7 @@ def parser(presets, choices, preset="default"):
         value = default[key]
         return f" (default {value:,})" if isinstance(value, int) else f" (default {value})"
     p = Parser(
+        prog="train.py",
         description="Train a char-level GPT in bf16 and watch flash attention's rounding collapse it (--fix off), "
                     f"or not (--fix on). The defaults shown are the {preset} preset's (--preset tiny --help: the "
                     "tiny preset's). Details: the top of train.py and README.md.")

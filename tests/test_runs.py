@@ -2,6 +2,7 @@
 of its run, and a run recorded in older spellings read in today's (nanolp/runconfig.py's as_current), every
 committed one among them; a study's table cut short refused."""
 
+import importlib
 import json
 import re
 import subprocess
@@ -124,3 +125,17 @@ def test_a_study_run_that_cannot_be_read_counts_as_its_row(tmp_path):
     (tmp_path / "runs" / "off-s0" / "summary.json").write_text('{"steps": 1')     # off-s1: no folder at all
     study = runs.study_runs(tmp_path / "runs.csv")
     assert [(run.path.name, run.log, run.summary["steps"]) for run in study] == [("off-s0", {}, 100), ("off-s1", {}, 100)]
+
+
+@pytest.mark.parametrize("command", ["train", "analyze", "experiments.sweep", "experiments.bench",
+                                     "experiments.lr_curve"])
+def test_every_command_refuses_a_malformed_flag_in_one_line(command, capsys):
+    """Each command's parser is runconfig.Parser: a flag it does not know is refused in one line naming the command
+    as it is run, exit status 2, where argparse would print its usage first."""
+    main = importlib.import_module(command).main
+    with pytest.raises(SystemExit) as exited:
+        main(["--no-such-flag"])
+    prog = f"{command}.py" if "." not in command else f"python -m {command}"
+    assert exited.value.code == 2
+    err = capsys.readouterr().err   # (lr_curve's first complaint is its missing tables)
+    assert err.startswith(f"{prog}: error: ") and err.count("\n") == 1 and ("--no-such-flag" in err or "tables" in err)
