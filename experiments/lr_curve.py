@@ -11,7 +11,6 @@ such row past 100).
 """
 
 import shlex
-import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -46,15 +45,16 @@ def first_past(run, value=PAST):
 
 
 def study_rows(table):
-    """The rows of a study's runs.csv (read_table); SystemExit, in one line, where the file cannot be read as one."""
+    """The rows of a study's runs.csv (read_table); ValueError, in one line naming the file, where it cannot be read
+    as one."""
     try:
         rows = read_table(table)
-    except (OSError, ValueError) as e:   # read_table's ValueError names the file (and line), as OSError's does
-        sys.exit(f"lr_curve: {e}")
+    except OSError as e:   # (read_table's ValueError names the file, and line, as OSError's does)
+        raise ValueError(str(e)) from None
     needed = ("name", "flags", "seed", "lr", "steps", "collapsed", "collapse_step")   # what points reads
     missing = [c for c in needed if c not in rows[0]] if rows else []
     if missing:
-        sys.exit(f"lr_curve: {table} is not a study's runs.csv: no column {', '.join(missing)}")
+        raise ValueError(f"{table} is not a study's runs.csv: no column {', '.join(missing)}")
     return rows
 
 
@@ -114,14 +114,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     missing = [t for t in args.tables if not Path(t).is_file()]
     if missing:
-        sys.exit(f"lr_curve: no such file: {', '.join(missing)}")
-    rows = points(args.tables)
+        p.error(f"no such file: {', '.join(missing)}")
+    try:
+        rows = points(args.tables)
+    except ValueError as e:
+        p.error(str(e))
     if not rows:
-        sys.exit(f"lr_curve: no run of {', '.join(ARMS)} on seed {SEED} in {', '.join(args.tables)}")
+        p.error(f"no run of {', '.join(ARMS)} on seed {SEED} in {', '.join(args.tables)}")
     try:
         (args.out / "figures").mkdir(parents=True, exist_ok=True)
     except OSError as e:   # a file of that name, or a folder that cannot be written
-        sys.exit(f"lr_curve: --out must be a folder: cannot make {args.out / 'figures'} ({e.strerror})")
+        p.error(f"--out must be a folder: cannot make {args.out / 'figures'} ({e.strerror})")
     write_csv(args.out / "lr_curve.csv", rows, COLUMNS)
     plot(rows, args.out / "figures" / "lr_curve.png")
     for r in rows:
