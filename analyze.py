@@ -11,7 +11,7 @@
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
     python analyze.py --table STUDY/runs.csv...  the tables of a study (or one of several) in README.md,
                                                  results/README.md and docs/findings.md: per command, how many
-                                                 collapsed, when
+                                                 collapsed, when (and findings' table by learning rate)
 
 What the runs show, and why: docs/findings.md.
 Runs are named by their arm: the train.py flags that set them apart from their preset.
@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
 
+from experiments import lr_curve   # the by-lr table: the learning-rate curve's points
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
 from nanolp import probe
 from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS   # the layer that runs away, its column; sharp rows
@@ -597,7 +598,12 @@ def study_table(rows):
     return lines
 
 
-BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": run_lines}
+def lr_table(rows):
+    """The learning-rate curve's points (experiments.lr_curve) as a small table: a row per lr, a column per arm."""
+    return lr_curve.markdown(lr_curve.curve_points(rows))
+
+
+BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": run_lines, "by lr": lr_table}
 
 
 def is_runs_table(path):

@@ -60,17 +60,34 @@ def study_rows(table):
 
 def points(tables):
     """One row (COLUMNS) per run of the tables that is a point of the curve, by arm then lr."""
-    rows = []
-    for table in map(Path, tables):
-        for row in study_rows(table):
-            arm = base_flags(row["flags"])
-            if arm not in ARMS or row["seed"] != SEED or not as_shipped(row) or row.get("variant"):
-                continue
-            run = load_run(table.parent / "runs" / row["name"]) if row.get("log_kept") else None
-            rows.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=table.parent.name,
-                             steps=row["steps"], collapsed=row["collapsed"], collapse_step=row["collapse_step"],
-                             past_100_step=first_past(run) if run else None))
-    return sorted(rows, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"]))
+    return curve_points([dict(row, folder=table.parent) for table in map(Path, tables) for row in study_rows(table)])
+
+
+def curve_points(rows):
+    """points of studies' runs.csv rows, each with its study's `folder` (where the kept logs are: folder/runs/NAME)."""
+    points = []
+    for row in rows:
+        arm = base_flags(row["flags"])
+        if arm not in ARMS or row["seed"] != SEED or not as_shipped(row) or row.get("variant"):
+            continue
+        run = load_run(row["folder"] / "runs" / row["name"]) if row.get("log_kept") else None
+        points.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=row["folder"].name,
+                           steps=row["steps"], collapsed=row["collapsed"], collapse_step=row["collapse_step"],
+                           past_100_step=first_past(run) if run else None))
+    return sorted(points, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"]))
+
+
+def markdown(points):
+    """The curve as a small markdown table: a row per lr, a column per arm; in each cell the collapse step, or the
+    steps run without one, and where layer 0's max logit first passed PAST (several runs: one after the other)."""
+    def cell(p):
+        end = f"**collapsed at {p['collapse_step']:,}**" if p["collapsed"] else f"no collapse in {p['steps']:,}"
+        return end + (f"; past {PAST:g} at {p['past_100_step']:,}" if p["past_100_step"] is not None else "")
+    lines = ["| lr | " + " | ".join(f"`{arm}`" for arm in ARMS) + " |", "|---|" + "---|" * len(ARMS)]
+    for lr in sorted({p["lr"] for p in points}):
+        cells = ["; ".join(cell(p) for p in points if (p["arm"], p["lr"]) == (arm, lr)) or "-" for arm in ARMS]
+        lines.append(f"| {lr:.0e} | ".replace("e-0", "e-") + " | ".join(cells) + " |")   # 1e-3, not 0.001
+    return lines
 
 
 def plot(rows, path):

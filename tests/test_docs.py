@@ -19,12 +19,13 @@ from nanolp.runs import load_run, read_table, study_runs
 def test_doc_tables_are_generated_from_their_runs_csv():
     """Each block of README.md, results/README.md and docs/findings.md marked with a runs.csv is regenerated from it
     (python analyze.py --table), never typed: README's table and run commands, results/README.md's table of every
-    run, findings' stochastic-rounding table."""
+    run, findings' stochastic-rounding table and its learning-rate table."""
     root = Path(analyze.__file__).parent
     blocks = []
     for doc in analyze.DOCS:
         text = (root / doc).read_text()
-        for kind, table in re.findall(r"<!-- (table|all runs|commands): python analyze.py --table ([^>]+) -->\n", text):
+        kinds = "|".join(map(re.escape, analyze.BLOCKS))
+        for kind, table in re.findall(rf"<!-- ({kinds}): python analyze.py --table ([^>]+) -->\n", text):
             lines = analyze.BLOCKS[kind](analyze.table_rows([root / csv for csv in table.split()]))
             block = text.split(f"<!-- {kind}: python analyze.py --table {table} -->\n")[1]
             assert block.split(f"<!-- end of {kind} -->")[0] == "\n".join(lines) + "\n", (doc, kind, table)
@@ -32,7 +33,9 @@ def test_doc_tables_are_generated_from_their_runs_csv():
     seed, stochastic = "results/seed_study/runs.csv", "results/stochastic_rounding/runs.csv"
     shipped = f"{seed} results/cure/runs.csv results/modern_block/runs.csv"   # README's: the kernel as it ships
     assert {("README.md", "table", shipped), ("README.md", "commands", shipped), ("results/README.md", "all runs", seed),
-            ("docs/findings.md", "table", stochastic)} <= set(blocks)
+            ("docs/findings.md", "table", stochastic),
+            ("docs/findings.md", "by lr", "results/lr_sweep/runs.csv results/seed_study/runs.csv results/cure/runs.csv")
+            } <= set(blocks)
 
 
 def test_readme_table_is_one_row_per_command_of_the_kernel_as_it_ships():

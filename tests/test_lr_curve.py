@@ -62,3 +62,17 @@ def test_a_table_that_is_no_runs_csv_or_an_out_that_is_a_file_is_one_line(tmp_pa
                         f"--out must be a folder: cannot make {out / 'figures'}")):
         assert refusal(argv, capsys).startswith(f"python -m experiments.lr_curve: error: {line}")
     assert out.read_text() == "a file\n"
+
+
+def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
+    """markdown: the collapse in bold or the steps without one, layer 0's first step past 100 where it passed; an
+    arm not run at a rate reads "-", two runs of one arm and rate stand one after the other."""
+    point = lambda arm, lr, collapsed, steps, past: dict(arm=arm, lr=lr, collapsed=collapsed, steps=steps,
+                                                       collapse_step=steps if collapsed else None, past_100_step=past)
+    lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix on", 3e-3, False, 40_000,
+                               None), point("--fix on", 3e-3, False, 20_000, 9_000), point("--fix off", 3e-4, False,
+                               40_000, None)])
+    assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` |", "|---|---|---|---|",
+                     "| 3e-4 | no collapse in 40,000 | - | - |",
+                     "| 3e-3 | **collapsed at 34,300**; past 100 at 4,000 | no collapse in 40,000; no collapse in 20,000; "
+                     "past 100 at 9,000 | - |"]
