@@ -9,14 +9,14 @@ the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS be
     python train.py --preset tiny --fix on      # a CPU smoke run, through the kernel's emulation: no collapse
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
 
-Every setting is a flag; DEFAULT below holds their defaults (--device's and --compile's follow the machine:
-nanolp/runconfig.py). The experiments (--help) change the attention's numerics. Below the settings, the training
-(train): the data, the model, the optimizer, then the loop, which detects a collapse, logs the diagnostics and writes
-the checkpoints; then the command line (main). A run writes runs/<name>/ (its files, and which folders a command may
-write or resume: nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A command that cannot run is
-refused before it writes anything (exit status 2); so is a preset sized for a GPU on a machine without one, unless
---device cpu insists. Ctrl-C stops a run with one line that names its last checkpoint and the command that continues
-from it (exit status 130).
+DEFAULT below holds the settings, each a flag but AdamW's, the clipping's and eval_iters (--device's and --compile's
+follow the machine: nanolp/runconfig.py). The experiments (--help) change the attention's numerics. Below the
+settings, the training (train): the data, the model, the optimizer, then the loop, which detects a collapse, logs
+the diagnostics and writes the checkpoints; then the command line (main). A run writes runs/<name>/ (its files, and
+which folders a command may write or resume: nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A
+command that cannot run is refused before it writes anything (exit status 2); so is a preset sized for a GPU on a
+machine without one, unless --device cpu insists. Ctrl-C in the loop stops a run with one line that names its last
+checkpoint and the command that continues from it (exit status 130).
 """
 
 import hashlib
@@ -38,8 +38,8 @@ from nanolp.runconfig import GPT2_BLOCK, PLAIN_NUMERICS
 # the failure comes within minutes on one GPU (how it was chosen: results/default_search/). The model memorises
 # the text (train loss ~0.05) and then trains on near-zero gradients; there the one-signed error that O's final
 # bf16 cast puts into delta grows layer 0's W_Q and logits until the loss blows up. How often and how soon, per
-# arm and seed: README.md's table (every arm: results/README.md's). Each setting is a flag (n_layer: --n-layer);
-# --help shows a preset's values.
+# arm and seed: README.md's table (every arm: results/README.md's). A setting's flag is its name (n_layer:
+# --n-layer), but for beta1, beta2, weight_decay, grad_clip and eval_iters, fixed here; --help shows a preset's values.
 DEFAULT = dict(
     # the model: GPT-2's block (learned positions, no QK-norm: nanolp.runconfig.GPT2_BLOCK)
     n_layer=6, n_head=6, n_embd=384, block_size=256, **GPT2_BLOCK,
@@ -75,10 +75,10 @@ TINY_NOTE = ("the tiny preset checks the pipeline: at this size no collapse is e
 #     ever written from non-finite state, so the last good one survives.
 #   - a loss spike: after warmup, the smoothed training loss rising more than SPIKE_NATS above its running
 #     minimum, far beyond training noise (a model that loses a whole nat has thrown away most of what it learned).
-#     The run records EXTRA_ROWS more log rows with diagnostics, then stops.
+#     The run goes on EXTRA_ROWS log intervals more, each row with diagnostics, then stops.
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
-EXTRA_ROWS = 3     # log rows still recorded after a spike, to see where it goes
+EXTRA_ROWS = 3     # log intervals still run after a spike, to see where it goes
 DIAG_ROWS = 16     # diagnostic batch rows: the diagnostics hold fp32 (rows, heads, T, T) scores per layer
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 # the model's options that the flags --attn and --pos choose from (model.py's; nanolp never imports model.py)
@@ -95,10 +95,10 @@ def train(c, corpus, resume):
 
     # the data: the text's tokens on the device. The diagnostics' batches: one of the validation text, and
     # delta_probe's rows, fixed batches of the training text, where the memorised model's gradient is tiny (the
-    # regime the curvature effect is about); 10**6 is a seed no run uses, so they are not a run's own batches.
+    # regime the curvature effect is about: docs/findings.md, section 4), drawn with a seed no run may take.
     train_tokens, val_tokens = corpus.train.long().to(device), corpus.val.long().to(device)
     diag_x, diag_y = data.get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
-    probe = [data.get_batch(train_tokens, B, T, seed=10**6, step=i) for i in range(PROBE_BATCHES)]
+    probe = [data.get_batch(train_tokens, B, T, seed=data.PROBE_SEED, step=i) for i in range(PROBE_BATCHES)]
 
     # the model
     torch.manual_seed(c["seed"])  # the initial weights; the data order depends on (seed, step) only
@@ -107,14 +107,14 @@ def train(c, corpus, resume):
                           pos=c["pos"], qk_norm=c["qk_norm"])).to(device)
     c["vocab_size"], c["flops_per_token"] = corpus.vocab_size, model.flops_per_token()
 
-    # the optimizer: weight decay, when asked for, on matrices only (not on biases and LayerNorm gains), as in GPT-2
+    # the optimizer: weight decay (none by default) on matrices only, not on biases and LayerNorm gains, as in GPT-2
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": c["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(c["beta1"], c["beta2"]), fused=device.type == "cuda")
 
-    # the loop's whole state: a checkpoint of it (with model and optimizer) continues the run exactly. On resume
-    # it, the model and the optimizer come from the latest good checkpoint, and log.csv is cut back to it.
+    # the loop's whole state: a checkpoint of it (with model and optimizer) continues the run exactly. On resume the
+    # state, the model and the optimizer come from the newest good checkpoint, and log.csv is cut back to its step.
     columns = BASE_COLUMNS + diag_columns(c["n_layer"], c["n_head"], c["qk_norm"])
     state = dict(step=0, elapsed=0.0, ema=None, loss_min=math.inf)
     if resume:
@@ -181,8 +181,11 @@ def train(c, corpus, resume):
                 stop_at = min(stop_at, step + EXTRA_ROWS * c["log_interval"])
                 tqdm.write(f"collapse at step {collapse['step']}: {reason}")
             # the weights are poisoned by a non-finite loss, and by a non-finite gradient whose loss was finite (the
-            # backward can overflow before the forward): clipping makes it NaN. No eval, no diagnostics, no checkpoint
-            poisoned = bad >= 0 or not math.isfinite(row["grad_norm"])
+            # backward can overflow where the forward did not): clipping makes them NaN. A norm that overflowed
+            # over finite gradients clips them to 0 and leaves the weights finite, so they are looked at.
+            # Poisoned: no eval, no diagnostics, no checkpoint
+            poisoned = bad >= 0 or (not math.isfinite(row["grad_norm"])
+                                    and not all(torch.isfinite(p).all() for p in params))
             if bad >= 0:
                 stop_at = step
             elif poisoned:   # (the next step's loss is non-finite: a collapse, which stops the run)
@@ -204,7 +207,8 @@ def train(c, corpus, resume):
             if collapse is None and not poisoned and (step % c["ckpt_interval"] == 0 or step >= stop_at):
                 state.update(step=step, elapsed=elapsed)
                 runs.save_checkpoint(run_dir, model, optimizer, state)
-            loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and time (which counts this row's work)
+            loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and clock, from here: its tokens/s counts
+                                                 # the training steps, not this row's eval, diagnostics, checkpoint
             n_acc, t_row = 0, time.time()
     except KeyboardInterrupt:   # Ctrl-C: what the run wrote is whole (a log row, a checkpoint: save_checkpoint)
         pbar.close()
@@ -251,7 +255,7 @@ def print_outcome(run_dir, c, summary):
               f"minutes: {summary['reason']}")
     else:
         print(f"no collapse in {summary['steps']:,} steps ({summary['minutes']:.1f} training minutes)")
-    if c["preset"] == "tiny":
+    if c["preset"] == "tiny" and not summary["collapsed"]:
         print(TINY_NOTE)
     logits = [v for v in runs.read_log(run_dir / "log.csv").get(LOGIT, []) if math.isfinite(v)]
     if logits:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kernels import FIXES, Numerics, check_fix
+from nanolp.data import PROBE_SEED
 from nanolp.emulate import OURS, kernel_only
 
 
@@ -216,6 +217,8 @@ def check_config(c):
     at_least = dict(steps=1, batch_size=1, n_layer=1, n_head=1, n_embd=1, block_size=1, warmup=0, log_interval=1,
                     eval_interval=1, diag_interval=1, ckpt_interval=1)
     problems = [f"{flag(k)} must be at least {low}, got {c[k]}" for k, low in at_least.items() if c[k] < low]
+    if not 0 <= c["seed"] < PROBE_SEED:   # (the seed above them draws the diagnostics' own batches)
+        problems.append(f"--seed must be 0 to {PROBE_SEED - 1:,}, got {c['seed']}")
     # finite too: an inf --lr makes every weight non-finite at the first step, and config.json is JSON, which has no inf
     problems += [f"{flag(k)} must be a positive, finite number, got {c[k]}" for k in ("lr", "minutes")
                  if c[k] is not None and not 0 < c[k] < math.inf]
@@ -240,7 +243,7 @@ def check_config(c):
         problems.append(f"{', '.join(experiments)}: only our kernel has {'these' if len(experiments) > 1 else 'it'} "
                         f"(--attn kernel or emulate), not --attn {c['attn']}")
     if c["dtype"] == "fp32" and c["attn"] not in ("sdpa", "fp32"):
-        problems.append(f"--dtype fp32 needs --attn sdpa or fp32: --attn {c['attn']} takes bf16 or fp16 only")
+        problems.append(f"--dtype fp32 needs --attn sdpa or fp32: --attn {c['attn']} trains in bf16 only")
     if not c["out"]:   # (an empty --out would put the run folder in the current directory)
         problems.append("--out is empty: give the folder that run folders go in")
     if c["data"] == "":   # (resolve_config leaves an empty --data as it is: resolved, it would be this folder)

@@ -408,6 +408,26 @@ def test_a_non_finite_gradient_in_the_last_row_is_a_collapse(run, monkeypatch):
     assert summary["reason"] == "non-finite gradient norm by step 20, its loss finite"
 
 
+def test_a_gradient_norm_that_overflows_over_finite_gradients_poisons_nothing(run, monkeypatch):
+    """Finite gradients whose norm overflows float32 are clipped to 0: the weights stay finite, so the row evaluates,
+    diagnoses and checkpoints as any other, and the run goes on (its log says the norm was inf)."""
+    clip, step = torch.nn.utils.clip_grad_norm_, iter(range(10**6))
+    def clip_with_an_overflowing_norm(parameters, max_norm):
+        parameters = list(parameters)
+        norm = clip(parameters, max_norm)
+        if next(step) == 9:   # the last step before the row and checkpoint of step 10
+            for p in parameters:
+                p.grad.zero_()   # (what clipping by max_norm / inf does to finite gradients)
+            return torch.full_like(norm, math.inf)
+        return norm
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_an_overflowing_norm)
+    run_dir = run("inf-norm", "--steps", "20", "--ckpt-interval", "10", "--diag-interval", "10")
+    assert [p.name for p in runs.checkpoints(run_dir)][-2:] == ["step_0000010.pt", "step_0000020.pt"]
+    row = read_log(run_dir)[0]
+    assert row["step"] == "10" and row["grad_norm"] == "inf" and row["max_logit_L0"] != ""
+    assert json.loads((run_dir / "summary.json").read_text())["collapsed"] is False
+
+
 def test_loss_spike_criterion():
     state = {"ema": torch.tensor(2.0), "loss_min": float("inf")}
     c = {"warmup": 100}
@@ -461,6 +481,8 @@ BAD_SETTINGS = [
                        "be at most 3.4e+37"),
     (("--lr", "3e38"), "--lr 3e+38 overflows float32 in AdamW's first step"),   # (a float32, but not lr / 0.1)
     (("--minutes", "-1"), "--minutes must be a positive, finite number, got -1.0"),
+    (("--seed", "-1"), "--seed must be 0 to 999,999, got -1"),
+    (("--seed", "1000000"), "--seed must be 0 to 999,999, got 1000000"),   # (the diagnostics' probe batches' seed)
     (("--minutes", "inf"), "--minutes must be a positive, finite number, got inf"),   # (JSON has no inf)
     (("--out", ""), "--out is empty: give the folder that run folders go in"),   # (not the current directory)
     (("--data", ""), "--data is empty: give a text file's path, or neither for TinyShakespeare"),
