@@ -127,9 +127,11 @@ def train(c, corpus, resume):
     print(f"{run_dir}: {runconfig.describe(c, PRESETS)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
           f"{c['flops_per_token'] / 1e6:.1f} MFLOPs/token, on {device}")
 
-    # the loop: in bf16 the model runs under autocast; train_model may be compiled (the diagnostics hook model)
+    # the loop: in bf16 the model runs under autocast; train_model may be compiled, the diagnostics get the model
+    # itself (their forward hooks run eagerly)
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bf16" else nullcontext()
     train_model = model if c["compile"] == "off" else torch.compile(model, mode=c["compile"])
+    # stop_at: --steps, brought in by --minutes, a loss spike (EXTRA_ROWS log intervals on) or a non-finite loss
     step, collapse, stop_at = state["step"], None, c["steps"]
     loss_sum, grad_sum, n_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
     bad_step = torch.full((), -1, device=device)  # first step with a non-finite loss, tracked without a sync
