@@ -449,7 +449,8 @@ def stopped(run_dir, c, step):
 def refusals():
     """train.py's two ends other than a run's own, as a command line ends: a command that cannot run as given (a
     setting, the text, the run folder: RunError, TextError) in one line per problem on stderr, exit status 2, as
-    argparse refuses a malformed flag; Ctrl-C (Stopped) in the line that continues the run, exit status 130."""
+    argparse refuses a malformed flag; Ctrl-C (Stopped) in the line that continues the run, exit status 130, and
+    before training began in a line that says so."""
     try:
         yield
     except (RunError, TextError) as e:
@@ -459,6 +460,10 @@ def refusals():
     except Stopped as e:   # (the run folder's lock is let go by now)
         print(f"train.py: {e}", file=sys.stderr)
         raise SystemExit(130) from None   # 128 + SIGINT, the status a shell gives a command that Ctrl-C ended
+    except KeyboardInterrupt:   # Ctrl-C before the first step (the text, the model, the compile): nothing trained
+        print("train.py: stopped before the first training step: nothing was trained; the same command starts "
+              "again", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def write_json(path, value):

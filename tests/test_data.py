@@ -1,6 +1,7 @@
 """nanolp/data.py: tokenizing, the token cache, a clear error for every text that cannot be trained on, batches as a
 function of (seed, step)."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +67,16 @@ def test_env_var_then_explicit_path(text_file, tmp_path, monkeypatch):
     other = tmp_path / "other.txt"
     other.write_text("xyz")
     assert data.find_text(other) == other  # the --data flag wins over the environment
+
+
+def test_a_relative_path_in_the_checkout_works_from_any_directory(tmp_path, monkeypatch):
+    """The corpus preset names data/corpus/input.txt: run from another folder it is still the checkout's file, while
+    a file of that name in the current folder wins."""
+    monkeypatch.chdir(tmp_path)
+    assert data.find_text("nanolp/data.py") == data.ROOT / "nanolp" / "data.py"
+    (tmp_path / "nanolp").mkdir()
+    (tmp_path / "nanolp" / "data.py").write_text("xyz")
+    assert data.find_text("nanolp/data.py") == Path("nanolp/data.py")
 
 
 def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):

@@ -550,6 +550,23 @@ def test_a_text_that_cannot_be_trained_on_is_refused_in_one_line(run, tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
+def test_ctrl_c_before_the_first_step_ends_in_one_line(run, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the text is prepared or the model is built: one line and status 130, no traceback; the same
+    command then trains."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    for module, step in ((data, "prepare"), (train, "GPT")):
+        with monkeypatch.context() as patched:
+            patched.setattr(module, step, interrupted)
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exited:
+                run("early", "--steps", "20")
+        assert exited.value.code == 130 and capsys.readouterr().err == (
+            "train.py: stopped before the first training step: nothing was trained; the same command starts "
+            "again\n"), step
+    assert runs.read_json(run("early", "--steps", "20") / "summary.json")["steps"] == 20
+
+
 def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tmp_path, monkeypatch, capsys):
     def interrupted(*args):
         raise KeyboardInterrupt
