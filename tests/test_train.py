@@ -110,6 +110,16 @@ def test_smoke_run_learns_and_writes_its_folder(run, tmp_path, capsys):
         f"{runs.sha256(run_dir / 'ckpt' / 'step_0000060.pt')}  step_0000060.pt\n")
 
 
+def test_a_stochastic_arm_trains_the_same_whatever_its_eval_and_diag_intervals(run):
+    """--stochastic-o forward rounds with torch's generator; the evaluations and diagnostics, which draw from it too,
+    do not move the training's stream: the same losses every 10 steps with diagnostics every 20 steps or every 60."""
+    losses = [[row["train_loss"] for row in read_log(run(f"every-{n}", "--attn", "emulate", "--stochastic-o", "forward",
+                                                        "--steps", "60", "--eval-interval", str(n),
+                                                        "--diag-interval", str(n)))]
+              for n in (20, 60)]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+
+
 def test_summary_holds_the_arm(run):
     run_dir = run("arm", "--attn", "emulate", "--delta", "fp32-o", "--stochastic-o", "forward", "--lr", "0.002",
                   "--seed", "3", "--n-head", "4", "--steps", "20")
