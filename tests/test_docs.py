@@ -79,6 +79,12 @@ def test_readme_numbers_are_their_files():
                             for row in runs)
     assert "The rotary-position and QK-norm rows (`results/modern_block/figures/headline.png`) ran the seeds on which " \
            "GPT-2's block collapsed" in readme
+    # the learning rate: the lr study's runs of seed 0
+    lr = {row["name"]: row for row in read_table(root / "results/lr_sweep/runs.csv")}
+    assert f"The learning rate (one seed): at 3e-3 `--fix off` collapsed at step {lr['off-lr3e-3-s0']['collapse_step']:,}, " \
+           f"`--fix on` not in {lr['on-lr3e-3-s0']['steps']:,} steps; at 1e-2 every layer's logits ran away in every " \
+           f"attention, fp32 too, and `--fix on` collapsed at step {lr['on-lr1e-2-s0']['collapse_step']:,}" in readme
+    assert not lr["on-lr3e-3-s0"]["collapsed"] and lr["on-lr1e-2-s0"]["collapsed"]
     # the late stage: the fork's step, and how long each exponent trained past it
     late = {row["name"]: row for row in read_table(root / "results/late_stage/runs.csv")}
     fork = int(json.loads((root / "results/late_stage/runs/torch/config.json").read_text())["forked_from"].split("@")[1])
