@@ -81,8 +81,8 @@ def test_readme_numbers_are_their_files():
            "GPT-2's block collapsed" in readme
     # the learning rate: the lr study's runs of seed 0
     lr = {row["name"]: row for row in read_table(root / "results/lr_sweep/runs.csv")}
-    assert f"The learning rate (one seed): at 3e-3 `--fix off` collapsed at step {lr['off-lr3e-3-s0']['collapse_step']:,}, " \
-           f"`--fix on` not in {lr['on-lr3e-3-s0']['steps']:,} steps; at 1e-2 every layer's logits ran away in every " \
+    assert f"The learning rate (one seed): at 3e-3 `--fix off` collapsed at step " \
+           f"{lr['off-lr3e-3-s0']['collapse_step']:,}, `--fix on` not in {lr['on-lr3e-3-s0']['steps']:,} steps; at 1e-2 every layer's logits ran away in every " \
            f"attention, fp32 too, and `--fix on` collapsed at step {lr['on-lr1e-2-s0']['collapse_step']:,}" in readme
     assert not lr["on-lr3e-3-s0"]["collapsed"] and lr["on-lr1e-2-s0"]["collapsed"]
     # the late stage: the fork's step, and how long each exponent trained past it
