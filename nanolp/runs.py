@@ -461,7 +461,7 @@ def refusals():
         print(f"train.py: {e}", file=sys.stderr)
         raise SystemExit(130) from None   # 128 + SIGINT, the status a shell gives a command that Ctrl-C ended
     except KeyboardInterrupt:   # Ctrl-C before the first step (the text, the model, the compile): nothing trained
-        print("train.py: stopped before the first training step: nothing was trained; the same command starts "
+        print("train.py: stopped before the first training step: nothing was trained; the same command runs it "
               "again", file=sys.stderr)
         raise SystemExit(130) from None
 

@@ -572,7 +572,7 @@ def test_ctrl_c_before_the_first_step_ends_in_one_line(run, tmp_path, monkeypatc
             with pytest.raises(SystemExit) as exited:
                 run("early", "--steps", "20")
         assert exited.value.code == 130 and capsys.readouterr().err == (
-            "train.py: stopped before the first training step: nothing was trained; the same command starts "
+            "train.py: stopped before the first training step: nothing was trained; the same command runs it "
             "again\n"), step
     assert runs.read_json(run("early", "--steps", "20") / "summary.json")["steps"] == 20
 
