@@ -15,8 +15,8 @@ settings, the training (train): the data, the model, the optimizer, then the loo
 the diagnostics and writes the checkpoints; then the command line (main). A run writes runs/<name>/ (its files, and
 which folders a command may write or resume: nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A
 command that cannot run is refused before it writes anything (exit status 2); so is a preset sized for a GPU on a
-machine without one, unless --device cpu insists. Ctrl-C in the loop stops a run with one line that names its last
-checkpoint and the command that continues from it (exit status 130).
+machine without one, unless --device cpu insists. Ctrl-C stops a run with one line that names its last checkpoint
+and the command that continues from it, or says that nothing was trained yet (exit status 130).
 """
 
 import hashlib
@@ -215,13 +215,12 @@ def train(c, corpus, resume):
             loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and clock, from here: its tokens/s counts
                                                  # the training steps, not this row's eval, diagnostics, checkpoint
             n_acc, t_row = 0, time.time()
-    except KeyboardInterrupt:   # Ctrl-C: what the run wrote is whole (a log row, a checkpoint: save_checkpoint)
         pbar.close()
+        summary = runs.write_summary(run_dir, c, collapse)
+        print_outcome(run_dir, c, summary)
+    except KeyboardInterrupt:   # Ctrl-C: what the run wrote is whole (a log row, a checkpoint: save_checkpoint;
+        pbar.close()            # summary.json: write_json)
         raise runs.Stopped(run_dir, c, step) from None
-    pbar.close()
-
-    summary = runs.write_summary(run_dir, c, collapse)
-    print_outcome(run_dir, c, summary)
     return summary
 
 

@@ -57,10 +57,11 @@ class TextError(ValueError):
 
 def find_text(path=None):
     """The text to train on: an explicit path, else $NANOLP_DATA, else the local TinyShakespeare,
-    which is downloaded on first use."""
+    which is downloaded on first use. A relative path that is not in the current directory but is in the
+    repository is the repository's file (a preset's text, from any directory)."""
     path = path or os.environ.get("NANOLP_DATA")
-    if path and not Path(path).is_absolute() and not Path(path).exists() and (ROOT / path).exists():
-        path = ROOT / path   # a path in the checkout (the corpus preset's) works from any directory
+    if path and not Path(path).is_absolute() and not Path(path).exists() and (ROOT / path).is_file():
+        path = ROOT / path
     if path:
         if not Path(path).is_file():   # (a folder or a device is no text file)
             why = "it is not a regular file" if Path(path).exists() else "that file does not exist"

@@ -460,7 +460,7 @@ def refusals():
     except Stopped as e:   # (the run folder's lock is let go by now)
         print(f"train.py: {e}", file=sys.stderr)
         raise SystemExit(130) from None   # 128 + SIGINT, the status a shell gives a command that Ctrl-C ended
-    except KeyboardInterrupt:   # Ctrl-C before the first step (the text, the model, the compile): nothing trained
+    except KeyboardInterrupt:   # Ctrl-C before train.py's loop (the text, the folder, the model): nothing trained
         print("train.py: stopped before the first training step: nothing was trained; the same command runs it "
               "again", file=sys.stderr)
         raise SystemExit(130) from None

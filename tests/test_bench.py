@@ -57,7 +57,7 @@ def test_a_file_that_is_no_bench_csv_is_one_line(tmp_path, capsys):
     fix_cost = ROOT / "results" / "speed" / "fix_cost.csv"   # no sdpa_flash rows: no speed table
     for argv, line in ((["--table", "nope.csv"], "No such file or directory: 'nope.csv'"),
                        (["--cost", str(binary)], f"{binary} is not UTF-8 text"),
-                       (["--table", str(fix_cost)], f"{fix_cost} has no rows of sdpa_flash at seq 4096 and 16384, "
+                       (["--table", str(fix_cost)], f"{fix_cost} has no rows of sdpa_flash at seq 4096 to 16384, "
                                                     f"head_dim 64"),
                        (["--cost", str(ROOT / "results" / "cure" / "runs.csv")], "is not a bench CSV: no column impl")):
         assert line in refused(argv, capsys)

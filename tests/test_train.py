@@ -560,9 +560,9 @@ def test_a_text_that_cannot_be_trained_on_is_refused_in_one_line(run, tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
-def test_ctrl_c_before_the_first_step_ends_in_one_line(run, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_outside_the_loop_ends_in_one_line(run, tmp_path, monkeypatch, capsys):
     """Ctrl-C while the text is prepared or the model is built: one line and status 130, no traceback; the same
-    command then trains."""
+    command then trains. After the loop, as the summary is written: the line that continues the run."""
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     for module, step in ((data, "prepare"), (train, "GPT")):
@@ -575,6 +575,14 @@ def test_ctrl_c_before_the_first_step_ends_in_one_line(run, tmp_path, monkeypatc
             "train.py: stopped before the first training step: nothing was trained; the same command runs it "
             "again\n"), step
     assert runs.read_json(run("early", "--steps", "20") / "summary.json")["steps"] == 20
+    # after the loop, as its summary is written: the run's last checkpoint and the command that writes the summary
+    with monkeypatch.context() as patched:
+        patched.setattr(runs, "write_summary", interrupted)
+        with pytest.raises(SystemExit) as exited:
+            run("late", "--steps", "40")
+    assert exited.value.code == 130 and capsys.readouterr().err.splitlines()[-1].startswith(
+        f"train.py: stopped at step 40; last checkpoint {tmp_path / 'runs' / 'late' / 'ckpt' / 'step_0000040.pt'}")
+    assert runs.read_json(run("late", "--steps", "40", "--resume") / "summary.json")["steps"] == 40
 
 
 def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tmp_path, monkeypatch, capsys):
