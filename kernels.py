@@ -481,6 +481,11 @@ class Numerics:
                              "the O that delta reads: choose one")
 
     @property
+    def draws(self):
+        """Whether O is rounded stochastically somewhere (torch's generator draws: stochastic_round)."""
+        return self.stochastic_o != "off" or self.delta == "stochastic-o"
+
+    @property
     def fma(self):
         """Whether the exponent is one fused multiply-add (kernels._exp2)."""
         return self.exponent == "fma"
@@ -611,7 +616,7 @@ def check_inputs(q, k, v, causal, fix, numerics):
     if q.dtype == torch.bfloat16 and capability(q.device) < (8, 0):   # (a T4, a V100: Triton cannot compile it)
         raise TypeError(f"bfloat16 needs a GPU of compute capability 8.0 or later (an A100, RTX 30xx, L4, H100); "
                         f"{q.device} has {'.'.join(map(str, capability(q.device)))}")
-    if (numerics.stochastic_o != "off" or numerics.delta == "stochastic-o") and q.dtype != torch.bfloat16:
+    if numerics.draws and q.dtype != torch.bfloat16:
         raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
     check_fix(fix, numerics)
 

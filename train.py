@@ -139,7 +139,6 @@ def train(c, corpus, resume):
     elapsed0 = state["elapsed"]
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
     logit = None   # LOGIT at the last diagnostics, for the progress bar
-    stochastic = c["stochastic_o"] != "off" or c["delta"] == "stochastic-o"   # an arm that draws random numbers
     try:
         while step < stop_at:
             # the step: forward, backward, clip, update
@@ -197,9 +196,10 @@ def train(c, corpus, resume):
                 if collapse is None and step >= stop_at:   # the last row: no next step will show it, so say it here
                     collapse = dict(step=step, minute=elapsed / 60,
                                     reason=f"non-finite gradient norm by step {step}, its loss finite")
-            else:   # (--stochastic-o rounds with torch's generator: forked here, the evaluation and diagnostics
-                    # take nothing from the training's stream, which is then the same whatever their intervals)
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=stochastic):
+            else:   # (an arm that rounds O stochastically draws from torch's generator: forked here, the evaluation
+                    # and diagnostics take nothing from the training's stream, the same whatever their intervals)
+                cuda = [device] if device.type == "cuda" else []
+                with torch.random.fork_rng(devices=cuda, enabled=model.config.numerics.draws):
                     if step % c["eval_interval"] == 0 or step >= stop_at:
                         row["val_loss"] = evaluate(train_model, val_tokens, c, ctx)
                     if step % c["diag_interval"] == 0 or step >= stop_at or collapse:  # every row once collapsed

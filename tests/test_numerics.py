@@ -28,6 +28,12 @@ def test_bad_numerics_refused():
             Numerics(stochastic_o=stochastic_o)
 
 
+def test_draws_is_a_stochastic_rounding_of_o():
+    """The arms that draw from torch's generator (train.py forks it around its evaluation and diagnostics)."""
+    assert not Numerics().draws and not Numerics(delta="fp32-o").draws and not Numerics(mantissa_bits=3).draws
+    assert Numerics(stochastic_o="forward").draws and Numerics(delta="stochastic-o").draws
+
+
 def test_round_mantissa_is_bf16_at_seven_bits():
     """Ties to even on the bit pattern, both signs, every exponent; non-finite values kept: at 7 bits, bfloat16's
     own rounding. At 3 bits each result has at most 3 mantissa bits and is the nearer of its two neighbours."""
