@@ -226,8 +226,9 @@ def save_checkpoint(run_dir, model, optimizer, state):
     path = ckpt_dir / f"step_{state['step']:07d}.pt"
     tmp = path.with_name(path.name + ".tmp")
     rng = {"cpu": torch.get_rng_state()}   # --stochastic-o draws from torch's generator: resume continues its stream
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
+    device = next(model.parameters()).device   # (the run's card's generator, whichever card is current)
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state, "rng": rng}, tmp)
     write_checksum(path, tmp)
     os.replace(tmp, path)
@@ -305,8 +306,8 @@ def load_checkpoint(run_dir, model, optimizer, device):
     rng = ckpt.get("rng", {})   # (checkpoints written before it was saved have none)
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"].cpu())
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
     return ckpt["state"]
 
 

@@ -351,8 +351,8 @@ def test_findings_delta_term_numbers_are_their_files():
     assert f"(fp32 attention's at most {analyze.between(fp32.values(), '.2f')}x its step-10,000 value on " \
            f"{seeds_text(sorted(fp32))}, the paper's rule with the fp32 O's {analyze.between(both.values(), '.2f')}x " \
            f"on {seeds_text(sorted(both))}: the slow drift is training's; `--fix on`'s " \
-           f"{' and '.join(f'{x:.2f}x' for x in on)} on seeds {' and '.join(str(row['seed']) for row in cure)}, over " \
-           f"{' and '.join(format(row['steps'], ',') for row in cure)} steps)" in text
+           f"{listed([f'{x:.2f}x' for x in on])} on seeds {listed([str(row['seed']) for row in cure])}, over " \
+           f"{listed([format(row['steps'], ',') for row in cure])} steps)" in text
     rows = read_table(root / "results/seed_study/runs.csv")
     onset = onset_lines(root / "results/seed_study/onset.txt")
     off = [onset[row["name"]] for row in rows if fix_off(row)]
@@ -380,16 +380,17 @@ def test_findings_cure_numbers_are_their_files():
     text = doc_section("docs/findings.md", "## 3. ", "## 4. ")
     cure = read_table(root / "results/cure/runs.csv")
     gpt2 = {row["seed"]: row for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] == "off-fma"}
-    assert [row["seed"] for row in cure] == [0, 1] and not any(row["collapsed"] for row in cure)
+    assert [row["seed"] for row in cure] == list(range(len(cure))) and not any(row["collapsed"] for row in cure)
     logit = lambda run: load_run(root / "results" / run).series(analyze.LOGIT)
     at = lambda run, step: logit(run)[1][logit(run)[0] == step][0]
     peak = lambda run: logit(run)[1].max()
     on = [f"cure/runs/{row['name']}" for row in cure]
-    both = lambda values: " and ".join(values)
+    both = lambda values: listed(list(values))
     collapses = both(format(gpt2[row['seed']]['collapse_step'], ',') for row in cure)
-    assert f"seeds 0 and 1 so far) it trained {both(format(row['steps'], ',') for row in cure)} steps without a " \
-           f"collapse where fix off collapsed at {collapses} on the same seeds, layer 0's max logit {both(f'{at(run, 10_000):.1f}' for run in on)} at step 10,000, " \
-           f"at most {both(f'{peak(run):.1f}' for run in on)}" in text
+    assert f"{seeds_text([row['seed'] for row in cure])} so far) it trained {both(format(row['steps'], ',') for row in cure)} " \
+           f"steps without a collapse where fix off collapsed at {collapses} on the same seeds, layer 0's max logit " \
+           f"{both(f'{at(run, 10_000):.1f}' for run in on)} at step 10,000, at most {both(f'{peak(run):.1f}' for run in on)}" \
+           in text
     assert f"On seed 1 layer 0 rose slowly, to {at(on[1], 150_000):.1f} by step 150,000, as it did on that seed with " \
            f"the shift and the fp32 O ({at('seed_study/runs/paper-fp32-o-s1', 10_000):.1f} at step 10,000, at most " \
            f"{peak('seed_study/runs/paper-fp32-o-s1'):.1f}) and in fp32 attention " \
