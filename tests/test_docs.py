@@ -123,6 +123,16 @@ def test_readme_numbers_are_their_files():
     assert f"Without a GPU ({tiny['n_layer']} layers, {tiny['steps']} steps" in readme
 
 
+def test_kernel_md_memory_is_the_runs():
+    """docs/kernel.md's peak memory of the fix and of the fix off: the kernel as it ships, every run of each alike."""
+    root = Path(analyze.__file__).parent
+    on = {row["peak_mem_gb"] for row in read_table(root / "results/cure/runs.csv")}
+    off = {row["peak_mem_gb"] for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] == "off-fma"}
+    assert len({f"{gb:.2f}" for gb in on}) == len({f"{gb:.2f}" for gb in off}) == 1
+    kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
+    assert f"peak memory {min(on):.2f} GB with `--fix on` against {min(off):.2f} GB with the fix off" in kernel_md
+
+
 def test_kernel_md_gpu_tests_are_their_file():
     """docs/kernel.md's count of the kernel tests on the GPU is the latest run's in results/speed/gpu_tests.txt."""
     root = Path(analyze.__file__).parent
