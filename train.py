@@ -139,6 +139,7 @@ def train(c, corpus, resume):
     elapsed0 = state["elapsed"]
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
     logit = None   # LOGIT at the last diagnostics, for the progress bar
+    summary = None
     try:
         while step < stop_at:
             # the step: forward, backward, clip, update
@@ -219,8 +220,10 @@ def train(c, corpus, resume):
         summary = runs.write_summary(run_dir, c, collapse)
         print_outcome(run_dir, c, summary)
     except KeyboardInterrupt:   # Ctrl-C: what the run wrote is whole (a log row, a checkpoint: save_checkpoint;
-        pbar.close()            # summary.json: write_json)
-        raise runs.Stopped(run_dir, c, step) from None
+        pbar.close()            # summary.json: write_json). A collapse found is the run's result: its summary is
+        if summary is None and collapse is not None:   # written now (the rows after it cut short), as the run ended
+            summary = runs.write_summary(run_dir, c, collapse)
+        raise runs.Stopped(run_dir, c, step, summary) from None
     return summary
 
 

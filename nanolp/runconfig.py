@@ -256,7 +256,10 @@ def check_config(c):
     except RuntimeError:
         problems.append(f"--device {c['device']!r} is not a device torch knows (cpu, cuda, cuda:1, ...)")
     else:
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        if device.type not in ("cpu", "cuda"):
+            problems.append(f"--device {c['device']}: train.py runs on a CPU or a CUDA device (cpu, cuda, cuda:1, "
+                            f"...), not {device.type}")
+        elif device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             problems.append(f"--device {c['device']}: this machine has {torch.cuda.device_count()} CUDA devices "
                             f"(torch {torch.__version__})")
         if c["attn"] == "sdpa-cudnn" and device.type != "cuda":

@@ -429,15 +429,20 @@ def nothing_to_resume(run_dir):
 
 
 class Stopped(Exception):
-    """Ctrl-C during training, at a step (the number of steps trained) of the run c in run_dir: its message says where
-    the run stopped and how to continue it."""
-    def __init__(self, run_dir, c, step):
-        super().__init__(stopped(run_dir, c, step))
+    """Ctrl-C during training, at a step (the number of steps trained) of the run c in run_dir, its summary written
+    or None: its message says where the run stopped and how to continue it, or that it had ended."""
+    def __init__(self, run_dir, c, step, summary=None):
+        super().__init__(stopped(run_dir, c, step, summary))
 
 
-def stopped(run_dir, c, step):
-    """What a run that Ctrl-C stopped at `step` says, in one line: its last checkpoint, and the command that
-    continues from it (--out and --name find the run; its config.json holds the rest of its settings)."""
+def stopped(run_dir, c, step, summary=None):
+    """What a run that Ctrl-C stopped at `step` says, in one line: with its summary written, that the run has ended
+    and how; else its last checkpoint, and the command that continues from it (--out and --name find the run; its
+    config.json holds the rest of its settings)."""
+    if summary is not None:
+        outcome = (f"collapsed at step {summary['collapse_step']:,} ({summary['reason']})" if summary["collapsed"]
+                   else f"no collapse in {summary['steps']:,} steps")
+        return f"stopped at step {step}, the run ended: {outcome}; {run_dir / 'summary.json'} holds it"
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return (f"stopped at step {step}, before the run's first checkpoint (every {c['ckpt_interval']:,} steps): "

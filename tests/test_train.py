@@ -517,6 +517,8 @@ BAD_SETTINGS = [
     (("--attn", "emulate", "--dtype", "fp32"), "--dtype fp32 needs --attn sdpa or fp32"),
     (("--attn", "sdpa-cudnn"), "--attn sdpa-cudnn needs a CUDA device, not cpu"),
     (("--device", "gpu"), "--device 'gpu' is not a device torch knows"),
+    (("--device", "meta"), "--device meta: train.py runs on a CPU or a CUDA device (cpu, cuda, cuda:1, ...), not "
+                           "meta"),
     (("--device", "cuda"), "--device cuda: this machine has 0 CUDA devices"),
     *[(("--name", name), f"--name must be a plain folder name (no / or \\, not . or ..), got {name!r}")
       for name in ("../../escape", "a/b", "..", ".", "")],
@@ -585,6 +587,40 @@ def test_ctrl_c_outside_the_loop_ends_in_one_line(run, tmp_path, monkeypatch, ca
     assert exited.value.code == 130 and capsys.readouterr().err.splitlines()[-1].startswith(
         f"train.py: stopped at step 40; last checkpoint {tmp_path / 'runs' / 'late' / 'ckpt' / 'step_0000040.pt'}")
     assert runs.read_json(run("late", "--steps", "40", "--resume") / "summary.json")["steps"] == 40
+
+
+def test_ctrl_c_once_the_run_has_ended_keeps_its_result(run, tmp_path, monkeypatch, capsys):
+    """Ctrl-C after the loop found a collapse (in the rows after it, or as the summary is written): the collapse is
+    the run's result, its summary written before the line that says the run ended; no --resume is offered (it would
+    cut the log back to a checkpoint before the collapse). Ctrl-C as the outcome is printed: the run ended too."""
+    poison_step(monkeypatch, 25)
+    original, calls = runs.write_summary, []
+    def interrupted_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return original(*args)
+    with monkeypatch.context() as patched:
+        patched.setattr(runs, "write_summary", interrupted_once)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            run("nan", "--steps", "60", "--ckpt-interval", "10")
+    run_dir = tmp_path / "runs" / "nan"
+    summary = runs.read_json(run_dir / "summary.json")
+    assert summary["collapsed"] and summary["collapse_step"] == 25 and len(calls) == 2
+    assert exited.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
+        f"train.py: stopped at step 30, the run ended: collapsed at step 25 (non-finite loss at step 25); "
+        f"{run_dir / 'summary.json'} holds it")
+    assert "kept as it ended" in refusal(capsys, lambda: run("nan", "--steps", "60", "--resume"))
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "print_outcome", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        run("done", "--steps", "20")
+    assert exited.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
+        f"train.py: stopped at step 20, the run ended: no collapse in 20 steps; "
+        f"{tmp_path / 'runs' / 'done' / 'summary.json'} holds it")
 
 
 def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tmp_path, monkeypatch, capsys):
