@@ -257,11 +257,7 @@ def evaluate(model, tokens, c, ctx):
 
 def print_outcome(run_dir, c, summary):
     """The run's end in a few plain lines; summary.json holds the whole outcome and arm."""
-    if summary["collapsed"]:
-        print(f"collapsed at step {summary['collapse_step']:,}, after {summary['collapse_minute']:.1f} training "
-              f"minutes: {summary['reason']}")
-    else:
-        print(f"no collapse in {summary['steps']:,} steps ({summary['minutes']:.1f} training minutes)")
+    print(runs.outcome(summary))
     if c["preset"] == "tiny" and not summary["collapsed"]:
         print(TINY_NOTE)
     logits = [v for v in runs.read_log(run_dir / "log.csv").get(LOGIT, []) if math.isfinite(v)]

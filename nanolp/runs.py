@@ -428,6 +428,14 @@ def nothing_to_resume(run_dir):
     return RunError(f"--resume: {why}: {afresh}")
 
 
+def outcome(summary):
+    """A run's outcome (write_summary's) in words: where it collapsed and why, or how long it trained without."""
+    if summary["collapsed"]:
+        return (f"collapsed at step {summary['collapse_step']:,}, after {summary['collapse_minute']:.1f} training "
+                f"minutes: {summary['reason']}")
+    return f"no collapse in {summary['steps']:,} steps ({summary['minutes']:.1f} training minutes)"
+
+
 class Stopped(Exception):
     """Ctrl-C during training, at a step (the number of steps trained) of the run c in run_dir, its summary written
     or None: its message says where the run stopped and how to continue it, or that it had ended."""
@@ -440,9 +448,7 @@ def stopped(run_dir, c, step, summary=None):
     and how; else its last checkpoint, and the command that continues from it (--out and --name find the run; its
     config.json holds the rest of its settings)."""
     if summary is not None:
-        outcome = (f"collapsed at step {summary['collapse_step']:,} ({summary['reason']})" if summary["collapsed"]
-                   else f"no collapse in {summary['steps']:,} steps")
-        return f"stopped at step {step}, the run ended: {outcome}; {run_dir / 'summary.json'} holds it"
+        return f"stopped at step {step}, the run ended: {outcome(summary)}; {run_dir / 'summary.json'} holds it"
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return (f"stopped at step {step}, before the run's first checkpoint (every {c['ckpt_interval']:,} steps): "

@@ -608,9 +608,9 @@ def test_ctrl_c_once_the_run_has_ended_keeps_its_result(run, tmp_path, monkeypat
     run_dir = tmp_path / "runs" / "nan"
     summary = runs.read_json(run_dir / "summary.json")
     assert summary["collapsed"] and summary["collapse_step"] == 25 and len(calls) == 2
-    assert exited.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
-        f"train.py: stopped at step 30, the run ended: collapsed at step 25 (non-finite loss at step 25); "
-        f"{run_dir / 'summary.json'} holds it")
+    assert re.fullmatch(rf"train.py: stopped at step 30, the run ended: collapsed at step 25, after \d+\.\d training "
+                        rf"minutes: non-finite loss at step 25; {re.escape(str(run_dir / 'summary.json'))} holds it",
+                        capsys.readouterr().err.splitlines()[-1]) and exited.value.code == 130
     assert "kept as it ended" in refusal(capsys, lambda: run("nan", "--steps", "60", "--resume"))
 
     def interrupted(*args):
@@ -618,9 +618,9 @@ def test_ctrl_c_once_the_run_has_ended_keeps_its_result(run, tmp_path, monkeypat
     monkeypatch.setattr(train, "print_outcome", interrupted)
     with pytest.raises(SystemExit) as exited:
         run("done", "--steps", "20")
-    assert exited.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
-        f"train.py: stopped at step 20, the run ended: no collapse in 20 steps; "
-        f"{tmp_path / 'runs' / 'done' / 'summary.json'} holds it")
+    assert re.fullmatch(rf"train.py: stopped at step 20, the run ended: no collapse in 20 steps \(\d+\.\d training "
+                        rf"minutes\); {re.escape(str(tmp_path / 'runs' / 'done' / 'summary.json'))} holds it",
+                        capsys.readouterr().err.splitlines()[-1]) and exited.value.code == 130
 
 
 def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tmp_path, monkeypatch, capsys):
