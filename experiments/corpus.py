@@ -31,7 +31,6 @@ Unicode version follows the Python version; the sha1 below came out the same on 
 3.13.0 (Unicode 13.0 to 15.1): the characters of these texts are old ones, whose properties no longer change.
 """
 
-import argparse
 import ast
 import gzip
 import hashlib
@@ -48,6 +47,8 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanolp.runconfig import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "data" / "corpus" / "input.txt"  # nanolp/data.py names its token cache after the folder
@@ -439,7 +440,7 @@ def arrange(docs, seed=1234):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m experiments.corpus", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="the text to write (default data/corpus/input.txt: its token cache is data/corpus/)")
     parser.add_argument("--cache", type=Path, default=ROOT / "data" / "corpus" / "src",

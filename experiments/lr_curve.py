@@ -1,13 +1,14 @@
-"""The failure against the learning rate: per arm (fix off, fix on, fp32 attention), the step where layer 0's max
-logit first passes 100 and the step of the collapse (or how long a run went without one), against the lr.
+"""The failure against the learning rate: per arm (fix off, fix on, fp32 attention, rotary positions with the fix
+off), the step where layer 0's max logit first passes 100 and the step of the collapse (or how long a run went
+without one), against the lr.
 
     python -m experiments.lr_curve results/lr_sweep/runs.csv results/seed_study/runs.csv results/cure/runs.csv \\
-        --out results/lr_sweep                     -> lr_curve.csv, figures/lr_curve.png
+        results/modern_block/runs.csv --out results/lr_sweep      -> lr_curve.csv, figures/lr_curve.png
 
-The lr_sweep study holds the rates other than the default; the default's runs (lr 1e-3) are the seed and cure
-studies'. A point is a run of the kernel as it ships (nanolp.runconfig.as_shipped) on seed 0 whose flags are one of
-ARMS, with or without --lr; layer 0's step comes from its kept log (diagnostic rows every 1,000 steps: the first
-such row past 100).
+The lr_sweep study holds the rates other than the default; the default's runs (lr 1e-3) are the seed, cure and
+modern-block studies'. A point is a run of the kernel as it ships (nanolp.runconfig.as_shipped) on seed 0 whose
+flags are one of ARMS, with or without --lr; layer 0's step comes from its kept log (diagnostic rows every 1,000
+steps: the first such row past 100).
 """
 
 import shlex
@@ -21,7 +22,8 @@ from nanolp.plots import PALETTE, save
 from nanolp.runconfig import Parser, as_shipped
 from nanolp.runs import load_run, read_table, write_csv
 
-ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32"}   # flags -> nanolp.plots family
+# flags -> nanolp.plots family (the second arm of a family is drawn in its second shade)
+ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32", "--fix off --pos rope": "fix off"}
 SEED = 0
 PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs at lr 1e-3 sit at 11-23 before it)
 COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "past_100_step"]
@@ -98,7 +100,8 @@ def plot(rows, path):
         mine = [r for r in rows if r["arm"] == arm]
         if not mine:
             continue
-        colour, shift = PALETTE[family][0], 1.04 ** (i - 1)   # arms side by side at each lr, not on top of each other
+        colour = PALETTE[family][list(ARMS.values())[:i].count(family)]
+        shift = 1.04 ** (i - 1.5)   # arms side by side at each lr, not on top of each other
         lr = np.array([r["lr"] for r in mine]) * shift
         end = np.array([r["collapse_step"] if r["collapsed"] else r["steps"] for r in mine], dtype=float)
         ax.plot(lr, end, color=colour, linewidth=1.2, label=f"python train.py {arm}")
@@ -146,7 +149,7 @@ def main(argv=None):
     plot(rows, args.out / "figures" / "lr_curve.png")
     for r in rows:
         end = f"collapsed at {r['collapse_step']:,}" if r["collapsed"] else f"no collapse in {r['steps']:,}"
-        print(f"{r['arm']:12s} lr {r['lr']:<7g} {end:24s} layer 0 past {PAST:g}: {r['past_100_step'] or '-'}")
+        print(f"{r['arm']:20s} lr {r['lr']:<7g} {end:24s} layer 0 past {PAST:g}: {r['past_100_step'] or '-'}")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,13 @@ def test_main_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
     assert not (tmp_path / "out.txt").exists()
 
 
+def test_a_flag_it_does_not_know_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exited:
+        corpus.main(["--outt", "x.txt"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "python -m experiments.corpus: error: unrecognized arguments: --outt x.txt\n"
+
+
 def test_a_cache_that_is_a_file_is_refused_before_any_download(tmp_path, monkeypatch, capsys):
     def download(url, timeout):
         raise AssertionError("no download")

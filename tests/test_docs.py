@@ -34,7 +34,7 @@ def test_doc_tables_are_generated_from_their_runs_csv():
     shipped = f"{seed} results/cure/runs.csv results/modern_block/runs.csv"   # README's: the kernel as it ships
     assert {("README.md", "table", shipped), ("README.md", "commands", shipped), ("results/README.md", "all runs", seed),
             ("docs/findings.md", "table", stochastic),
-            ("docs/findings.md", "by lr", "results/lr_sweep/runs.csv results/seed_study/runs.csv results/cure/runs.csv")
+            ("docs/findings.md", "by lr", f"results/lr_sweep/runs.csv {shipped}")
             } <= set(blocks)
 
 
@@ -83,12 +83,13 @@ def test_readme_numbers_are_their_files():
     lr = {row["name"]: row for row in read_table(root / "results/lr_sweep/runs.csv")}
     high = [load_run(root / "results/lr_sweep/runs" / name) for name in lr if "lr1e-2" in name]
     past = [int(s[0][np.argmax(s[1] > 100)]) for run in high for s in map(run.series, run.columns(r"max_logit_L\d+"))]
-    assert len(high) == 3 and max(past) == 1_000   # (the first diagnostic)
+    assert len(high) == 4 and max(past) == 1_000   # (the first diagnostic; three attentions and rotary positions)
     assert f"The learning rate (seed 0): at 3e-3 `--fix off` collapsed at step " \
            f"{lr['off-lr3e-3-s0']['collapse_step']:,}, `--fix on` not in {lr['on-lr3e-3-s0']['steps']:,} steps; at " \
            f"1e-2 every attention's logits ran away by " \
            f"step 1,000, fp32's too (fix off collapsed at {lr['off-lr1e-2-s0']['collapse_step']:,}, fix on at " \
-           f"{lr['on-lr1e-2-s0']['collapse_step']:,}, fp32 not in {lr['fp32-lr1e-2-s0']['steps']:,})" in readme
+           f"{lr['on-lr1e-2-s0']['collapse_step']:,}, rotary positions at {lr['rope-lr1e-2-s0']['collapse_step']:,}, " \
+           f"fp32 not in {lr['fp32-lr1e-2-s0']['steps']:,})" in readme
     assert not lr["on-lr3e-3-s0"]["collapsed"] and not lr["fp32-lr1e-2-s0"]["collapsed"]
     # the late stage: the fork's step, and how long each exponent trained past it
     late = {row["name"]: row for row in read_table(root / "results/late_stage/runs.csv")}
@@ -128,7 +129,7 @@ def test_kernel_md_memory_is_the_runs():
     root = Path(analyze.__file__).parent
     on = {row["peak_mem_gb"] for row in read_table(root / "results/cure/runs.csv")}
     off = {row["peak_mem_gb"] for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] == "off-fma"}
-    assert len({f"{gb:.2f}" for gb in on}) == len({f"{gb:.2f}" for gb in off}) == 1
+    assert max(on) - min(on) < 0.005 and max(off) - min(off) < 0.005   # alike to within a few MB
     kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
     assert f"peak memory {min(on):.2f} GB with `--fix on` against {min(off):.2f} GB with the fix off" in kernel_md
 
@@ -549,15 +550,16 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"{min(default):,}-{max(default):,} steps at the default 1e-3" in text
     high = [name for name in rows if "lr1e-2" in name]
     first = min(int(s[0][0]) for name in high for s in layers(runs[name]).values())
-    assert all(past(s, 100) == first for name in high for s in layers(runs[name]).values()) and len(high) == 3
+    assert all(past(s, 100) == first for name in high for s in layers(runs[name]).values()) and len(high) == 4
     collapsed = [name for name in high if rows[name]["collapsed"]]
-    assert f"every layer's max logit passed 100 by step {first:,} in all three attentions" in text
+    assert f"every layer's max logit passed 100 by step {first:,} in all three attentions and with rotary " \
+           f"positions" in text
     fp32 = rows["fp32-lr1e-2-s0"]
     assert f"(its minimum {analyze.between([low(runs[name]) for name in collapsed])}): the fix off at " \
            f"{rows['off-lr1e-2-s0']['collapse_step']:,} steps, the fix on at " \
-           f"{rows['on-lr1e-2-s0']['collapse_step']:,}" \
-           f"; fp32 attention had not collapsed at {fp32['steps']:,} steps, its logits at {sci(fp32['max_logit'])}" \
-           in text and not fp32["collapsed"]
+           f"{rows['on-lr1e-2-s0']['collapse_step']:,}, rotary positions (`--fix off --pos rope --lr 1e-2`) " \
+           f"soonest, at {rows['rope-lr1e-2-s0']['collapse_step']:,}; fp32 attention had not collapsed at " \
+           f"{fp32['steps']:,} steps, its logits at {sci(fp32['max_logit'])}" in text and not fp32["collapsed"]
     assert not rows["on-lr3e-3-s0"]["collapsed"]
     assert f"At 3e-3 the fix on did not collapse in {rows['on-lr3e-3-s0']['steps']:,} steps (fix off: " \
            f"{rows['off-lr3e-3-s0']['collapse_step']:,}), yet layer 0 alone still grew, slower: " \

@@ -12,7 +12,7 @@ from nanolp.runs import Run, read_table
 def test_base_flags_drop_the_lr_and_keep_the_rest():
     assert lr_curve.base_flags("--fix on --lr 3e-3") == "--fix on"
     assert lr_curve.base_flags("--lr 1e-2 --attn fp32") == "--attn fp32"
-    assert lr_curve.base_flags("--fix off --pos rope") == "--fix off --pos rope"   # not an arm of the curve
+    assert lr_curve.base_flags("--fix off --pos rope") == "--fix off --pos rope"
     assert lr_curve.base_flags(None) == ""
 
 
@@ -25,10 +25,10 @@ def test_first_past_is_the_first_logged_step_above_and_none_without_one():
 
 
 def test_committed_curve_is_its_studies_runs():
-    """results/lr_sweep/lr_curve.csv is points() of the three studies, regenerated, never typed; each arm has the
+    """results/lr_sweep/lr_curve.csv is points() of the four studies, regenerated, never typed; each arm has the
     default lr's run and the sweep's."""
     root = Path(__file__).resolve().parent.parent / "results"
-    tables = [root / study / "runs.csv" for study in ("lr_sweep", "seed_study", "cure")]
+    tables = [root / study / "runs.csv" for study in ("lr_sweep", "seed_study", "cure", "modern_block")]
     rows = lr_curve.points(tables)
     committed = read_table(root / "lr_sweep" / "lr_curve.csv")
     assert [{k: row[k] for k in lr_curve.COLUMNS} for row in committed] == rows
@@ -72,7 +72,7 @@ def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
     lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix on", 3e-3, False, 40_000,
                                None), point("--fix on", 3e-3, False, 20_000, 9_000), point("--fix off", 3e-4, False,
                                40_000, None)])
-    assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` |", "|---|---|---|---|",
-                     "| 3e-4 | no collapse in 40,000 | - | - |",
+    assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` | `--fix off --pos rope` |",
+                     "|---|---|---|---|---|", "| 3e-4 | no collapse in 40,000 | - | - | - |",
                      "| 3e-3 | **collapsed at 34,300**; past 100 at 4,000 | no collapse in 40,000; no collapse in 20,000; "
-                     "past 100 at 9,000 | - |"]
+                     "past 100 at 9,000 | - | - |"]
