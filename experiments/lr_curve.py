@@ -100,7 +100,8 @@ def plot(rows, path):
         mine = [r for r in rows if r["arm"] == arm]
         if not mine:
             continue
-        colour = PALETTE[family][list(ARMS.values())[:i].count(family)]
+        shades = PALETTE[family]
+        colour = shades[list(ARMS.values())[:i].count(family) % len(shades)]
         shift = 1.04 ** (i - 1.5)   # arms side by side at each lr, not on top of each other
         lr = np.array([r["lr"] for r in mine]) * shift
         end = np.array([r["collapse_step"] if r["collapsed"] else r["steps"] for r in mine], dtype=float)
