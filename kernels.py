@@ -26,10 +26,10 @@ Every rounding to the input dtype (or to fewer bits) is marked "ROUND", and so a
 choice (S's scale, the exponent), in both precision modes ("fa2", as production kernels; "autocast", as the paper's
 PyTorch code); nanolp/emulate.py computes the same bits, every fp32 operation in the kernel's order (docs/kernel.md,
 "Two precision modes, ...").
-Reading order, each piece before its first use (as in Triton's tutorial): S and P (the scores and the exponent every
-kernel shares); the paper's rule (the forward's inner loop calls it); forward; backward; the experiments' switches
-(Numerics) and their roundings; host code, ending in the entry points forward and flash_attention. This file imports
-nothing of the project: copied alone it runs. Speed: docs/kernel.md, "Speed".
+Reading order, each piece before its first use (as in Triton's tutorial): S and P (the scores and the exponent of
+the forward and of the backward's products); the paper's rule (the forward's inner loop calls it); forward;
+backward; the experiments' switches (Numerics) and their roundings; host code, ending in the entry points forward
+and flash_attention. This file imports nothing of the project: copied alone it runs. Speed: docs/kernel.md, "Speed".
 """
 import functools
 import math
@@ -49,8 +49,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The notation's S and P in code, shared by the forward and both backward kernels: the backward must round S and
-# P exactly as the forward did.
+# The notation's S and P in code, shared by the forward and both backward kernels: the backward must round S (and in
+# "fa2" P) exactly as the forward did.
 
 @triton.jit
 def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
@@ -311,9 +311,10 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_
 @triton.jit
 def _bwd_probs(a, bT, lse, queries, keys, N, qk_scale, CAUSAL: tl.constexpr, AUTOCAST: tl.constexpr,
                FMA: tl.constexpr):
-    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward, in either
-    orientation: a bT = Q_i K_j^T gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query
-    and key indices come broadcast to that orientation ([:, None] for rows, [None, :] for columns)."""
+    """P = exp(S - lse) for a (query tile, key tile) pair, its exponent rounded exactly as in the forward in "fa2"
+    (in "autocast" exp in fp32, where the forward rounded S - m' first), in either orientation: a bT = Q_i K_j^T
+    gives P, a bT = K_j Q_i^T gives P^T (the dK/dV kernel's); lse and the query and key indices come broadcast to
+    that orientation ([:, None] for rows, [None, :] for columns)."""
     s = _scores(a, bT, qk_scale, AUTOCAST)
     valid = (queries < N) & (keys < N)
     if CAUSAL:

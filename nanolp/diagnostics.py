@@ -159,9 +159,10 @@ def _probe_pass(model, x, y, ctx, layer, replace=None):
     return (*seen["qkv"], seen["O"].detach()), dO.float()
 
 
-def delta_probe(model, batches, ctx, layer=PROBE_LAYER, seed=0):
+def delta_probe(model, batches, ctx, seed=0):
     """The probe_* columns (see the top of this file) over the batches [(x, y), ...]: means and standard errors
-    of the four terms, over every (batch row, head, query) of the layer."""
+    of the four terms, over every (batch row, head, query) of layer PROBE_LAYER (the log's columns name it)."""
+    layer = PROBE_LAYER
     generator = torch.Generator(device=batches[0][0].device).manual_seed(seed)
     terms = {term: [] for term in PROBE_TERMS}
     for x, y in batches:
