@@ -598,6 +598,19 @@ def test_findings_open_speed_numbers_are_their_file():
            f"{analyze.between(one_round, '.2f')}x), its fp32 O's store costing {min(short):+.1f}% to {max(short):+.1f}% below seq 4k" in text
 
 
+def test_findings_open_memorisation_numbers_are_the_logs():
+    """Section 10: the train loss's minimum in every kept log of a collapse of the rounding's failure (the kernel as
+    it ships, lr 1e-3 and 3e-3)."""
+    root = Path(analyze.__file__).parent
+    text = doc_section("docs/findings.md", "## 10. ", "## 11. ")
+    seed = [row for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] in ("off-fma", "paper")]
+    folders = [root / "results/seed_study/runs" / row["name"] for row in seed if row["log_kept"]]
+    folders.append(root / "results/lr_sweep/runs/off-lr3e-3-s0")
+    assert all(row["collapsed"] for row in seed) and len(folders) == 7
+    low = [float(np.nanmin(load_run(folder).series("train_loss")[1])) for folder in folders]
+    assert f"the train loss had first fallen to {analyze.between(low, '.3f')};" in text
+
+
 def fix_cost(root):
     """fix_cost.csv's forward+backward cost of the fix over fix off (per cent, paired rounds): (below seq 4k, from
     it), each a list over the shapes."""
