@@ -1,6 +1,6 @@
 """The failure against the learning rate: per arm (fix off, fix on, fp32 attention, rotary positions with the fix
-off), the step where layer 0's max logit first passes 100 and the step of the collapse (or how long a run went
-without one), against the lr.
+off and with fp32 attention), the step where layer 0's max logit first passes 100 and the step of the collapse (or
+how long a run went without one), against the lr.
 
     python -m experiments.lr_curve results/lr_sweep/runs.csv results/seed_study/runs.csv results/cure/runs.csv \\
         results/modern_block/runs.csv --out results/lr_sweep      -> lr_curve.csv, figures/lr_curve.png
@@ -23,7 +23,8 @@ from nanolp.runconfig import Parser, as_shipped
 from nanolp.runs import load_run, read_table, write_csv
 
 # flags -> nanolp.plots family (the second arm of a family is drawn in its second shade)
-ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32", "--fix off --pos rope": "fix off"}
+ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32", "--fix off --pos rope": "fix off",
+        "--attn fp32 --pos rope": "fp32"}
 SEED = 0
 PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs at lr 1e-3 sit at 11-23 before it)
 COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "past_100_step"]
@@ -150,7 +151,7 @@ def main(argv=None):
     plot(rows, args.out / "figures" / "lr_curve.png")
     for r in rows:
         end = f"collapsed at {r['collapse_step']:,}" if r["collapsed"] else f"no collapse in {r['steps']:,}"
-        print(f"{r['arm']:20s} lr {r['lr']:<7g} {end:24s} layer 0 past {PAST:g}: {r['past_100_step'] or '-'}")
+        print(f"{r['arm']:22s} lr {r['lr']:<7g} {end:24s} layer 0 past {PAST:g}: {r['past_100_step'] or '-'}")
 
 
 if __name__ == "__main__":

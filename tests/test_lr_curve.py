@@ -25,16 +25,16 @@ def test_first_past_is_the_first_logged_step_above_and_none_without_one():
 
 
 def test_committed_curve_is_its_studies_runs():
-    """results/lr_sweep/lr_curve.csv is points() of the four studies, regenerated, never typed; each arm has the
-    default lr's run and the sweep's."""
+    """results/lr_sweep/lr_curve.csv is points() of the four studies, regenerated, never typed; each arm has a run at
+    lr 1e-2, and all but the fp32 control of rotary positions (run at 1e-2 alone) the default lr's run too."""
     root = Path(__file__).resolve().parent.parent / "results"
     tables = [root / study / "runs.csv" for study in ("lr_sweep", "seed_study", "cure", "modern_block")]
     rows = lr_curve.points(tables)
     committed = read_table(root / "lr_sweep" / "lr_curve.csv")
     assert [{k: row[k] for k in lr_curve.COLUMNS} for row in committed] == rows
-    for arm in lr_curve.ARMS:
-        rates = [row["lr"] for row in rows if row["arm"] == arm]
-        assert 1e-3 in rates and len(rates) >= 2, arm
+    rates = {arm: [row["lr"] for row in rows if row["arm"] == arm] for arm in lr_curve.ARMS}
+    assert all(1e-2 in rates[arm] for arm in rates)
+    assert [arm for arm in rates if 1e-3 not in rates[arm]] == ["--attn fp32 --pos rope"]
 
 
 def refusal(argv, capsys):
@@ -72,7 +72,7 @@ def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
     lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix on", 3e-3, False, 40_000,
                                None), point("--fix on", 3e-3, False, 20_000, 9_000), point("--fix off", 3e-4, False,
                                40_000, None)])
-    assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` | `--fix off --pos rope` |",
-                     "|---|---|---|---|---|", "| 3e-4 | no collapse in 40,000 | - | - | - |",
+    assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` | `--fix off --pos rope` | `--attn fp32 --pos rope` |",
+                     "|---|---|---|---|---|---|", "| 3e-4 | no collapse in 40,000 | - | - | - | - |",
                      "| 3e-3 | **collapsed at 34,300**; past 100 at 4,000 | no collapse in 40,000; no collapse in 20,000; "
-                     "past 100 at 9,000 | - | - |"]
+                     "past 100 at 9,000 | - | - | - |"]
