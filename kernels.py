@@ -14,8 +14,9 @@ and in the backward, from the loss's gradient dO of O:
 
 The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with
 a one-signed error, which piles up in W_Q / W_K until the loss explodes. THE FIX: delta reads the forward's fp32
-O, before its final cast. Each hop is marked "THE FIX": the forward's epilogue stores the fp32 O (_fwd_kernel),
-output_and_delta_o chooses it, _FlashAttention hands it to the backward, _bwd_delta_kernel reads it. The O
+O, before its final cast. Each hop is marked "THE FIX", numbered in the order the data takes: flash_fwd turns fix
+"on" into the kernel's KEEP_O32 (1), the forward's epilogue stores the fp32 O (2, _fwd_kernel), output_and_delta_o
+chooses it (3), _FlashAttention hands it to the backward (4), _bwd_delta_kernel reads it (5). The O
 returned and every other number are plain FlashAttention-2's, so the fix costs one fp32 store and its memory until
 the backward.
 fix="on" is the fix (the default); fix="off" plain FlashAttention-2; fix="paper" the paper's own rule, which
@@ -238,7 +239,8 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 AUTOCAST: tl.constexpr, SHIFT: tl.constexpr, P_BITS: tl.constexpr, O_BITS: tl.constexpr,
                 FMA: tl.constexpr, KEEP_O32: tl.constexpr):
-    # One program per (query tile, batch * head). O32 (KEEP_O32 only, else None): THE FIX's fp32 O (below).
+    # One program per (query tile, batch * head). O32 (KEEP_O32 only, which flash_fwd sets, else None): the fp32 O
+    # that THE FIX's delta reads, or that the stochastic-rounding experiments round (below).
     # SHIFT: the paper's rule's constants (fix_constants; None without it). P_BITS, O_BITS: _round_bits; FMA: _exp2.
     tl.static_assert(BLOCK_M % BLOCK_N == 0)      # so a query tile's diagonal starts on a key tile (below)
     bh = tl.program_id(1).to(tl.int64)
@@ -277,8 +279,9 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),    # ROUND: O
              mask=offs_m[:, None] < N)
     if KEEP_O32:
-        # THE FIX (1, the store): the fp32 o the cast above rounded, stored beside O for the backward's delta
-        # (output_and_delta_o). O32 is laid out as O: O's strides serve it.
+        # THE FIX (2, the store): the fp32 o the cast above rounded, stored beside O for the backward's delta
+        # (output_and_delta_o; the stochastic-rounding experiments round it there). O32 is laid out as O: O's
+        # strides serve it.
         O32 += b * stride_ob + h * stride_oh
         tl.store(O32 + offs_m[:, None] * stride_om + offs_d[None, :], o, mask=offs_m[:, None] < N)
     lse = m_i + (tl.log(l_i) if AUTOCAST else tl.math.log2(l_i))
@@ -295,8 +298,9 @@ def _fwd_kernel(Q, K, V, O, O32, LSE,
 @triton.jit
 def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, H, N, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    # delta = rowsum(dO * O), from the O the forward stored: this is where the bias in O enters the gradient.
-    # THE FIX (4, the read): with fix "on" this O is the forward's fp32 O (_FlashAttention saved it).
+    # delta = rowsum(dO * O), from the O _FlashAttention saved (output_and_delta_o): this is where the bias in O
+    # enters the gradient. THE FIX (5, the read): with fix "on" this O is the forward's fp32 O (hops 1, 3 and 4 are
+    # in the host code below).
     bh = tl.program_id(1).to(tl.int64)
     O += (bh // H) * stride_ob + (bh % H) * stride_oh
     DO += (bh // H) * stride_ob + (bh % H) * stride_oh        # dO is in O's layout
@@ -567,8 +571,9 @@ FIXES = ("off", "on", "paper")   # fix's values, as flash_attention and train.py
 
 
 def check_fix(fix, numerics):
-    """fix's one check where it enters: flash_attention's (check_inputs) and train.py's (nanolp/runconfig.py,
-    which says it in flags); with fix "on" delta reads the fp32 O, so numerics may ask for no other."""
+    """fix's one check where it enters: flash_attention's (through forward's check_inputs) and train.py's
+    (nanolp/runconfig.py, which says it in flags); with fix "on" delta reads the fp32 O, so numerics may ask for no
+    other."""
     if fix not in FIXES:
         raise ValueError(f'fix must be "off", "on" or "paper", got {fix!r}')
     if fix == "on" and numerics.delta not in ("o", "fp32-o"):
@@ -654,7 +659,7 @@ def delta_reads(fix, delta_from):
 
 def output_and_delta_o(o, o32, fix, stochastic, delta_from):
     """From the kernel's O and its fp32 O (o32, where kept), the O the caller gets and the O delta reads (o
-    itself where it reads that). THE FIX (2, the choice): with fix "on" (or delta_from "fp32-o") delta reads
+    itself where it reads that). THE FIX (3, the choice): with fix "on" (or delta_from "fp32-o") delta reads
     o32; the caller's O is the same bits either way (docs/kernel.md, "The fix"). The other cases are the
     stochastic-rounding experiments' (Numerics)."""
     if stochastic:
@@ -675,7 +680,8 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, f
     (_FlashAttention)."""
     B, H, N, D = q.shape
     o = empty_in_layout_of(q)
-    # wherever output_and_delta_o reads the fp32 O, the kernel keeps it
+    # THE FIX (1, the flag): with fix "on" the kernel keeps the fp32 O (KEEP_O32); so it does wherever else
+    # output_and_delta_o reads it (the experiments' delta "fp32-o" and "stochastic-o", and stochastic_o)
     keep_o32 = stochastic or delta_reads(fix, delta_from) in ("fp32-o", "stochastic-o")
     o32 = empty_in_layout_of(q, torch.float32) if keep_o32 else None
     assert o32 is None or o32.stride() == o.stride()     # the kernel stores both with O's strides
@@ -774,7 +780,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, fix, delta_from, precision, p_bits, o_bits, stochastic, fma):
         o, lse, *o_delta = direct(flash_fwd_op, flash_fwd)(q, k, v, causal, fix, delta_from, precision, p_bits,
                                                            o_bits, stochastic, fma)
-        # THE FIX (3, the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
+        # THE FIX (4, the hand-off): the O that delta will read is saved, with fix "on" the fp32 O
         ctx.save_for_backward(q, k, v, *(o_delta or [o]), lse)
         ctx.args = (causal, precision, delta_from == "p", fma)
         ctx.mark_non_differentiable(lse, *o_delta)
@@ -816,8 +822,9 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
         the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
-    fix: "on" (the default): the backward's delta reads the forward's fp32 O (costs that fp32 O's store and
-            its memory until the backward, where one can follow); O and every other number are fix "off"'s.
+    fix: "on" (the default here, for drop-in use; train.py's --fix defaults to "off", the failing setting): the
+            backward's delta reads the forward's fp32 O (costs that fp32 O's store and its memory until the
+            backward, where one can follow); O and every other number are fix "off"'s.
         "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
         "paper": the paper's rule, a tied row's max shifted up, for the experiments (it leaves O's final cast's
             error, which fails our runs); O is fix "off"'s up to the shift's rounding (docs/kernel.md).
@@ -826,7 +833,8 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     passes, no atomics: the same bits every run).
     """
     numerics = as_numerics(numerics)
-    # no backward can follow: no fp32 O to store, and O is the same bits (what is not a tensor, forward refuses)
+    # THE FIX where no backward can follow: no fp32 O to store, and O is the same bits (what is not a tensor,
+    # forward refuses)
     if fix == "on" and numerics.delta == "o" and not (torch.is_grad_enabled() and
                                                       any(getattr(t, "requires_grad", True) for t in (q, k, v))):
         fix = "off"

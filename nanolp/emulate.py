@@ -155,7 +155,7 @@ def _mask(S, col0, n_keys, causal):
 def forward(q, k, v, causal=True, shift=False, numerics=Numerics()):
     """Returns (O in the input dtype, O before its cast to that dtype in fp32, lse in the kernel's units), with
     the paper's shift on or off: the kernel's epilogue, which stores the fp32 O beside O only where it is read
-    (kernels.flash_fwd_op's KEEP_O32); the mechanism tests use it to show what it carries."""
+    (kernels.flash_fwd's keep_o32, _fwd_kernel's KEEP_O32); the mechanism tests use it to show what it carries."""
     dtype = q.dtype
     B, H, N, D = q.shape
     precision, p_bits, o_bits = numerics.precision, numerics.p_bits, numerics.o_bits
@@ -275,8 +275,8 @@ class _EmulatedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, fix, numerics, one_pass):
         o, o32, lse = forward(q, k, v, causal, fix == "paper", numerics)
         stochastic = numerics.stochastic_o == "forward"
-        o, o_delta = output_and_delta_o(o, o32, fix, stochastic, numerics.delta)   # as the kernel
-        ctx.save_for_backward(q, k, v, o_delta, lse)   # the O that delta will read
+        o, o_delta = output_and_delta_o(o, o32, fix, stochastic, numerics.delta)   # THE FIX (3), as kernels.py
+        ctx.save_for_backward(q, k, v, o_delta, lse)   # THE FIX (4): the O that delta will read
         ctx.args = (causal, numerics.precision, numerics.delta == "p", numerics.fma, one_pass)
         return o
 

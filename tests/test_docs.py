@@ -357,16 +357,20 @@ def test_findings_delta_term_numbers_are_their_files():
     root = Path(analyze.__file__).parent
     text = doc_section("docs/findings.md", "## 2. ", "## 3. ")
     study = root / "results/seed_study/runs"
-    drift = lambda run: (lambda s, v: v.max() / v[s == 10_000][0])(*load_run(run).series(analyze.LOGIT))
+    def drift(run, until=np.inf):   # layer 0's max logit up to a step, over its value at step 10,000
+        steps, logit = load_run(run).series(analyze.LOGIT)
+        return logit[steps <= until].max() / logit[steps == 10_000][0]
+
     fp32 = {int(run.name[-1]): drift(run) for run in sorted(study.glob("attn-fp32-s*"))}
     both = {int(run.name[-1]): drift(run) for run in sorted(study.glob("paper-fp32-o-s*"))}
     cure = read_table(root / "results/cure/runs.csv")
-    on = [drift(root / "results/cure/runs" / row["name"]) for row in cure]
+    on = [drift(root / "results/cure/runs" / row["name"], until=150_000) for row in cure]   # the controls' steps
     assert f"(fp32 attention's at most {analyze.between(fp32.values(), '.2f')}x its step-10,000 value on " \
            f"{seeds_text(sorted(fp32))}, the paper's rule with the fp32 O's {analyze.between(both.values(), '.2f')}x " \
            f"on {seeds_text(sorted(both))}: the slow drift is training's; `--fix on`'s " \
-           f"{analyze.between(on, '.2f')}x on {seeds_text([row['seed'] for row in cure])}, over " \
-           f"{analyze.between([row['steps'] for row in cure], ',')} steps)" in text
+           f"{analyze.between(on, '.2f')}x on {seeds_text([row['seed'] for row in cure])} over the same 150,000 " \
+           f"steps)" in text
+    assert all(row["steps"] >= 150_000 for row in cure)
     rows = read_table(root / "results/seed_study/runs.csv")
     onset = onset_lines(root / "results/seed_study/onset.txt")
     off = [onset[row["name"]] for row in rows if fix_off(row)]
@@ -445,8 +449,9 @@ def test_findings_curvature_numbers_are_their_files():
     text = doc_section("docs/findings.md", "## 4. ", "## 5. ")
     probe = json.loads((root / "results/delta_probe/runs/off-s0/config.json").read_text())
     assert f"The probe (layer 0, every {probe['diag_interval']:,} steps on training batches)" in text
-    before = [row for row in read_table(root / "results/delta_probe/probe_runs.csv")
-              if row["probe_batches"] == "train" and row["phase"] == 1 and row["term"] == "total"]
+    phase1 = [row for row in read_table(root / "results/delta_probe/probe_runs.csv")
+              if row["probe_batches"] == "train" and row["phase"] == 1]
+    before = [row for row in phase1 if row["term"] == "total"]
     high_lr = {row["name"] for row in read_table(root / "results/lr_sweep/runs.csv") if row["lr"] >= 1e-2}
     learnt = [row for row in before if row["run"] not in high_lr]
     assert learnt and all(row["mean"] > 0 for row in learnt)
@@ -457,6 +462,10 @@ def test_findings_curvature_numbers_are_their_files():
     assert "positive before the runaway in every run it read that learnt its text (all but the two in fp32 attention " \
            f"at lr 1e-2, their train loss at its lowest {listed([f'{x:.2f}' for x in low])}: t " \
            f"{listed([format(row['t'], '+.1f') for row in never])})" in text
+    lin = {row["run"]: row["t"] for row in phase1 if row["term"] == "lin" and row["run"] not in high_lr}
+    assert lin.keys() == {row["run"] for row in learnt} and min(lin, key=lin.get) == "on-s4"
+    assert f"(the first-order term's t per run from {min(lin.values()):+.1f}, `--fix on` on seed 4, to " \
+           f"{max(lin.values()):+.1f} over those {len(lin)} runs" in text
     report = (root / "results/mechanism/report.md").read_text().split("### The curvature effect")[1].split("###")[0]
     ratios = [float(cells[-1]) for line in report.splitlines() if line.startswith("| ")
               for cells in [[c.strip() for c in line.strip("|").split("|")]] if re.fullmatch(r"[\d.]+", cells[-1])]
