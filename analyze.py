@@ -19,7 +19,6 @@ Runs are named by their arm: the train.py flags that set them apart from their p
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -100,7 +99,7 @@ def medians(values, unit=""):
     return f"{number}{unit}, the median {rest}" if rest else f"{words}{unit}"
 
 
-def outcome(group):
+def group_outcome(group):
     """An arm's runs in a few words, several runs' steps as the median (range): "10 runs: 10 collapsed at step
     91,028, the median (52,440-141,554)", "4 runs: no collapse in 150,000 steps, the median (150,000-152,000)", "3
     runs: 1 collapsed at step 300; 1 without a collapse in 390 steps; 1 stopped at step 10, before its end
@@ -199,7 +198,7 @@ def plot_headline(runs, study, path, title):
                      markersize=14, markeredgewidth=1.6, zorder=4)
         logs = "" if len(lines) == len(group) else f"; lines: {len(lines)} of them" if lines else "; no lines"
         handles.append(Line2D([], [], color=colour, linewidth=1.6, linestyle=style.get("linestyle", "-"),
-                              label=f"{command(name)}: {outcome(group)}{logs}"))
+                              label=f"{command(name)}: {group_outcome(group)}{logs}"))
     if medians_drawn:
         handles.append(Line2D([], [], color="gray", linewidth=2.6,
                               label=f"median of an arm's lines, while all of them (at least {MEDIAN_RUNS}) are alive"))
@@ -443,7 +442,7 @@ def seed_list(seeds):
     return ", ".join(map(str, seeds))
 
 
-def by_flags(rows):
+def rows_by_arm(rows):
     """A study's runs.csv rows (nanolp.runs.read_table) by arm, in the order the arms first appear, less the rows
     of patched kernels (no train.py command: results/README.md has those)."""
     arms = {}
@@ -454,8 +453,8 @@ def by_flags(rows):
 
 
 def readme_order(arms):
-    """README's order of by_flags' arms: the fix off, then the fix on (the two commands README is about), then the
-    others as they first appear."""
+    """README's order of rows_by_arm's arms: the fix off, then the fix on (the two commands README is about), then
+    the others as they first appear."""
     first = ("--fix off", "--fix on")
     rank = lambda item: first.index(item[1][0]["flags"]) if item[1][0]["flags"] in first else len(first)
     return dict(sorted(arms.items(), key=rank))
@@ -516,12 +515,13 @@ def shipped_commands(rows):
     its rows, the steps of those that collapsed, and their minutes alone on the H200 (alone_minutes; None)."""
     shipped = [row for row in rows if as_shipped(row)]
     return [(group, [row["collapse_step"] for row in group if row["collapsed"]],
-             alone_minutes(group, kin_of(group, shipped))) for group in readme_order(by_flags(shipped)).values()]
+             alone_minutes(group, kin_of(group, shipped)))
+            for group in readme_order(rows_by_arm(shipped)).values()]
 
 
 def shipped_table(rows):
     """README's table: one line per train.py command of the runs of the kernel as it ships (as_shipped) among rows
-    (table_rows), in the order they first appear: its runs, how many collapsed, at which step (or how long they ran
+    (table_rows), in README's order (readme_order): its runs, how many collapsed, at which step (or how long they ran
     without one), the minutes that takes alone on the H200 (alone_minutes) and layer 0's peak (from the kept
     logs)."""
     lines = ["| command | runs (seeds) | collapsed | steps: to the collapse, or run without one | minutes alone on "
@@ -562,7 +562,7 @@ def study_table(rows):
     first appear, a line on the arms that ran away without a collapse, and one on how long the fix-off arms take to
     collapse alone on the GPU. The peak max logit over all layers is every row's (runs.csv's max_logit), layer 0's
     comes from the runs whose logs are kept."""
-    arms, variants = by_flags(rows), [row for row in rows if row.get("variant")]
+    arms, variants = rows_by_arm(rows), [row for row in rows if row.get("variant")]
     lines = ["| arm | command | runs (seeds) | logs kept | collapsed | steps to collapse: median (range) "
              "| steps without a collapse: median (range) | training minutes to collapse | peak max logit, any layer "
              f"| peak of {LOGIT} (kept logs) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -687,8 +687,10 @@ def main(argv=None):
                       help="rewrite the tables of a study's runs.csv (or of several studies', in one table) in "
                            "README.md, results/README.md and docs/findings.md (between their markers); no runs")
     args = parser.parse_args(argv)
-    if args.mechanism and args.runs:
-        parser.error("--mechanism reads no runs")
+    if (args.mechanism or args.table) and args.runs:
+        parser.error(f"--{'mechanism' if args.mechanism else 'table'} reads no runs")
+    if args.table and args.out:
+        parser.error("--table writes the docs' tables in place: no --out")
     given = args.table if args.table else [] if args.mechanism else args.runs or ["runs"]
     missing = [str(path) for path in given if not Path(path).exists()]
     if missing:   # one line, not a traceback
@@ -702,7 +704,7 @@ def main(argv=None):
     paths = [] if args.mechanism else find_runs(given)
     if not args.mechanism and not paths:
         fail(f"no run folders (with a log.csv or log.csv.gz) in {', '.join(given)}")
-    root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path("runs")
+    root = Path(os.path.commonpath([p.parent.absolute() for p in paths])) if paths else Path("runs")
     out = args.out or root / "figures"
     runs = load_runs(paths)   # (one with a damaged file: left out, in one line)
     if paths and not runs:

@@ -9,14 +9,15 @@ the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS be
     python train.py --preset tiny --fix on      # a CPU smoke run, through the kernel's emulation: no collapse
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
 
-DEFAULT below holds the settings, each a flag but AdamW's, the clipping's and eval_iters (--device's and --compile's
-follow the machine: nanolp/runconfig.py). The experiments (--help) change the attention's numerics. Below the
-settings, the training (train): the data, the model, the optimizer, then the loop, which detects a collapse, logs
-the diagnostics and writes the checkpoints; then the command line (main). A run writes runs/<name>/ (its files, and
-which folders a command may write or resume: nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A
-command that cannot run is refused before it writes anything (exit status 2); so is a preset sized for a GPU on a
-machine without one, unless --device cpu insists. Ctrl-C stops a run with one line that names its last checkpoint
-and the command that continues from it, or says that nothing was trained yet (exit status 130).
+DEFAULT below holds the settings (--device's and --compile's follow the machine: nanolp/runconfig.py). The
+experiments (--help) change the attention's numerics. Below the settings, the training (train): the data, the model,
+the optimizer, then the loop, which detects a collapse, logs the diagnostics and writes the checkpoints; then the
+command line (main). A run writes runs/<name>/ (its files, and which folders a command may write or resume:
+nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A command that cannot run is refused before it
+writes anything (exit status 2); so is a preset sized for a GPU on a machine without one, unless --device cpu
+insists. Ctrl-C stops a run with one line (exit status 130): its last checkpoint and the command that continues from
+it; before the first checkpoint, that there is nothing to resume; after a collapse, that the run has ended (its
+summary written).
 """
 
 import hashlib
@@ -88,14 +89,16 @@ CHOICES = dict(attn=ATTN_BACKENDS, pos=POSITIONS)
 def train(c, corpus, resume):
     """Train the run that settings c describe (nanolp.runconfig.resolve_config) on the text's tokens (corpus:
     nanolp.data.prepare) in its folder, claimed (nanolp.runs.claim_folder), from scratch or, on resume, from its
-    latest checkpoint; until c["steps"], c["minutes"] or a collapse. A row of log.csv every log interval, a checkpoint
-    every checkpoint interval and at the end. Returns the run's summary; Ctrl-C raises nanolp.runs.Stopped."""
+    latest checkpoint; until c["steps"], c["minutes"] or a collapse. A row of log.csv every log interval (and at
+    every evaluation, diagnostics and checkpoint interval), a checkpoint every checkpoint interval and at the end.
+    Returns the run's summary; Ctrl-C raises nanolp.runs.Stopped."""
     run_dir, device = Path(c["out"]) / c["name"], torch.device(c["device"])
     B, T = c["batch_size"], c["block_size"]
 
-    # the data: the text's tokens on the device. The diagnostics' batches: one of the validation text, and
-    # delta_probe's rows, fixed batches of the training text, where the memorised model's gradient is tiny (the
-    # regime the curvature effect is about: docs/findings.md, section 4), drawn with a seed no run may take.
+    # the data: the text's tokens on the device. The diagnostics' batches: one of the validation text, and the
+    # probe's rows (nanolp.diagnostics.delta_probe), fixed batches of the training text, where the memorised model's
+    # gradient is tiny (the regime the curvature effect is about: docs/findings.md, section 4), drawn with a seed no
+    # run may take.
     train_tokens, val_tokens = corpus.train.long().to(device), corpus.val.long().to(device)
     diag_x, diag_y = data.get_batch(val_tokens, min(B, DIAG_ROWS), T, seed=0, step=0)
     probe = [data.get_batch(train_tokens, B, T, seed=data.PROBE_SEED, step=i) for i in range(PROBE_BATCHES)]
@@ -116,7 +119,7 @@ def train(c, corpus, resume):
     # the loop's whole state: a checkpoint of it (with model and optimizer) continues the run exactly. On resume the
     # state, the model and the optimizer come from the newest good checkpoint, and log.csv is cut back to its step.
     columns = BASE_COLUMNS + diag_columns(c["n_layer"], c["n_head"], c["qk_norm"])
-    state = dict(step=0, elapsed=0.0, ema=None, loss_min=math.inf)
+    state = dict(step=0, elapsed=0.0, ema=None, loss_min=math.inf)   # ema, loss_min: the spike test's (loss_spike)
     if resume:
         state = runs.resume(run_dir, c, model, optimizer, columns)
     else:   # (claim_folder made sure that the folder holds no run)
@@ -142,7 +145,7 @@ def train(c, corpus, resume):
     summary = None
     try:
         while step < stop_at:
-            # the step: forward, backward, clip, update
+            # the step: its batch (a pure function of seed and step), forward, backward, clip, update
             lr = get_lr(step, c)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -263,7 +266,7 @@ def print_outcome(run_dir, c, summary):
     logits = [v for v in runs.read_log(run_dir / "log.csv").get(LOGIT, []) if math.isfinite(v)]
     if logits:
         print(f"layer {PROBE_LAYER}'s max attention logit peaked at {max(logits):.4g}")
-    print(f"run folder: {run_dir} (summary.json: the outcome and every setting)")
+    print(f"run folder: {run_dir} (summary.json: the outcome and the arm; config.json: every setting)")
     print(f"next: python analyze.py {c['out']}   (figures and report.md of the runs in {c['out']}, written to "
           f"{Path(c['out']) / 'figures'})")
 

@@ -140,7 +140,8 @@ def parser(presets, choices, preset="default"):
     sizes = "; ".join(f"{name}, {what} ({presets[name]['n_layer']} layers of {presets[name]['n_embd']} channels, "
                       f"{presets[name]['steps']:,} steps)" for name, what in (
                           ("default", "the demo, for one GPU"), ("tiny", "a smoke run for a CPU"),
-                          ("gpt2", "GPT-2 small's shape")))
+                          ("gpt2", "GPT-2 small's shape"), ("corpus", "the default on data/corpus/input.txt, a text "
+                                                                      "~100x TinyShakespeare")))
     demo.add_argument("--preset", choices=presets, help=f"the model's size and the run's length, which set the "
                                                         f"other defaults: {sizes} (default default)")
     demo.add_argument("--out", metavar="DIR", help="the folder that run folders go in" + show("out"))
@@ -160,7 +161,7 @@ def parser(presets, choices, preset="default"):
                                "this small (default: reduce-overhead on a GPU, off on a CPU)")
     training.add_argument("--device", help="where to train: cpu, cuda, cuda:1, ... (default: cuda if there is "
                                            "one, else cpu)")
-    for interval, what in (("log", "rows of log.csv (the training loss)"), ("eval", "validation losses"),
+    for interval, what in (("log", "rows of log.csv (the training loss; a row also at each of the others)"), ("eval", "validation losses"),
                            ("diag", "diagnostics (each layer's max attention logit, W_Q and W_K norms, ...: "
                                     "nanolp/diagnostics.py)"),
                            ("ckpt", "checkpoints (the latest 3 kept in ckpt/; --resume starts from the last)")):

@@ -556,14 +556,19 @@ def load_run(path):
 
 
 def load_runs(paths):
-    """The runs at `paths`, less those with a file that cannot be read, each named in one line: a table of many runs
-    is not lost to one damaged file."""
+    """The runs at `paths`, less those with a file that cannot be read or a log without a row, each named in one
+    line: a table of many runs is not lost to one damaged file."""
     runs = []
     for path in paths:
         try:
-            runs.append(load_run(path))
+            run = load_run(path)
         except DamagedFile as e:
             print(f"{path}: left out, {e}")
+            continue
+        if run.series("step") is None:   # stopped before its first log row
+            print(f"{path}: left out, its log has no row yet")
+        else:
+            runs.append(run)
     return runs
 
 

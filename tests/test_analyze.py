@@ -441,7 +441,7 @@ def test_a_killed_run_is_counted_as_stopped(tmp_path):
     write_run(tmp_path, "fell-s4", 4, True, rng)
     runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
     assert [run.ended for run in runs] == ["finished", "collapsed", "stopped", "running", "stopped"]
-    words = analyze.outcome(runs)
+    words = analyze.group_outcome(runs)
     assert words == ("5 runs: 1 collapsed at step 300; 1 without a collapse in 390 steps; 2 stopped at step 390, "
                      "before their end (killed); 1 still running (step 390)")
     rates = analyze.arm_rates(runs)[0]
@@ -480,6 +480,29 @@ def test_a_missing_folder_is_named(tmp_path, monkeypatch, capsys):
         "analyze.py: error: not a study's runs.csv (a CSV with columns name, arm and flags): README.md, empty\n")
     (tmp_path / "runs.csv").write_text("name,arm,flags\n")
     assert refused(["--table", "runs.csv"], capsys).startswith("analyze.py: error: no block of runs.csv in README.md")
+
+
+def test_a_run_without_a_log_row_is_left_out_and_paths_may_mix(tmp_path, monkeypatch, capsys):
+    """A run stopped before its first log row (train.py writes log.csv's header at its start) is named in one line
+    and left out; run folders given as relative and absolute paths are one set of runs."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    write_run(Path("runs"), "off-s0", 0, False, rng)
+    write_run(tmp_path / "more", "off-s1", 1, False, rng)
+    (tmp_path / "more" / "new").mkdir()
+    (tmp_path / "more" / "new" / "log.csv").write_text(",".join(columns()) + "\n")
+    analyze.main(["runs", str(tmp_path / "more")])
+    assert f"{tmp_path / 'more' / 'new'}: left out, its log has no row yet" in capsys.readouterr().out
+    report = (tmp_path / "figures" / "report.md").read_text()
+    assert "off-s0" in report and "off-s1" in report and "new" not in report
+
+
+def test_a_table_takes_no_runs_and_no_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("runs.csv").write_text("name,arm,flags,log_kept\n")
+    assert refused(["runs", "--table", "runs.csv"], capsys) == "analyze.py: error: --table reads no runs\n"
+    assert refused(["--table", "runs.csv", "--out", "x"], capsys) == \
+        "analyze.py: error: --table writes the docs' tables in place: no --out\n"
 
 
 def test_no_readable_run_or_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
@@ -719,4 +742,4 @@ def test_readme_order_puts_the_fix_off_then_on_first():
     """README's table and commands open with the two commands it is about, whatever order the studies ran in."""
     rows = [dict(arm=arm, flags=flags) for arm, flags in (("fp32", "--attn fp32"), ("on", "--fix on"),
                                                           ("off", "--fix off"), ("paper", "--fix paper"))]
-    assert list(analyze.readme_order(analyze.by_flags(rows))) == ["off", "on", "fp32", "paper"]
+    assert list(analyze.readme_order(analyze.rows_by_arm(rows))) == ["off", "on", "fp32", "paper"]

@@ -50,7 +50,7 @@ def test_readme_table_is_one_row_per_command_of_the_kernel_as_it_ships():
     study = study_runs(root / "results/seed_study/runs.csv")
     shipped = [run for run in study if analyze.as_shipped({**run.config, **run.summary})]
     assert sorted(analyze.command(name) for name in analyze.by_arm(shipped)) == sorted(commands)
-    assert all(len(analyze.by_flags([row])) == 1 and row["exponent"] for row in rows if analyze.as_shipped(row))
+    assert all(len(analyze.rows_by_arm([row])) == 1 and row["exponent"] for row in rows if analyze.as_shipped(row))
 
 
 def test_readme_numbers_are_their_files():

@@ -88,7 +88,7 @@ def test_smoke_run_learns_and_writes_its_folder(run, tmp_path, capsys):
     assert end[1] == train.TINY_NOTE   # at this size no collapse is expected: the run checks the pipeline
     assert end[2:] == [
         f"layer 0's max attention logit peaked at {peak:.4g}",
-        f"run folder: {run_dir} (summary.json: the outcome and every setting)",
+        f"run folder: {run_dir} (summary.json: the outcome and the arm; config.json: every setting)",
         f"next: python analyze.py {tmp_path / 'runs'}   (figures and report.md of the runs in {tmp_path / 'runs'}, "
         f"written to {tmp_path / 'runs' / 'figures'})"]
     rows = read_log(run_dir)
