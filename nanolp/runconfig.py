@@ -161,7 +161,8 @@ def parser(presets, choices, preset="default"):
                                "this small (default: reduce-overhead on a GPU, off on a CPU)")
     training.add_argument("--device", help="where to train: cpu, cuda, cuda:1, ... (default: cuda if there is "
                                            "one, else cpu)")
-    for interval, what in (("log", "rows of log.csv (the training loss; a row also at each of the others)"), ("eval", "validation losses"),
+    for interval, what in (("log", "rows of log.csv (the training loss; a row also at each of the others)"),
+                           ("eval", "validation losses"),
                            ("diag", "diagnostics (each layer's max attention logit, W_Q and W_K norms, ...: "
                                     "nanolp/diagnostics.py)"),
                            ("ckpt", "checkpoints (the latest 3 kept in ckpt/; --resume starts from the last)")):

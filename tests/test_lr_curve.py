@@ -72,7 +72,8 @@ def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
     lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix on", 3e-3, False, 40_000,
                                None), point("--fix on", 3e-3, False, 20_000, 9_000), point("--fix off", 3e-4, False,
                                40_000, None)])
-    assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` | `--fix off --pos rope` | `--attn fp32 --pos rope` |",
+    assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` | `--fix off --pos rope` | "
+                     "`--attn fp32 --pos rope` |",
                      "|---|---|---|---|---|---|", "| 3e-4 | no collapse in 40,000 | - | - | - | - |",
                      "| 3e-3 | **collapsed at 34,300**; past 100 at 4,000 | no collapse in 40,000; no collapse in 20,000; "
                      "past 100 at 9,000 | - | - | - |"]
