@@ -85,13 +85,14 @@ def test_readme_numbers_are_their_files():
     past = [int(s[0][np.argmax(s[1] > 100)]) for run in high for s in map(run.series, run.columns(r"max_logit_L\d+"))]
     assert len(high) == 5 and max(past) == 1_000   # (the first diagnostic; three attentions, rotary in bf16 and fp32)
     assert f"The learning rate (seed 0): at 3e-3 `--fix off` collapsed at step " \
-           f"{lr['off-lr3e-3-s0']['collapse_step']:,}, `--fix on` not in {lr['on-lr3e-3-s0']['steps']:,} steps; at " \
-           f"1e-2 every attention's logits ran away by " \
-           f"step 1,000, fp32's too; bf16's collapsed (fix off at {lr['off-lr1e-2-s0']['collapse_step']:,}, fix on " \
+           f"{lr['off-lr3e-3-s0']['collapse_step']:,}, `--fix on` and rotary positions not in " \
+           f"{lr['on-lr3e-3-s0']['steps']:,} steps; at 1e-2 every attention's logits ran away by " \
+           f"step 1,000; bf16's collapsed (fix off at {lr['off-lr1e-2-s0']['collapse_step']:,}, fix on " \
            f"at {lr['on-lr1e-2-s0']['collapse_step']:,}, rotary positions at " \
            f"{lr['rope-lr1e-2-s0']['collapse_step']:,}), fp32 not (in {lr['fp32-lr1e-2-s0']['steps']:,} steps; " \
            f"rotary, {lr['rope-fp32-lr1e-2-s0']['steps']:,})" in readme
-    assert not lr["on-lr3e-3-s0"]["collapsed"]
+    assert lr["on-lr3e-3-s0"]["steps"] == lr["rope-lr3e-3-s0"]["steps"]
+    assert not lr["on-lr3e-3-s0"]["collapsed"] and not lr["rope-lr3e-3-s0"]["collapsed"]
     assert not any(lr[name]["collapsed"] for name in lr if "lr1e-2" in name and lr[name]["attn"] == "fp32")
     # the late stage: the fork's step, and how long each exponent trained past it
     late = {row["name"]: row for row in read_table(root / "results/late_stage/runs.csv")}
@@ -566,6 +567,15 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"{others(off3):.0f}, and the loss collapsed at step {rows['off-lr3e-3-s0']['collapse_step']:,}, after " \
            f"the model had learnt its text (train loss at its minimum {low(off3):.2f}), against " \
            f"{min(default):,}-{max(default):,} steps at the default 1e-3" in text
+    rope3, rope3_l0 = rows["rope-lr3e-3-s0"], layers(runs["rope-lr3e-3-s0"])[0]
+    assert f"Rotary positions at 3e-3 (`--fix off --pos rope --lr 3e-3`) did not collapse in {rope3['steps']:,} " \
+           f"steps, layer 0 at most {rope3_l0[1].max():.1f} (at step {int(rope3_l0[0][np.argmax(rope3_l0[1])]):,}) " \
+           f"and {at(rope3_l0, 10_000):.1f} at step 10,000, after learning its text as far (train loss at its " \
+           f"minimum {low(runs['rope-lr3e-3-s0']):.2f})" in text
+    assert not rope3["collapsed"] and rope3["steps"] > rows["off-lr3e-3-s0"]["collapse_step"]
+    fp32_4 = rows["fp32-lr3e-4-s0"]
+    assert f"At 3e-4 fp32 attention trained {fp32_4['steps']:,} steps with layer 0 at most " \
+           f"{layers(runs['fp32-lr3e-4-s0'])[0][1].max():.1f}" in text and not fp32_4["collapsed"]
     high = [name for name in rows if "lr1e-2" in name]
     first = min(int(s[0][0]) for name in high for s in layers(runs[name]).values())
     assert all(past(s, 100) == first for name in high for s in layers(runs[name]).values()) and len(high) == 5
