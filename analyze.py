@@ -28,7 +28,7 @@ from matplotlib.lines import Line2D
 from experiments import lr_curve   # the by-lr table: the learning-rate curve's points
 from experiments.mechanism import demonstrate   # --mechanism: a study on synthetic rows, no runs
 from nanolp import probe
-from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS   # the layer that runs away, its column; sharp rows
+from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS, TIE_TOL   # the runaway layer, its column; sharp, tied
 from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, log_path, read_table, study_runs, write_csv
@@ -383,8 +383,8 @@ def analyze_runs(runs, out):
     if layers:
         figures.append(plot_grid(
             runs, styles, [[f"tie_rate_L{i}" for i in layers], [f"sharp_rate_L{i}" for i in layers]],
-            "tie rate: rows with >= 2 scores within TIE_TOL of the row max; below, sharp rate: rows whose "
-            f"largest P exceeds 1 - {SHARP_EPS:g}", "fraction of rows", out / "tie_rate.png"))
+            f"tie rate: rows with >= 2 scores within 2^{np.log2(TIE_TOL):.0f} of the row max; below, sharp rate: "
+            f"rows whose largest P exceeds 1 - {SHARP_EPS:g}", "fraction of rows", out / "tie_rate.png"))
         figures.append(plot_grid(
             runs, styles, [[f"delta_err_L{i}" for i in layers], [f"delta_push_L{i}" for i in layers]],
             "cumulative signed delta error (top) and its push on |W_Q|^2 + |W_K|^2 (bottom), summed over logged steps",
