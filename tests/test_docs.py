@@ -63,7 +63,8 @@ def test_readme_numbers_are_their_files():
     study = root / "results/seed_study"
     rows = read_table(study / "runs.csv")
     cure = read_table(root / "results/cure/runs.csv")   # (--fix on reads the fp32 O whatever the delta column says)
-    val = [row["final_val_loss"] for row in rows + cure
+    rounding = read_table(root / "results/stochastic_rounding/runs.csv")
+    val = [row["final_val_loss"] for row in rows + cure + rounding
            if (row["delta"] == "fp32-o" or row["fix"] == "on") and row["log_kept"]]
     assert f"val loss rises to {min(val):.1f}-{max(val):.1f} nats at the end of the runs that read delta from the " \
            "fp32 O" in readme
@@ -147,6 +148,24 @@ def test_kernel_md_gpu_tests_are_their_file():
     kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
     counts = f"{passed} passed and {failed} failed" if failed else f"{passed} passed, none failed"
     assert f"at the commit it names, {counts} (`results/speed/gpu_tests.txt`" in kernel_md
+
+
+def test_results_readme_names_the_seed_studys_runs_not_made(tmp_path):
+    """results/README.md's seed study: the runs its declaration holds that results/seed_study/runs/ lacks (those
+    `python -m experiments.sweep seed_study` would start), by arm and seed."""
+    from experiments import sweep
+    root = Path(analyze.__file__).parent
+    study = sweep.load_study(sweep.STUDIES, "seed_study")
+    todo = {}
+    for run in sweep.plan(study, tmp_path / "none", root / "results/seed_study"):
+        if run["state"] != "collected":
+            todo.setdefault(run["arm"], []).append(run["seed"])
+    assert todo == {"off": [0, 1, 4, 5, 6, 7], "paper": [0, 1], "sdpa-flash": [0, 1, 2, 3], "sdpa": [0, 1, 2, 3],
+                    "paper-precision-on": [0, 1, 2, 3], "paper-precision-delta-from-p": [0, 1, 2, 3],
+                    "attn-fp32": [3]}
+    text = doc_section("results/README.md", "## seed_study/", "| file |")
+    assert f"As declared it also holds {sum(map(len, todo.values()))} runs not made" in text
+    assert all(f"`{arm}`" in text for arm in todo)
 
 
 def seeds_text(seeds):
@@ -346,8 +365,8 @@ def test_findings_failure_numbers_are_their_files():
     assert f"layer 0's max attention logit sits at {analyze.between(bases, '.0f')}, doubles, and runs away to " \
            f"{decade(min(peaks))}-{decade(max(peaks))} before the collapse" in text
     flat = [row["max_logit"] for row in trained if row["max_logit"] < analyze.RUNAWAY_LOGIT]
-    assert f"the other layers' logits grow in every arm, to {analyze.between(flat, '.0f')} where layer 0 stays flat" \
-           in text
+    assert f"the other layers' logits grow in every arm, to {analyze.between(flat, '.0f')} where layer 0 stays flat " \
+           "in the seed study's runs" in text
     assert all(row["collapsed"] for row in off) and "Fix off collapsed on every seed run, with both kernels" in text
     assert {row["arm"] for row in off} == {"off", "off-fma"}
 
@@ -630,15 +649,18 @@ def test_findings_open_speed_numbers_are_their_file():
 
 
 def test_findings_open_memorisation_numbers_are_the_logs():
-    """Section 10: the train loss's minimum in every kept log of a collapse of the rounding's failure (the kernel as
-    it ships, lr 1e-3 and 3e-3)."""
+    """Section 10: the train loss's minimum in every kept log of a collapse at lr 1e-3 and 3e-3, in every study."""
     root = Path(analyze.__file__).parent
     text = doc_section("docs/findings.md", "## 10. ", "## 11. ")
-    seed = [row for row in read_table(root / "results/seed_study/runs.csv") if row["arm"] in ("off-fma", "paper")]
-    folders = [root / "results/seed_study/runs" / row["name"] for row in seed if row["log_kept"]]
-    folders.append(root / "results/lr_sweep/runs/off-lr3e-3-s0")
-    assert all(row["collapsed"] for row in seed) and len(folders) == 7
-    low = [float(np.nanmin(load_run(folder).series("train_loss")[1])) for folder in folders]
+    kept = {}   # study/arm: its collapsed runs' folders
+    for table in (root / "results").glob("*/runs.csv"):
+        for row in read_table(table):
+            if row["collapsed"] and row["log_kept"] and row["lr"] <= 3e-3:
+                kept.setdefault(f"{table.parent.name}/{row['arm']}", []).append(table.parent / "runs" / row["name"])
+    assert sorted(kept) == ["late_stage/fma", "lr_sweep/off-lr3e-3", "seed_study/off", "seed_study/off-fma",
+                            "seed_study/paper", "stochastic_rounding/forward"]
+    low = [float(np.nanmin(load_run(run).series("train_loss")[1])) for runs in kept.values() for run in runs]
+    assert f"in every collapse at lr 1e-3 and 3e-3 whose log is kept ({len(low)} runs:" in text
     assert f"the train loss had first fallen to {analyze.between(low, '.3f')};" in text
 
 
