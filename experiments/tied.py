@@ -65,14 +65,18 @@ def grad_out(shape, generator=None, mean=DO_MEAN, std=DO_STD, dtype=torch.bfloat
     return (torch.randn(shape, generator=generator) * std + mean).to(dtype)
 
 
-def reference(q, k, v, causal=False):
-    """softmax(q k^T / sqrt(d)) v in float64 from the same (rounded) inputs: the exact answer to compare with."""
-    q, k, v = (t.double() for t in (q, k, v))
-    S = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+def exact_scores(q, k, causal=False):
+    """q k^T / sqrt(d) in float64 from the same (rounded) inputs, -inf above the diagonal where causal."""
+    S = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         n = S.shape[-1]
         S = S.masked_fill(torch.ones(n, n, dtype=torch.bool, device=S.device).triu(1), -math.inf)
-    return S.softmax(-1) @ v
+    return S
+
+
+def reference(q, k, v, causal=False):
+    """softmax(q k^T / sqrt(d)) v in float64 from the same (rounded) inputs: the exact answer to compare with."""
+    return exact_scores(q, k, causal).softmax(-1) @ v.double()
 
 
 def mean_error(err):
