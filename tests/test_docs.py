@@ -87,12 +87,15 @@ def test_readme_numbers_are_their_files():
     assert len(high) == 5 and max(past) == 1_000   # (the first diagnostic; three attentions, rotary in bf16 and fp32)
     assert f"The learning rate (seed 0): at 3e-3 `--fix off` collapsed at step " \
            f"{lr['off-lr3e-3-s0']['collapse_step']:,}, `--fix on` and rotary positions not in " \
-           f"{lr['on-lr3e-3-s0']['steps']:,} steps; at 1e-2 every attention's logits ran away by " \
-           f"step 1,000; bf16's collapsed (fix off at {lr['off-lr1e-2-s0']['collapse_step']:,}, fix on " \
+           f"{lr['on-lr3e-3-s0']['steps']:,} steps (the fix's layer 0 past 100 all the same); at 1e-2 every " \
+           f"attention's logits passed 100 by step 1,000, bf16 attention collapsed (fix off at " \
+           f"{lr['off-lr1e-2-s0']['collapse_step']:,}, fix on " \
            f"at {lr['on-lr1e-2-s0']['collapse_step']:,}, rotary positions at " \
            f"{lr['rope-lr1e-2-s0']['collapse_step']:,}), fp32 not (in {lr['fp32-lr1e-2-s0']['steps']:,} steps; " \
            f"rotary, {lr['rope-fp32-lr1e-2-s0']['steps']:,})" in readme
     assert lr["on-lr3e-3-s0"]["steps"] == lr["rope-lr3e-3-s0"]["steps"]
+    fix3 = load_run(root / "results/lr_sweep/runs/on-lr3e-3-s0").series(analyze.LOGIT)[1]
+    assert np.nanmax(fix3) > 100   # the fix's layer 0 past 100 at 3e-3
     assert not lr["on-lr3e-3-s0"]["collapsed"] and not lr["rope-lr3e-3-s0"]["collapsed"]
     assert not any(lr[name]["collapsed"] for name in lr if "lr1e-2" in name and lr[name]["attn"] == "fp32")
     # the late stage: the fork's step, and how long each exponent trained past it
