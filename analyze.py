@@ -255,7 +255,7 @@ def growth_layer(runs):
 
 
 GROWTH_MARGIN = 2   # while a model learns, every layer's W_Q grows alike (a 300-step tiny run: 1.8x and 2.1x); a
-                    # runaway grows one layer's far past the others' (the seed study's fix off: 349x against <= 8.2x)
+                    # runaway grows one layer's far past the others' (the seed study's fix off: 329x against <= 8.8x)
 
 
 def stands_out(layer, growth):
@@ -421,12 +421,12 @@ def analyze_runs(runs, out):
 # The study's table: runs.csv by arm, written into README.md between markers, so it is never typed
 
 ALONE_PACE = 8000   # steps a minute: a default-preset run of our kernel faster than this had the H200 alone from
-                    # start to end (8,150-9,919 in the seed and stochastic-rounding studies; beside another run for
+                    # start to end (8,086-10,529 in the seed and stochastic-rounding studies; beside another run for
                     # all or part of its steps at most 7,344; its tokens/s, a median over log rows, misses the part)
 ALONE_GPU = "NVIDIA H200"   # the card of README's minutes (runs.csv's gpu): an H100's minutes are not an H200's;
                             # a row without one (its summary gone) is from before the runs met any other card
 RUNAWAY_LOGIT = 1e4   # a max logit past this ran away: the seed study's arms whose logits stay flat (fp32
-                      # attention, delta from P or the fp32 O, the fix) peak at 84-242 over all layers
+                      # attention, delta from P or the fp32 O, the fix) peak at 65-242 over all layers
 DOCS = ("README.md", "results/README.md", "docs/findings.md")   # where --table's tables go, between their markers
 
 

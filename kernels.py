@@ -12,13 +12,13 @@ Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile
 and in the backward, from the loss's gradient dO of O:
     delta = rowsum(dO * O)      dP = dO V^T      dS = P * (dP - delta)      dQ = dS K * scale
 
-The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with
-a one-signed error, which piles up in W_Q / W_K until the loss explodes. THE FIX: delta reads the forward's fp32
-O, before its final cast. Each hop is marked "THE FIX", numbered in the order the data takes: flash_fwd turns fix
-"on" into the kernel's KEEP_O32 (1), the forward's epilogue stores the fp32 O (2, _fwd_kernel), output_and_delta_o
-chooses it (3), _FlashAttention hands it to the backward (4), _bwd_delta_kernel reads it (5). The O
-returned and every other number are plain FlashAttention-2's, so the fix costs one fp32 store and its memory until
-the backward.
+The paper (Qiu & Yao, arXiv 2510.04212): in bf16 the backward reads the forward's rounded O through delta with a
+one-signed error, which piles up in W_Q / W_K until the loss explodes. THE FIX: delta reads the forward's fp32 O,
+before its final cast. Each hop is marked "THE FIX", numbered in the order the data takes: flash_fwd turns fix "on"
+into the kernel's KEEP_O32 (1), the forward's epilogue stores the fp32 O (2, _fwd_kernel), output_and_delta_o
+chooses it (3), _FlashAttention hands it to the backward (4), _bwd_delta_kernel reads it (5); where no backward can
+follow, flash_attention runs fix "off", the same O with no fp32 O stored. The O returned and every other number are
+plain FlashAttention-2's, so the fix costs one fp32 store and its memory until the backward.
 fix="on" is the fix (the default); fix="off" plain FlashAttention-2; fix="paper" the paper's own rule, which
 blames rows with tied maxima (P exactly 1) and shifts their max up (its section before the forward): in our runs
 it does not cure. Why, and the evidence: docs/kernel.md, "The fix".
@@ -66,13 +66,14 @@ def _scores(q, kT, qk_scale, AUTOCAST: tl.constexpr):
 
 @triton.jit
 def _exp2(s, qk_scale, m, FMA: tl.constexpr):
-    """P = 2^(S * scale - m) in "fa2", for S = Q K^T (fp32) and m the scaled row max (or lse, in the backward).
+    """P = 2^(s * qk_scale - m) in "fa2", for s = Q K^T (fp32: the notation's S before its scale) and m the scaled
+    row max (or lse, in the backward).
     FMA: one fused multiply-add, as FA2 ships it; else rounded twice, as PyTorch builds FA2 (docs/kernel.md, "Two
     precision modes, ...")."""
     if FMA:
         x = tl.fma(s, qk_scale, -m)                              # ROUND: once
     else:
-        x = s * qk_scale - m                                     # ROUND: S * scale, ROUND: - m
+        x = s * qk_scale - m                                     # ROUND: s * qk_scale, ROUND: - m
     return tl.math.exp2(x)
 
 
@@ -464,8 +465,8 @@ class Numerics:
                                 0, range(7))
     amplify: str = option("what mantissa_bits rounds: P before P V, or V and O (amplifies the tie bias)",
                           "p", ("p", "vo"))
-    exponent: str = option("softmax's exponent S * scale - m: fma, one fused multiply-add (FlashAttention-2 as "
-                           "its authors ship it); torch, S * scale rounded first (PyTorch's build of FA2)",
+    exponent: str = option("softmax's exponent Q K^T * scale - m: fma, one fused multiply-add (FlashAttention-2 "
+                           "as its authors ship it); torch, Q K^T * scale rounded first (PyTorch's build of FA2)",
                            "fma", ("fma", "torch"))
 
     def __post_init__(self):
@@ -556,7 +557,8 @@ SHORT_SEQ = 512
 SMALL_SHARED = ((8, 6), (8, 9))
 FWD_TUNING_SMALL_SHARED = {**FWD_TUNING, 128: (128, 8, 3)}
 # No floating-point contraction: each operation rounds where the ROUND marks say, and the only fma is _exp2's
-# tl.fma (ptxas once fused some tiles and not others: docs/kernel.md, "Correctness evidence").
+# tl.fma (left to itself, ptxas fuses the exponent's multiply and subtraction in some tiles and not in others:
+# docs/kernel.md, "Correctness evidence").
 UNFUSED = dict(enable_fp_fusion=False)
 if INTERPRET:
     FWD_TUNING = FWD_TUNING_SMALL_SHARED = {D: (64, 4, 1) for D in FWD_TUNING}
@@ -833,8 +835,8 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     passes, no atomics: the same bits every run).
     """
     numerics = as_numerics(numerics)
-    # THE FIX where no backward can follow: no fp32 O to store, and O is the same bits (what is not a tensor,
-    # forward refuses)
+    # fix "on" where no backward can follow is fix "off": nothing would read the fp32 O, and O is the same bits
+    # (what is not a tensor, forward refuses)
     if fix == "on" and numerics.delta == "o" and not (torch.is_grad_enabled() and
                                                       any(getattr(t, "requires_grad", True) for t in (q, k, v))):
         fix = "off"

@@ -28,7 +28,7 @@ from nanolp.emulate import OURS, causal_scores, emulate_attention, kernel_only  
 
 ATTN_BACKENDS = ("kernel", "emulate", "sdpa", "sdpa-flash", "sdpa-cudnn", "fp32")
 POSITIONS = ("learned", "rope", "none")
-ROPE_BASE = 10000.0   # rotary positions' wavelengths run from 2 pi to 2 pi * ROPE_BASE tokens (RoFormer's base)
+ROPE_BASE = 10000.0   # rotary positions' wavelengths run from 2 pi tokens to just under 2 pi * ROPE_BASE (RoFormer's)
 
 
 @dataclass

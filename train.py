@@ -10,14 +10,14 @@ the loss blows up (a collapse: a non-finite loss, or a loss spike, SPIKE_NATS be
     python train.py --fix off --resume          # continue runs/default-kernel-fixoff-s0 from its latest checkpoint
 
 DEFAULT below holds the settings (--device's and --compile's follow the machine: nanolp/runconfig.py). The
-experiments (--help) change the attention's numerics. Below the settings, the training (train): the data, the model,
-the optimizer, then the loop, which detects a collapse, logs the diagnostics and writes the checkpoints; then the
-command line (main). A run writes runs/<name>/ (its files, and which folders a command may write or resume:
-nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A command that cannot run is refused before it
-writes anything (exit status 2); so is a preset sized for a GPU on a machine without one, unless --device cpu
-insists. Ctrl-C stops a run with one line (exit status 130): its last checkpoint and the command that continues from
-it; before the first checkpoint, that there is nothing to resume; after a collapse, that the run has ended (its
-summary written).
+experiments (--help) change the attention's numerics or the block. Below the settings, the training (train): the
+data, the model, the optimizer, then the loop, which detects a collapse, logs the diagnostics and writes the
+checkpoints; then the command line (main). A run writes runs/<name>/ (its files, and which folders a command may
+write or resume: nanolp/runs.py; its flags, settings and name: nanolp/runconfig.py). A command that cannot run is
+refused before it writes a run folder (exit status 2); so is a preset sized for a GPU on a machine without one,
+unless --device cpu insists. Ctrl-C stops a run with one line (exit status 130): its last checkpoint and the command
+that continues from it; before the first checkpoint, that there is nothing to resume; after a collapse, that the run
+has ended (its summary written).
 """
 
 import hashlib
@@ -273,8 +273,8 @@ def print_outcome(run_dir, c, summary):
 
 def main(argv=None):
     """The command line: train.py's flags (nanolp.runconfig.parser), then the run. A command that cannot run as given
-    (a setting, the text, the run folder) is refused before it writes anything, as argparse refuses a malformed
-    flag: one line per problem on stderr, exit status 2 (nanolp.runs.refusals)."""
+    (a setting, the text, the run folder) is refused before it writes a run folder, as argparse refuses a
+    malformed flag: one line per problem on stderr, exit status 2 (nanolp.runs.refusals)."""
     args = runconfig.parse_args(argv, PRESETS, CHOICES)
     with runs.refusals():
         c = runconfig.resolve_config(args, PRESETS)   # the preset, the flags, and on --resume the run's config.json

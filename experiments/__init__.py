@@ -1,3 +1,3 @@
 """The studies' code: sweeps, benchmarks and measurements, each run as `python -m experiments.NAME` from the
 repository's root (experiments/README.md). They import nanolp/, kernels.py and model.py; nothing there imports them
-(analyze.py --mechanism runs experiments.mechanism)."""
+(analyze.py imports experiments.mechanism for --mechanism and experiments.lr_curve for --table)."""

@@ -61,7 +61,7 @@ def load_layout(num_warps, head_dim):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Per-tile softmax: kernels._fwd_inner's "fa2" branch, and THE FIX's _shifted_max (with _top2 and _fold).
+# Per-tile softmax: kernels._fwd_inner's "fa2" branch, and the paper's rule's _shifted_max (with _top2 and _fold).
 
 @gluon.jit
 def _top2(a1, a2, b1, b2):

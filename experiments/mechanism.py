@@ -24,7 +24,7 @@ from tqdm import tqdm
 from experiments.curvature import ROUNDINGS, synthetic_delta_error
 from experiments.tied import INPUTS, grad_out, mean_error, reference, tied_rows
 from kernels import Numerics
-from nanolp.emulate import emulate_attention, emulate_forward_fp32, round_bf16
+from nanolp.emulate import emulate_attention, emulate_forward_fp32
 from nanolp.plots import PALETTE, save
 
 PRECISIONS = ("autocast", "fa2")
@@ -61,7 +61,7 @@ def worked_example():
     """Round the paper's fp32 sum to bf16. Its two bf16 neighbours are one ulp apart; the sum lies just
     past their midpoint on the side away from zero, so the error is almost half an ulp, negative."""
     fp32_sum = torch.tensor(PAPER_SUM, dtype=torch.float32)
-    rounded = round_bf16(fp32_sum).item()
+    rounded = fp32_sum.to(torch.bfloat16).item()   # ROUND: to the nearest bf16, ties to even
     ulp = 2.0 ** (math.floor(math.log2(abs(rounded))) - 7)  # bf16 keeps 7 explicit mantissa bits
     midpoint = rounded + math.copysign(ulp / 2, -rounded)
     return dict(fp32=fp32_sum.item(), bf16=rounded, error=rounded - fp32_sum.item(), ulp=ulp,

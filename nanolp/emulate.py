@@ -36,15 +36,6 @@ def kernel_only(attn, settings):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Rounding helpers (round_bf16 also experiments/mechanism.py's; round_mantissa, shared with kernels.flash_attention,
-# is kernels')
-
-def round_bf16(x):
-    """Round float32 values to the nearest bfloat16 (ties to even); returned as float32."""
-    return x.float().to(torch.bfloat16).float()
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Exactly rounded primitives (float64 inside, one rounding to float32)
 
 def _dot(a, b):

@@ -126,10 +126,11 @@ def parser(presets, choices, preset="default"):
                       "rule (a tied row max shifted up), which collapses too (with --delta fp32-o: the two together)"
                       + show("fix"))
     demo.add_argument("--attn", choices=choices["attn"], help="what computes attention: kernel, our Triton flash "
-                      "attention (kernels.py; without a GPU, its PyTorch emulation); emulate, that emulation "
+                      "attention (kernels.py; on a CPU device, its PyTorch emulation); emulate, that emulation "
                       "anywhere; sdpa, torch's scaled_dot_product_attention (torch picks its backend), sdpa-flash or "
                       "sdpa-cudnn, one backend of it; fp32, plain attention in fp32, the control that does not "
-                      "round. --fix and the experiments apply to kernel and emulate only" + show("attn"))
+                      "round. --fix and the numerics' experiments apply to kernel and emulate only; --pos and "
+                      "--qk-norm to every attention" + show("attn"))
     demo.add_argument("--seed", type=int, help="seed of the initial weights and of the order of the training "
                                                "batches" + show("seed"))
     demo.add_argument("--steps", type=int, metavar="N", help="training steps, one batch each" + show("steps"))
