@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from experiments.curvature import bf16_neighbours
 from experiments.launch_variants import tuned
 from nanolp import emulate
 from kernels import Numerics, round_mantissa
@@ -533,11 +534,13 @@ def test_stochastic_forward_rounds_o_unbiased_within_one_step():
     the fp32 O itself; round-to-nearest is not unbiased in that sense element by element, but both stay within a
     step."""
     q, k, v = (rand((4, 2, 128, 64), seed=s) for s in range(3))
-    o32 = kernels.forward(q, k, v, fix="off", numerics=Numerics(delta="fp32-o")).o_delta.double()
+    o32 = kernels.forward(q, k, v, fix="off", numerics=Numerics(delta="fp32-o")).o_delta
+    down, up = bf16_neighbours(o32)
+    o32 = o32.double()
     forward = Numerics(stochastic_o="forward")
     draws = torch.stack([kernels.flash_attention(q, k, v, fix="off", numerics=forward).double() for _ in range(8)])
+    assert ((draws == down) | (draws == up)).all()
     step = (o32.abs() * 2.0 ** -7).clamp_min(1e-30)               # at least one bf16 step (2^-7 relative, or less)
-    assert ((draws - o32).abs() <= step).all()
     assert not torch.equal(draws[0], draws[1]), "two draws should differ"
     err = (draws - o32) / step
     assert err.mean().abs() < 4 * err.std() / err.numel() ** 0.5
@@ -556,7 +559,7 @@ def test_paper_rule_changes_only_rounding(precision):
     o_off, o_on, o_paper = (kernels.flash_attention(q, k, v, fix=fix, numerics=Numerics(precision=precision))
                             for fix in ("off", "on", "paper"))
     ref, _ = reference(q, k, v, True)
-    assert rel(o_paper, o_off) < 2 * max(rel(o_off, ref), rel(o_paper, ref)) + 1e-6
+    assert rel(o_paper, o_off) < 0.25 * rel(o_off, ref)   # the shift's rounding, well inside bf16's own error
     assert rel(o_paper, ref) < (2e-2 if precision == "autocast" else 5e-3)
     assert torch.equal(o_on, o_off)
 
@@ -569,7 +572,6 @@ def test_the_fix_is_on_by_default():
     on, off, default = (grads(attention, q, k, v, do, **fix) for fix in (dict(fix="on"), dict(fix="off"), {}))
     assert all(torch.equal(a, b) for a, b in zip(default, on))
     assert not all(torch.equal(a, b) for a, b in zip(default, off))
-    assert torch.equal(attention(q, k, v), attention(q, k, v, fix="on"))
     with pytest.raises(TypeError, match="fix"):
         emulate.emulate_attention(q, k, v)
 
