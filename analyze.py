@@ -534,8 +534,9 @@ def shipped_table(rows):
                  span(kept_peaks(group), ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", f"Minutes alone: a run's own where it had an H200 to itself (over {ALONE_PACE:,} steps a "
-                        f"minute), else its steps at the pace of its command's runs that did, or where none did, of "
-                        f"the other commands' runs of the same attention and block that did; `-` where none did."]
+                        f"minute, our kernel's pace alone), else its steps at the pace of its command's runs that did, "
+                        f"or where none did, of the other commands' runs of the same attention and block that did; "
+                        f"`-` where none did (fp32 attention, under that pace even alone)."]
 
 
 def run_lines(rows):

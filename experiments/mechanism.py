@@ -164,7 +164,7 @@ def tied_rows_lines(results):
     lines = [f"{n} independent rows per k (`experiments.tied.tied_rows`: each row its own one-hot query, its own max "
              "and its own k tied keys; scores exact in bf16), computed with the attention named above. "
              "Per-row mean error against float64, then its mean over the rows (standard error in brackets). "
-             "`--fix on`'s O is `--fix paper`'s; its delta reads the forward's fp32 O."]
+             "`--fix on`'s O is `--fix off`'s; its delta reads the forward's fp32 O."]
     for row, name, fixes in ERRORS:
         combos = [(p, f) for p in PRECISIONS for f in fixes]
         lines += ["", f"Mean signed error of {name}:", "",
