@@ -24,6 +24,7 @@ from nanolp import emulate
 from nanolp.emulate import causal_scores
 from nanolp.data import get_batch, prepare
 from nanolp.diagnostics import attention_stats, capture_attention
+from nanolp.runs import latest_checkpoint
 
 
 def pushes(q, k, v, dO):
@@ -45,7 +46,7 @@ def main(run_dir, batches=40):
     data = prepare(c["data"])
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=c["block_size"], n_layer=c["n_layer"],
                           n_head=c["n_head"], n_embd=c["n_embd"], attn="sdpa", fix="off"))
-    ckpt = sorted((Path(run_dir) / "ckpt").glob("step_*.pt"))[-1]
+    ckpt = latest_checkpoint(run_dir)
     model.load_state_dict(torch.load(ckpt, map_location="cpu")["model"])
     print(f"{ckpt}: {batches} batches of {c['batch_size']} x {c['block_size']}")
     ctx = torch.autocast("cpu", dtype=torch.bfloat16)

@@ -78,7 +78,8 @@ def run_styles(runs, arms):
     """Colour, line style and legend label ("<arm>, seed <s>") of every run, decided once so that all figures
     agree. arms: {run.path: the run's arm}. Each arm gets its own shade of its family's colour, each seed its own
     line style; the same arm and seed twice (two folders) gets the folder names in the labels and the next line
-    style, so that no two entries read or look the same."""
+    style, so that no two entries read the same, nor look it while the styles needed fit LINESTYLES (past them, as
+    with eight seeds and a twin, a style comes round again)."""
     seed = {run.path: str(run.setting("seed", 0)) for run in runs}
     seeds = sorted(set(seed.values()))
     labels = [f"{arms[run.path]}, seed {seed[run.path]}" for run in runs]

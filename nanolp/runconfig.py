@@ -166,7 +166,8 @@ def parser(presets, choices, preset="default"):
                            ("eval", "validation losses"),
                            ("diag", "diagnostics (each layer's max attention logit, W_Q and W_K norms, ...: "
                                     "nanolp/diagnostics.py)"),
-                           ("ckpt", "checkpoints (the latest 3 kept in ckpt/; --resume starts from the last)")):
+                           ("ckpt", "checkpoints (the newest few kept in ckpt/; --resume starts from the newest "
+                                    "good one)")):
         training.add_argument(f"--{interval}-interval", type=int, metavar="N",
                               help=f"steps between {what}" + show(f"{interval}_interval"))
     shape = p.add_argument_group("model shape")
@@ -350,10 +351,11 @@ def resolve_config(args, presets):
 def config_problems(path, saved, presets):
     """Every problem of a run's config.json (saved, as read_json read it from path), one line each naming the file:
     a key that train.py does not write, or a value of another type than it writes (as an edit by hand leaves them:
-    "n_layers": 4, "n_layer": "two"); [] if there is none. A number may be an integer where train.py writes a
-    float, and the settings of OPTIONAL may be null."""
+    "n_layers": 4, "n_layer": "two"), or without the preset and the name that every run records; [] if there is
+    none. A number may be an integer where train.py writes a float, and the settings of OPTIONAL may be null."""
     settings = presets["default"]   # (every preset has every setting)
-    problems = []
+    problems = [f'{path}: no "{key}", which train.py records for every run' for key in ("preset", "name")
+                if key not in saved]
     for key, value in saved.items():
         if key not in settings and key not in RECORDED:
             guess = difflib.get_close_matches(key, [*settings, *RECORDED], n=1)
@@ -422,6 +424,8 @@ def read_json(path):
         value = json.loads(path.read_text())
     except ValueError as e:   # not JSON, or not even UTF-8 text
         raise DamagedFile(f"{path} cannot be parsed as JSON ({e})") from None
+    except OSError as e:      # a folder of that name, or no permission to read it
+        raise DamagedFile(f"{path} cannot be read ({e.strerror})") from None
     if not isinstance(value, dict):   # (train.py writes an object)
         raise DamagedFile(f"{path} holds JSON but not an object")
     return as_current(value)

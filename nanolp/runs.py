@@ -169,8 +169,9 @@ def git_state(root):
 
 
 def checkpoints(run_dir):
-    """The run's checkpoints, oldest first (not those in ckpt/damaged/)."""
-    return sorted((Path(run_dir) / "ckpt").glob("step_*.pt"))
+    """The run's checkpoints, oldest first (not those in ckpt/damaged/): by step, which the names' 7 digits order
+    only below 10,000,000."""
+    return sorted((Path(run_dir) / "ckpt").glob("step_*.pt"), key=lambda path: int(path.stem[len("step_"):]))
 
 
 def latest_checkpoint(run_dir):
@@ -533,20 +534,30 @@ def log_path(run_dir):
 
 
 def read_log(path):
+    """A log as column -> array ({} if there is none). DamagedFile for a file that cannot be read, or with a row of
+    more or fewer cells than its header (a copy cut short within its last row, or a line train.py did not write):
+    such a row would give the run's steps and outcome wrong, not missing."""
     opener = gzip.open if str(path).endswith(".gz") else open
+    if not Path(path).exists():
+        return {}
     try:
         with opener(path, "rt", newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile, csv.Error) as e:   # (a short row is kept)
+            reader = csv.reader(f)
+            header, rows = next(reader, []), []
+            for cells in filter(None, reader):
+                if len(cells) != len(header):
+                    raise DamagedFile(f"{path}, line {reader.line_num}: {len(cells)} cells where the header has "
+                                      f"{len(header)} (the file cut short, or a line not written by train.py)")
+                rows.append(cells)
+    except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile, csv.Error, OSError) as e:
         raise DamagedFile(f"{path} cannot be read ({e})") from None
-    columns = rows[0].keys() if rows else []
-    return {c: np.array([to_float(row[c]) for row in rows]) for c in columns}
+    return {c: np.array([to_float(row[i]) for row in rows]) for i, c in enumerate(header)} if rows else {}
 
 
 def to_float(cell):
     try:
         return float(cell)
-    except (TypeError, ValueError):  # empty cell, or a short row (None)
+    except ValueError:  # an empty cell
         return math.nan
 
 
@@ -577,16 +588,17 @@ def study_runs(table):
     run folder where its log is kept, else a Run of the row alone, without a log (an earlier run whose log was not
     kept: its settings and outcome). Rows of patched kernels (the `variant` column) are left out: they are no
     train.py command, and their flags would put them in the plain kernel's arm. A kept run that cannot be read
-    (load_runs names it) is its row alone: it still counts."""
+    (a damaged file, or its log gone) is its row alone: it still counts."""
     folder = Path(table).parent / "runs"
     runs = []
     for row in read_table(table):
         if row.get("variant"):
             continue
         try:
-            runs.append(load_run(folder / row["name"]) if row["log_kept"] else Run(folder / row["name"], {}, row, {}))
-        except (DamagedFile, FileNotFoundError):
-            runs.append(Run(folder / row["name"], {}, row, {}))
+            run = load_run(folder / row["name"]) if row["log_kept"] else None
+        except DamagedFile:
+            run = None
+        runs.append(run if run is not None and run.log else Run(folder / row["name"], {}, row, {}))
     return runs
 
 
@@ -655,13 +667,16 @@ def cell(value):
 
 
 def write_csv(path, rows, columns):
-    """Rows (dicts) as a CSV of these columns, each value written by cell()."""
+    """Rows (dicts) as a CSV of these columns, each value written by cell(); whole or not at all, as write_json (a
+    study's runs.csv holds rows, of runs whose logs were not kept, that are nowhere else)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows({k: cell(v) for k, v in row.items()} for row in rows)
+    os.replace(tmp, path)
 
 
 def find_runs(paths):

@@ -116,6 +116,20 @@ def test_a_log_that_cannot_be_read_is_a_damaged_file(tmp_path, name, data):
         runs.read_log(tmp_path / name)
 
 
+@pytest.mark.parametrize("damage", ["20,12", "garbage,row,1,2"])
+def test_a_log_row_of_the_wrong_length_is_a_damaged_file(tmp_path, capsys, damage):
+    """A log whose last row is cut short (a copy cut within it) or is not train.py's is named in one line and left
+    out, not read as a run of the wrong length; a folder in the log's place too."""
+    (tmp_path / "log.csv").write_text(f"step,elapsed_s,train_loss\n10,6,3.0\n{damage}\n")
+    with pytest.raises(runconfig.DamagedFile, match=re.escape(f"{tmp_path / 'log.csv'}, line 3: ")):
+        runs.read_log(tmp_path / "log.csv")
+    assert runs.load_runs([tmp_path]) == [] and "left out" in capsys.readouterr().out
+    (tmp_path / "log.csv").unlink()
+    (tmp_path / "log.csv").mkdir()
+    with pytest.raises(runconfig.DamagedFile, match="cannot be read"):
+        runs.read_log(tmp_path / "log.csv")
+
+
 def test_a_study_run_that_cannot_be_read_counts_as_its_row(tmp_path):
     """study_runs gives a kept run whose files are damaged (or gone) as its runs.csv row alone, as for a run whose
     log was not kept: the study's counts keep it, and the figures, which need its log, leave it out."""

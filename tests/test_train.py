@@ -243,6 +243,10 @@ def test_a_config_json_is_checked_key_by_key(tmp_path):
         f'{path}: "qk_norm" is 1, not true or false', f'{path}: "seed" is null, not an integer',
         f'{path}: "steps" is true, not an integer', f'{path}: "minutes" is "5", not a number',
         f'{path}: unknown key "n_layers" (did you mean "n_layer"?)', f'{path}: unknown key "colour"']
+    lost = {k: v for k, v in written.items() if k not in ("preset", "name")}   # (as_ran would fall back on them)
+    assert runconfig.config_problems(path, lost, train.PRESETS) == [
+        f'{path}: no "preset", which train.py records for every run', f'{path}: no "name", which train.py records '
+        f'for every run']
 
 
 def test_a_finished_run_says_so_and_how_to_start_it_afresh(run, capsys):
