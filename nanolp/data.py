@@ -55,14 +55,21 @@ class TextError(ValueError):
     message says which file and what to do, in one line (train.py prints it as it is)."""
 
 
+def text_path(path):
+    """A text's path as find_text reads it: a relative path that is not in the current directory but is in the
+    repository is the repository's file (a preset's text, from any directory)."""
+    if not Path(path).is_absolute() and not Path(path).exists() and (ROOT / path).is_file():
+        return ROOT / path
+    return Path(path)
+
+
 def find_text(path=None):
     """The text to train on: an explicit path, else $NANOLP_DATA, else the local TinyShakespeare,
     which is downloaded on first use. A relative path that is not in the current directory but is in the
     repository is the repository's file (a preset's text, from any directory)."""
     path = path or os.environ.get("NANOLP_DATA")
-    if path and not Path(path).is_absolute() and not Path(path).exists() and (ROOT / path).is_file():
-        path = ROOT / path
     if path:
+        path = text_path(path)
         if not Path(path).is_file():   # (a folder or a device is no text file)
             why = "it is not a regular file" if Path(path).exists() else "that file does not exist"
             raise TextError(f"no text file at {path}: {why} (data/README.md says how to get each text; give an "

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kernels import FIXES, Numerics, check_fix
-from nanolp.data import PROBE_SEED
+from nanolp.data import PROBE_SEED, text_path
 from nanolp.emulate import OURS, kernel_only
 
 
@@ -315,11 +315,14 @@ def resolve_config(args, presets):
     started), and a flag of ARM that differs from it is refused, as is a config.json that train.py did not write so
     (config_problems). RunError names every problem."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
-    if "data" not in given and os.environ.get("NANOLP_DATA"):
+    preset = given.get("preset", "default")
+    own = presets[preset].get("data")   # a preset's own text (--preset corpus), which $NANOLP_DATA does not replace
+    if "data" not in given and not own and os.environ.get("NANOLP_DATA"):
         given["data"] = os.environ["NANOLP_DATA"]   # the text is part of the arm: recorded as if --data gave it
     if given.get("data"):   # (an empty one is refused: check_config)
         given["data"] = str(Path(given["data"]).resolve())   # one spelling per file, from wherever train.py runs
-    preset = given.get("preset", "default")
+        if own and given["data"] == str(text_path(own).resolve()):
+            del given["data"]   # the preset's own text, however it is spelled: the preset's arm
     config = {**presets[preset], "preset": preset, **given}
     config.setdefault("name", run_name(config, presets))
     problems = []

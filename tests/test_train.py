@@ -165,7 +165,12 @@ def test_default_names_tell_arms_apart(tmp_path, text, monkeypatch):
     assert default_name(tmp_path, "--lr", "3e-3", "--delta", "fp32-o") == names[-1]
     monkeypatch.setenv("NANOLP_DATA", str(text))   # the text is part of the arm, however it is given
     assert default_name(tmp_path) == names[23]
+    # a preset's own text: $NANOLP_DATA does not replace it, and --data naming it is the preset's arm
+    corpus = train.PRESETS["corpus"]["data"]
+    assert default_name(tmp_path, "--preset", "corpus") == "corpus-kernel-fixoff-s0"
     monkeypatch.delenv("NANOLP_DATA")
+    assert default_name(tmp_path, "--preset", "corpus", "--data", corpus) == "corpus-kernel-fixoff-s0"
+    assert default_name(tmp_path, "--preset", "corpus", "--data", str(text)) != "corpus-kernel-fixoff-s0"
     # past MAX_NAME characters: a hash of the settings, stable, and different for different settings
     long = [["--attn", "emulate"], ["--precision", "autocast"], ["--delta", "p"], ["--stochastic-o", "forward"],
             ["--mantissa-bits", "3"], ["--amplify", "vo"], ["--pos", "none"], ["--lr", "0.002"]]
