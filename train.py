@@ -124,7 +124,7 @@ def train(c, corpus, resume):
         state = runs.resume(run_dir, c, model, optimizer, columns)
     else:   # (claim_folder made sure that the folder holds no run)
         runs.write_rows(run_dir / "log.csv", [], columns, "w")
-    c.setdefault("provenance", runs.provenance())   # (kept from the run's start on --resume)
+    c.setdefault("provenance", runs.provenance(device))   # (kept from the run's start on --resume)
     c["attn_impl"] = implementation(c["attn"], device.type)   # what computes attn here: on a CPU, kernel's emulation
     runs.write_json(run_dir / "config.json", c)
     print(f"{run_dir}: {runconfig.describe(c, PRESETS)}; {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "

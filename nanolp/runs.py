@@ -142,9 +142,9 @@ def log_outcome(log):
                 tokens_per_s=float(np.median(speeds)) if len(speeds) else None)   # the median skips compile time
 
 
-def provenance():
+def provenance(device):
     """What a run ran: the git commit of this checkout (and whether its tracked files had uncommitted changes),
-    and the versions and device it ran on. Recorded in config.json and summary.json, so that runs made before
+    and the versions and the GPU it ran on (device's; None on a CPU, even where a GPU is there). Recorded in config.json and summary.json, so that runs made before
     and after a change of the code can be told apart. $NANOLP_COMMIT, where set, names the commit of a copy of the
     tree whose own git metadata is missing or stale (a lent GPU machine); None where nothing can be known."""
     if os.environ.get("NANOLP_COMMIT"):   # the caller's word for the tree it copied; uncommitted changes unknown
@@ -153,7 +153,7 @@ def provenance():
         commit, dirty = git_state(Path(__file__).resolve().parent.parent)
     return dict(commit=commit, dirty=dirty, python=platform.python_version(), torch=torch.__version__,
                 triton=triton.__version__, cuda=torch.version.cuda,
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+                gpu=torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None)
 
 
 def git_state(root):
@@ -521,7 +521,7 @@ def write_summary(run_dir, c, collapse):
         mfu=mfu(c, outcome["tokens_per_s"] or 0.0),
         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         name=c["name"], **{k: c[k] for k in ARM}, data_sha1=c["data_sha1"],   # the arm, whole
-        provenance=provenance(),   # of this invocation (a resumed run's config.json keeps its first one's)
+        provenance=provenance(device),   # of this invocation (a resumed run's config.json keeps its first one's)
     )
     write_json(run_dir / "summary.json", summary)
     return summary

@@ -483,7 +483,8 @@ def test_runs_record_their_provenance(run, monkeypatch):
         raise FileNotFoundError("git")
     monkeypatch.setattr(runs.subprocess, "run", no_git)   # a tree copied without git, as to a GPU machine
     monkeypatch.setenv("NANOLP_COMMIT", "0123abc")
-    assert (runs.provenance()["commit"], runs.provenance()["dirty"]) == ("0123abc", None)
+    assert (runs.provenance("cpu")["commit"], runs.provenance("cpu")["dirty"]) == ("0123abc", None)
+    assert runs.provenance("cpu")["gpu"] is None   # a CPU run, even on a machine with a GPU
 
 
 # a bad setting of each kind (the run fixture's other flags are good), and the one line that says so
