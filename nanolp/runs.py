@@ -371,8 +371,9 @@ def claim_folder(run_dir, c, resume, presets):
     """Refuse (RunError) unless this command may write run_dir, whose lock it holds. A checkpoint or a summary.json
     is a run's result, never replaced: a new run refuses such a folder, and --resume continues it, unless it
     collapsed (the collapse is the result; continuing would write over it). An attempt that stopped before its
-    first checkpoint has nothing to continue, nor one whose checkpoints --resume found all damaged: a new run
-    replaces it."""
+    first checkpoint has nothing to continue: a new run replaces it. One whose checkpoints --resume found all
+    damaged has nothing to continue either, but it trained: its log and its damaged checkpoints are kept (a new run
+    takes another --name)."""
     ckpt, summary = latest_checkpoint(run_dir), read_json(run_dir / "summary.json")
     collapse = (f"it collapsed at step {summary.get('collapse_step')} ({summary.get('reason')})"
                 if summary.get("collapsed") else None)
@@ -393,8 +394,13 @@ def claim_folder(run_dir, c, resume, presets):
                   f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
                   f"{done(summary.get('steps', 0))}: --resume with a larger --steps trains it further, --name "
                   f"starts a new run, {afresh}"
-                  if finished else f"pass --resume to continue it, --name for a new run, {afresh}")
+                  if finished else f"pass --resume to continue it, --name for a new run, {afresh}" if ckpt else
+                  f"its summary.json is kept but its checkpoints are gone, so it cannot be continued: --name starts "
+                  f"a new run, {afresh}")
         raise RunError(f"{run_dir} exists, a run of {describe(ran, presets)}: {advice}")
+    elif (run_dir / "ckpt" / DAMAGED).exists():   # every checkpoint damaged: a run that trained, kept to look at
+        raise RunError(f"{run_dir} holds a run whose checkpoints are all damaged (in {run_dir / 'ckpt' / DAMAGED}): "
+                       f"--name starts a new run, or delete {run_dir} to start it afresh")
     else:
         attempt = [run_dir / name for name in ("config.json", "log.csv", "ckpt") if (run_dir / name).exists()]
         if attempt:
@@ -421,10 +427,12 @@ def done(steps):
 def nothing_to_resume(run_dir):
     """--resume's refusal of a run with no checkpoint to continue from, and how to start it afresh: in its folder
     (an attempt is replaced), or, beside a summary.json (a result, never replaced), under another --name."""
-    ckpt_dir = run_dir / "ckpt"
-    why = (f"no good checkpoint in {ckpt_dir} (the damaged ones are in {ckpt_dir / DAMAGED})"
-           if (ckpt_dir / DAMAGED).exists() else f"no checkpoint in {ckpt_dir} (the run stopped before its first)")
-    afresh = ("start it afresh under another --name" if (run_dir / "summary.json").exists()
+    ckpt_dir, summary = run_dir / "ckpt", (run_dir / "summary.json").exists()
+    damaged = (ckpt_dir / DAMAGED).exists()
+    why = (f"no good checkpoint in {ckpt_dir} (the damaged ones are in {ckpt_dir / DAMAGED})" if damaged else
+           f"no checkpoint in {ckpt_dir} (" + ("its summary.json is kept, its checkpoints are gone)" if summary else
+                                               "the run stopped before its first)"))
+    afresh = ("start it afresh under another --name" if summary or damaged
               else "leave out --resume to start it afresh")
     return RunError(f"--resume: {why}: {afresh}")
 

@@ -258,9 +258,29 @@ def test_with_no_good_checkpoint_resume_says_how_to_start_afresh(text, copy, who
     assert files(copy) == ["damaged"]
     (copy / "summary.json").unlink()   # as a run killed before its end leaves it
     assert refusal(capsys, lambda: train.main(command(text, copy, "--resume"))).endswith(
-        "damaged): leave out --resume to start it afresh\n")
-    train.main(command(text, copy, "--steps", "20"))
-    assert losses(copy) == losses(whole)[:2]
+        "damaged): start it afresh under another --name\n")
+    before = contents(copy)   # a run that trained: its log and its damaged checkpoints are not replaced
+    assert refusal(capsys, lambda: train.main(command(text, copy, "--steps", "20"))) == (
+        f"train.py: error: {copy} holds a run whose checkpoints are all damaged (in {ckpt}/damaged): --name starts "
+        f"a new run, or delete {copy} to start it afresh\n")
+    assert contents(copy) == before
+    fresh = copy.parent / f"{copy.name}-afresh"
+    train.main(command(text, fresh, "--steps", "20"))
+    assert losses(fresh) == losses(whole)[:2]
+
+
+def test_a_summary_without_its_checkpoints_is_not_offered_resume(text, copy, capsys):
+    """A finished run copied without ckpt/ (or its checkpoints deleted): its summary.json is a result, and neither
+    command offers --resume, which has nothing to continue from."""
+    shutil.rmtree(copy / "ckpt")
+    before = contents(copy)
+    err = refusal(capsys, lambda: train.main(command(text, copy, "--steps", "80")))
+    assert "its summary.json is kept but its checkpoints are gone, so it cannot be continued: --name starts a new " \
+           "run" in err and "pass --resume" not in err
+    assert refusal(capsys, lambda: train.main(command(text, copy, "--resume", "--steps", "80"))) == (
+        f"train.py: error: --resume: no checkpoint in {copy / 'ckpt'} (its summary.json is kept, its checkpoints are "
+        f"gone): start it afresh under another --name\n")
+    assert contents(copy) == before
 
 
 DAMAGE = {"cut short": b'{"preset": "ti', "zeros": b"\x00" * 300, "not text": b"\xff\xd8\xff", "a list": b"[]"}
