@@ -96,6 +96,13 @@ def split_point(n):
     return int(0.9 * n)
 
 
+def cache_name(text):
+    """The name of a text's token cache, and of the text in a run's name: char-rnn data sets come as
+    <name>/input.txt; any other file is named by itself, less its extension."""
+    text = Path(text)
+    return text.parent.name if text.stem == "input" else text.stem
+
+
 def prepare(path=None, data_dir=None, block_size=None):
     """Tokenize the text (or reuse the cached tokens of the very same text) and return a Dataset. With block_size,
     each split must hold at least one example (block_size + 1 tokens: a block and its next-token targets)."""
@@ -104,9 +111,10 @@ def prepare(path=None, data_dir=None, block_size=None):
     if not raw:
         raise TextError(f"{text_path} is empty. " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
     key = hashlib.sha1(raw).hexdigest()  # the cache follows the text's content, not its name or date
-    # char-rnn data sets come as <name>/input.txt; any other file is named by itself
-    name = text_path.parent.name if text_path.stem == "input" else text_path.stem
-    cache = Path(data_dir or DATA_DIR) / name
+    cache = Path(data_dir or DATA_DIR) / cache_name(text_path)
+    if cache.resolve() == text_path.resolve():
+        raise TextError(f"{text_path} would share its path with its token cache (a text without an extension in "
+                        f"{cache.parent}): rename it, as {text_path.name}.txt, or move it elsewhere")
     meta_path = cache / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kernels import FIXES, Numerics, check_fix
-from nanolp.data import PROBE_SEED, text_path
+from nanolp.data import PROBE_SEED, cache_name, text_path
 from nanolp.emulate import OURS, kernel_only
 
 
@@ -283,8 +283,7 @@ def suffix(key, value):
     if isinstance(value, (int, float)):
         return f"{label}{'_' if label[-1].isdigit() else ''}{value!r}"   # repr: the shortest exact spelling
     if key == "data" and value is not None:
-        text = Path(value)
-        value = text.parent.name if text.stem == "input" else text.stem   # as nanolp/data.py names its cache
+        value = cache_name(value)
     return label + "_" + re.sub(r"[^\w.+-]", "_", str(value))
 
 

@@ -118,6 +118,10 @@ def test_texts_that_cannot_be_trained_on(tmp_path):
     ds = data.prepare(tmp_path / "text.txt", data_dir=tmp_path / "cache", block_size=64)
     assert (len(ds.train), len(ds.val)) == (576, 65)
     data.get_batch(ds.val.long(), 4, 64, seed=0, step=0)   # the shortest split still gives a batch
+    bare = tmp_path / "cache" / "words"   # a text without an extension where the caches are: its cache's own path
+    bare.write_text("to be or not to be\n" * 100)
+    with pytest.raises(data.TextError, match=r"would share its path with its token cache .* as words\.txt"):
+        data.prepare(bare, data_dir=tmp_path / "cache")
 
 
 def test_batches_are_a_function_of_seed_and_step():
