@@ -480,17 +480,18 @@ def collect_study(study, out, results):
             rows += [collect_row(kept, run["arm"], shlex.join(run["arm_flags"])) for kept in load_runs([dst])]
     for path in find_runs([Path(results) / "runs"]):
         if path.name not in {run["name"] for run in runs}:
-            print(f"{path}: not a run of study {study.name}, left out of runs.csv")
+            print(f"{path}: not a run of study {study.name}: not collected (a row it has in runs.csv is kept)")
     table = Path(results) / "runs.csv"
-    kept, columns = kept_rows(table, {row["name"] for row in rows})
+    kept, columns = kept_rows(table, {row["name"] for row in rows}, Path(results) / "runs")
     write_csv(table, kept + rows, columns)
     return rows
 
 
-def kept_rows(table, names):
-    """The rows of an existing runs.csv that are not among `names` (the runs whose folders were just collected):
-    rows of runs whose logs were never kept, named ARM-sSEED-nolog (NO_LOG), in today's spellings (as_current; the
-    other cells as written), and the columns to write: COLUMNS, then any others that table has."""
+def kept_rows(table, names, folder):
+    """The rows of an existing runs.csv that are not among `names` (the runs whose folders were just collected), in
+    today's spellings (as_current; the other cells as written): a run whose log is still in `folder` (not collected
+    this time: damaged, or no longer declared) as it was, and runs whose logs were never kept named ARM-sSEED-nolog
+    (NO_LOG); and the columns to write: COLUMNS, then any others that table has."""
     if not table.exists():
         return [], COLUMNS
     try:
@@ -498,7 +499,7 @@ def kept_rows(table, names):
     except ValueError as e:   # (a row cut short would be written back with its cells empty)
         raise StudyError(f"{e}; {table} not rewritten") from None
     rows = [as_current(row) for row in written if row["name"] not in names]
-    for row in rows:
+    for row in (row for row in rows if not log_path(Path(folder) / row["name"]).exists()):
         row["log_kept"] = False
         row["name"] += "" if row["name"].endswith(NO_LOG) else NO_LOG
     columns = as_current(dict.fromkeys(written[0] if written else COLUMNS))   # (an older table's, as its rows now read)

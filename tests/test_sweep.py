@@ -660,6 +660,17 @@ def test_committed_rows_equal_their_run_folders():
     assert checked >= 2
 
 
+def test_a_kept_run_not_collected_keeps_its_row(tmp_path):
+    """A row whose run folder still holds its log (not collected this time: a damaged file, or an arm no longer
+    declared) is written back as it was, not renamed -nolog: collected again later, it is not counted twice."""
+    table = tmp_path / "runs.csv"
+    table.write_text("name,arm,flags,seed,log_kept\noff-s0,off,--fix off,0,True\noff-s1,off,--fix off,1,True\n")
+    (tmp_path / "runs" / "off-s0").mkdir(parents=True)
+    (tmp_path / "runs" / "off-s0" / "log.csv.gz").write_bytes(b"")
+    rows, _ = sweep.kept_rows(table, set(), tmp_path / "runs")
+    assert [(row["name"], row["log_kept"]) for row in rows] == [("off-s0", "True"), ("off-s1-nolog", False)]
+
+
 def test_collect_refuses_a_runs_csv_cut_short(tmp_path, capsys):
     """An existing runs.csv whose last row is cut short is named in one line and left as it was: its rows would be
     written back with their cells empty."""
@@ -668,5 +679,5 @@ def test_collect_refuses_a_runs_csv_cut_short(tmp_path, capsys):
     table.write_text("name,arm,flags,seed\noff-s0-nolog,off,--fix off,0\noff-s1-nolog,off,--fix")
     before = table.read_bytes()
     with pytest.raises(sweep.StudyError, match=re.escape(f"{table}") + ".*line 3.*not rewritten"):
-        sweep.kept_rows(table, set())
+        sweep.kept_rows(table, set(), tmp_path / "runs")
     assert table.read_bytes() == before
