@@ -24,7 +24,7 @@ from pathlib import Path
 
 from experiments.sweep import COLUMNS, collect_row
 from nanolp.runconfig import read_json
-from nanolp.runs import load_run, read_log, thin_log, write_csv
+from nanolp.runs import checksum_path, load_run, read_log, thin_log, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"fma": {}, "torch": {"exponent": "torch"}, "sdpa-flash": {"attn": "sdpa-flash"}}
@@ -57,8 +57,9 @@ def fork(base, step, arm, settings):
         writer = csv.DictWriter(dst, fieldnames=reader.fieldnames)
         writer.writeheader()
         writer.writerows(row for row in reader if int(row["step"]) <= step)
-    name = f"step_{step:07d}.pt"
-    shutil.copy2(base / "ckpt" / name, run_dir / "ckpt" / name)
+    ckpt = base / "ckpt" / f"step_{step:07d}.pt"
+    for path in (ckpt, checksum_path(ckpt)):   # the checkpoint and its sha256, which --resume checks
+        shutil.copy2(path, run_dir / "ckpt" / path.name)
 
 
 def run(args):

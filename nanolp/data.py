@@ -18,7 +18,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data"
 DEFAULT_TEXT = DATA_DIR / "tinyshakespeare" / "input.txt"
-# the seed of the diagnostics' fixed batches (train.py): runs take the seeds below it, so none draws them as its own
+# the seed of the probe's fixed training batches (train.py): runs take the seeds below it, so none of fewer than
+# 1,000,003 steps draws them as its own (get_batch's generator is seeded seed * 1,000,003 + step)
 PROBE_SEED = 10**6
 DEFAULT_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
