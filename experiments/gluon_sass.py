@@ -15,6 +15,7 @@ import re
 import tempfile
 
 from experiments.compile_gluon_sm90 import compile_launch, launches, resources  # first: it asserts no TRITON_INTERPRET
+from experiments.kernels_gluon import VARIANTS
 import triton
 
 EVENTS = {"HGMMA": "HGMMA", "WARPGROUP.ARRIVE": "ARRIVE", "WARPGROUP.DEPBAR": "DEPBAR", "MUFU.EX2": "EX2",
@@ -42,7 +43,7 @@ def events(sass):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
-    p.add_argument("--variants", nargs="+")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS))
     args = p.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90, head_dim {args.head_dim}, causal, seq 1000, batch 4, 2048 channels\n")
     with tempfile.TemporaryDirectory() as tmp:

@@ -86,6 +86,8 @@ def main(argv=None):
     p.add_argument("--logit-scale", type=float, nargs="+", default=[2.0, 8.0, 32.0])
     p.add_argument("--draws", type=int, default=4, help="fresh inputs per logit scale; the table averages them")
     args = p.parse_args(argv)
+    if small := [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "logit_scale" and v < 1]:
+        p.error(f"{', '.join(small)}: each is at least 1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fns = backends(device)
     print(f"{'logit scale':>11}  {'backend':<18}" + "".join(f"{n + ' rel_rms':>13}{n + ' z':>8}"

@@ -27,6 +27,7 @@ from triton.testing import do_bench
 
 import kernels
 from experiments.bench import CHANNELS, TOKENS
+from nanolp.runconfig import Parser
 
 CALLS = 100
 
@@ -91,11 +92,16 @@ def gpu_us(fn, calls=20):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m experiments.host_path", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=sorted(kernels.FWD_TUNING))
     p.add_argument("--out", default="results/speed/host_path")
     args = p.parse_args(argv)
+    if min(args.seqs) < 1:
+        p.error(f"--seqs {min(args.seqs)}: a sequence length is at least 1")
+    if not torch.cuda.is_available():
+        p.error("timing needs a CUDA GPU")
     rows = []
     for D in args.head_dims:
         for N in args.seqs:

@@ -3,8 +3,8 @@
 1. The paper's worked example: one fp32 sum rounded to bf16, with the project's own rounding.
 2. The paper's bias, on rows with k tied maxima (experiments.tied, as in tests/test_mechanism.py): independent rows,
    each with its own k tied maxima, the other keys 12-18 nats below, mostly negative V. The error of O and of
-   delta = rowsum(dO * O) against float64 for `--fix off`, `--fix paper` (the shifted row max) and `--fix on` (the
-   shift, and delta from the forward's fp32 O), precision "autocast" and "fa2", as a function of k: per-row mean
+   delta = rowsum(dO * O) against float64 for `--fix off`, `--fix paper` (the shifted row max) and `--fix on` (fix
+   off's O, delta from the forward's fp32 O), precision "autocast" and "fa2", as a function of k: per-row mean
    error, then its mean and standard error over the rows.
 3. The curvature effect (experiments.curvature), on a quadratic loss with known curvature H: the mean error delta
    reads from a rounded O against the predicted tr(H Sigma_e), for round-to-nearest, stochastic rounding and an
@@ -29,7 +29,7 @@ from nanolp.plots import PALETTE, save
 
 PRECISIONS = ("autocast", "fa2")
 FIXES = ("off", "paper", "on")  # kernels.FIXES (train.py's --fix), in the order the tables and figures show them
-O_FIXES = ("off", "paper")  # --fix on's forward is --fix paper's: the same O, only delta reads another
+O_FIXES = ("off", "paper")  # --fix on's forward is --fix off's: the same O, only delta reads another
 COLORS = {fix: PALETTE[f"fix {fix}"][0] for fix in FIXES}  # as in the run figures
 TIES = (1, 2, 3, 4, 8, 16)  # numbers of tied maxima per row (3: the case the shift makes worse in "autocast" mode)
 ROWS = 65536  # independent tied rows per k (experiments.tied.tied_rows); all k in under a minute on 2 CPU cores
@@ -130,7 +130,7 @@ def plot_error_histograms(results, k, path):
             ax.set_ylabel("rows")
             ax.legend(fontsize=8)
     n = len(results[PRECISIONS[0], "off", k][0])
-    fig.suptitle(f"{n} rows, each with k = {k} tied maxima; {INPUTS}\n(O: --fix on's O is --fix paper's)",
+    fig.suptitle(f"{n} rows, each with k = {k} tied maxima; {INPUTS}\n(O: --fix on's O is --fix off's)",
                  fontsize=11)
     fig.tight_layout()
     return save(fig, path)
@@ -153,7 +153,7 @@ def plot_error_vs_k(results, ties, path):
         ax.set_title(f"mean error of {name} against float64 (bars: 2 s.e.)", fontsize=10)
         ax.legend(fontsize=8, handlelength=3)
     n = len(results[PRECISIONS[0], "off", ties[0]][0])
-    fig.suptitle(f"{n} rows with k tied maxima; {INPUTS} (O: --fix on's O is --fix paper's)", fontsize=11)
+    fig.suptitle(f"{n} rows with k tied maxima; {INPUTS} (O: --fix on's O is --fix off's)", fontsize=11)
     fig.tight_layout()
     return save(fig, path)
 

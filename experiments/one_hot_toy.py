@@ -10,12 +10,11 @@ off), with delta from the bf16 O ("off") or from the fp32 O ("dfp32", --delta fp
 weight decay, batch 32. The loss reaches its floor, log(32)/32 = 0.108 (the first position cannot be predicted), within
 ~1,000 steps; after that the printed product of W_Q's and W_K's spectral norms bounds the logits' growth. The CPU
 is deterministic, so the two arms differ only through delta."""
-import sys
-
 import torch
 
 from kernels import Numerics
 from model import GPT, GPTConfig
+from nanolp.runconfig import Parser
 
 VOCAB, T, B, WIDTH = 32, 32, 32, 32
 
@@ -43,4 +42,9 @@ def main(arm, seed, steps, every=4000):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    p = Parser(prog="python -m experiments.one_hot_toy", description=__doc__.split("\n\n")[0])
+    p.add_argument("arm", choices=("off", "dfp32"), help="delta from the bf16 O (off) or the fp32 O (dfp32)")
+    p.add_argument("seed", type=int)
+    p.add_argument("steps", type=int)
+    args = p.parse_args()
+    main(args.arm, args.seed, args.steps)

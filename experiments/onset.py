@@ -29,10 +29,11 @@ Reads log.csv or the thinned log.csv.gz of results/*/runs/ (nanolp.runs.log_path
 
 import csv
 import gzip
-import json
 import sys
+import zlib
 from pathlib import Path
 
+from nanolp.runconfig import DamagedFile, read_json
 from nanolp.runs import log_path
 
 HEADS = 6  # of layer 0, in the default model
@@ -50,6 +51,8 @@ def onset(run):
     step = {int(r["step"]): r for r in rows}
     logit = lambda r: float(r["max_logit_L0"])
     sharp = lambda r: float(r["sharp_rate_L0"]) if r.get("sharp_rate_L0") else None
+    if 10000 not in step:
+        return f"{Path(run).name:{NAME}s} no diagnostic row at step 10,000"
     base = logit(step[10000])
     first = lambda cond: next((int(r["step"]) for r in rows if cond(r)), None)
     doubled, past_100 = first(lambda r: logit(r) > 2 * base), first(lambda r: logit(r) > 100)
@@ -60,7 +63,7 @@ def onset(run):
             f"sharp rate up to 2x: mean {sum(before) / len(before) if before else float('nan'):.1e} "
             f"max {max(before) if before else float('nan'):.1e}  sharp > 1% at {sharp_1pc} "
             f"(logit {logit(step[sharp_1pc]) if sharp_1pc else float('nan'):.0f})  "
-            f"tie rate 5k-30k {min(ties):.4f}-{max(ties):.4f}")
+            f"tie rate 5k-30k " + (f"{min(ties):.4f}-{max(ties):.4f}" if ties else "-"))
 
 
 def heads(run):
@@ -92,7 +95,7 @@ def late(run):
     rows = [(int(r["step"]), float(r["max_logit_L0"])) for r in log_rows(run) if r.get("max_logit_L0")]
     first = lambda level: next((s for s, v in rows if v > level), None)
     k, m = first(1e3), first(1e6)
-    collapse = json.load(open(Path(run) / "summary.json")).get("collapse_step")
+    collapse = read_json(Path(run) / "summary.json").get("collapse_step")   # ({} for a run still in progress)
     stop = collapse or rows[-1][0]
     span = lambda a, b: f"{b - a:,}" if a is not None and b is not None else "-"
     return (f"{Path(run).name:{NAME}s} >1e3 at {k}  >1e6 at {m}  1e3->1e6 {span(k, m)}  collapse {collapse or '-'}  "
@@ -124,7 +127,10 @@ def main(argv):
     if missing:
         sys.exit(f"onset: no log.csv or log.csv.gz in {', '.join(missing)}")
     for run in runs:
-        print(report(run))
+        try:
+            print(report(run))
+        except (OSError, EOFError, zlib.error, csv.Error, ValueError, DamagedFile) as e:   # a log or summary that cannot be read
+            sys.exit(f"onset: {run} cannot be read ({e})")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ rounding (O before the cast minus the reference) and O's cast (bf16 O minus O be
 statistic (mean over its standard error): a term that keeps one sign across batches has |t| >> 2. For scale, the
 exact gradient's own push, -<dq, q> per row, is printed beside them."""
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from nanolp import emulate
 from nanolp.emulate import causal_scores
 from nanolp.data import get_batch, prepare
 from nanolp.diagnostics import attention_stats, capture_attention
+from nanolp.runconfig import Parser
 from nanolp.runs import latest_checkpoint
 
 
@@ -45,7 +45,8 @@ def main(run_dir, batches=40):
     c = json.loads((Path(run_dir) / "config.json").read_text())
     data = prepare(c["data"])
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=c["block_size"], n_layer=c["n_layer"],
-                          n_head=c["n_head"], n_embd=c["n_embd"], attn="sdpa", fix="off"))
+                          n_head=c["n_head"], n_embd=c["n_embd"], pos=c.get("pos", "learned"),
+                          qk_norm=c.get("qk_norm", False), attn="sdpa", fix="off"))
     ckpt = latest_checkpoint(run_dir)
     model.load_state_dict(torch.load(ckpt, map_location="cpu")["model"])
     print(f"{ckpt}: {batches} batches of {c['batch_size']} x {c['block_size']}")
@@ -65,4 +66,10 @@ def main(run_dir, batches=40):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
+    p = Parser(prog="python -m experiments.push_split", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="a trained run's folder (config.json and a checkpoint)")
+    p.add_argument("batches", type=int, nargs="?", default=40)
+    args = p.parse_args()
+    if not (args.run_dir / "config.json").is_file() or latest_checkpoint(args.run_dir) is None:
+        p.error(f"{args.run_dir} holds no run with a checkpoint (config.json and ckpt/step_*.pt)")
+    main(args.run_dir, args.batches)

@@ -24,9 +24,9 @@ def rand(shape, seed):
 
 
 def row_sums(q, k, v, do, precision, delta="o", undivided=False):
-    """(rowsum(dS) before its cast, 1 - rowsum(P)) per row, as the kernel's backward computes them with delta from
-    what `delta` names (Numerics.delta's "o", "fp32-o" or "p"); undivided: delta from P without its division by
-    rowsum(P) in the autocast precision (the kernel variant paper-undivided of
+    """(rowsum(dS) before its cast, 1 - rowsum(P), the row's largest exact probability) per row, as the kernel's
+    backward computes them with delta from what `delta` names (Numerics.delta's "o", "fp32-o" or "p"); undivided:
+    delta from P without its division by rowsum(P) in the autocast precision (the kernel variant paper-undivided of
     results/paper_precision/rounding_variants.csv)."""
     o, o32, lse = emulate.forward(q, k, v, True, False, Numerics(precision=precision))
     P, dP = emulate._probs_and_dp(q, k, v, lse, do, True, precision)

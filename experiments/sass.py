@@ -74,8 +74,9 @@ def record(run):
     return launches
 
 
-# The forward's variants: label: (fix, what delta reads). fix="off" is the first, fix="paper" the third,
-# fix="on" the fourth (the shift and the fp32 O), delta="fp32-o" (with fix "off") the second.
+# The forward's variants: label: (fix, what delta reads). fix="off" is the first, fix="paper" the third, fix="on"
+# the second (the fp32 O, no shift: the kernel it launches is fix "off"'s with delta "fp32-o"), fix="paper" with
+# delta="fp32-o" the fourth.
 FORWARD = {"shift off, O bf16": ("off", "o"), "shift off, O bf16 + fp32": ("off", "fp32-o"),
            "shift on, O bf16": ("paper", "o"), "shift on, O bf16 + fp32": ("paper", "fp32-o")}
 FIXES = {'fix="off"': ("off", "o"), 'fix="paper"': ("paper", "o"), 'fix="on"': ("on", "fp32-o")}

@@ -1,7 +1,7 @@
 """Inputs that isolate the paper's rounding bias: query rows with exactly k tied maximal scores.
 
-Shared by tests/test_mechanism.py, experiments/gradbias.py (the float64 reference) and experiments/mechanism.py
-(analyze.py --mechanism).
+Shared by tests/test_mechanism.py, experiments/gradbias.py and experiments/gluon_check.py (the float64 reference)
+and experiments/mechanism.py (analyze.py --mechanism).
 """
 import math
 

@@ -26,6 +26,7 @@ from triton.testing import do_bench
 import kernels
 from experiments.launch_variants import tuned
 from model import GPT, GPTConfig
+from nanolp.runconfig import Parser
 
 FWD_GRID = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (128, 8, 4)]
 BWD_GRID = [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 128, 8, 1), (128, 128, 8, 2)]
@@ -105,11 +106,15 @@ def train_speed(attn, mode="default", steps=100, warmup=30, profile_to=None):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = Parser(prog="python -m experiments.tuning", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out")
     p.add_argument("--skip-grid", action="store_true")
-    p.add_argument("--modes", nargs="+", default=["default"], help="torch.compile modes to time")
+    p.add_argument("--modes", nargs="+", default=["default"], help="torch.compile modes to time",
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("timing needs a CUDA GPU")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     best = None if args.skip_grid else grid(out)
