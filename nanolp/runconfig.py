@@ -394,7 +394,11 @@ def check_machine(c, args, presets):
     if c["preset"] == "tiny" or c["device"] != "cpu" or args.device is not None or args.resume:
         return
     step = [seconds * step_flops(c) / step_flops(presets["default"]) for seconds in CPU_STEP_S]
-    tiny = "python train.py --preset tiny" + (f" --fix {args.fix}" if args.fix else "")
+    kept = ("attn", "fix", *NUMERICS, *GPT2_BLOCK, "data", "seed")   # the arm, less the GPU preset's size and rate
+    given = {k: getattr(args, k, None) for k in kept}
+    spelled = lambda k: "--data" if k == "data" else flag(k)
+    tiny = " ".join(["python train.py --preset tiny"] + [spelled(k) if v is True else f"{spelled(k)} {v}"
+                                                         for k, v in given.items() if v is not None])
     raise RunError(f"the {c['preset']} preset is sized for a GPU and this machine has no CUDA device: a step takes "
                    f"about {span(*step)} on two CPU cores, its {c['steps']:,} steps "
                    f"{span(*(seconds * c['steps'] for seconds in step))} (--device cpu trains it here anyway); a smoke "

@@ -66,7 +66,7 @@ def test_readme_numbers_are_their_files():
     rounding = read_table(root / "results/stochastic_rounding/runs.csv")
     val = [row["final_val_loss"] for row in rows + cure + rounding
            if (row["delta"] == "fp32-o" or row["fix"] == "on") and row["log_kept"]]
-    assert f"val loss rises to {min(val):.1f}-{max(val):.1f} nats at the end of the runs that read delta from the " \
+    assert f"val loss rises to {min(val):.1f}-{max(val):.1f} nats in the runs that read delta from the " \
            "fp32 O" in readme
     off = [load_run(study / "runs" / row["name"]) for row in rows
            if analyze.as_shipped(row) and row["flags"] == "--fix off" and row["log_kept"]]
@@ -78,8 +78,8 @@ def test_readme_numbers_are_their_files():
     for arm, runs in modern_block_runs(root).items():   # (their peaks: README's table)
         assert runs and all(not row["collapsed"] and row["steps"] == 200_000 and learned[row["seed"]]["collapsed"]
                             for row in runs)
-    assert "The rotary-position and QK-norm rows (`results/modern_block/figures/headline.png`) ran the seeds on which " \
-           "GPT-2's block collapsed" in readme
+    assert "rotary positions and QK-norm on the seeds where GPT-2's block collapsed: " \
+           "`results/modern_block/figures/headline.png`" in readme
     # the learning rate: the lr study's runs of seed 0, every layer past 100 at the first diagnostic at 1e-2
     lr = {row["name"]: row for row in read_table(root / "results/lr_sweep/runs.csv")}
     high = [load_run(root / "results/lr_sweep/runs" / name) for name in lr if "lr1e-2" in name]

@@ -708,10 +708,14 @@ def test_a_gpu_preset_without_cuda_is_refused_unless_device_cpu_insists(text, tm
         assert refusal(capsys, lambda: train.main(common)) == (
             "train.py: error: the default preset is sized for a GPU and this machine has no CUDA device: a step takes "
             "about 42-50 s on two CPU cores, its 200,000 steps 97-116 days (--device cpu trains it here anyway); a "
-            "smoke run of about a minute: python train.py --preset tiny\n")
+            f"smoke run of about a minute: python train.py --preset tiny --data {text}\n")
         assert refusal(capsys, lambda: train.main(["--preset", "gpt2", "--fix", "on", *common])).endswith(
             "a step takes about 25-29 minutes on two CPU cores, its 10,000 steps 171-204 days (--device cpu trains "
-            "it here anyway); a smoke run of about a minute: python train.py --preset tiny --fix on\n")
+            f"it here anyway); a smoke run of about a minute: python train.py --preset tiny --fix on --data {text}\n")
+        # the smoke run keeps the command's arm, less the GPU preset's size
+        arm = ["--attn", "fp32", "--pos", "rope", "--seed", "3"]
+        assert refusal(capsys, lambda: train.main([*arm, *common])).endswith(
+            f"python train.py --preset tiny --attn fp32 --pos rope --data {text} --seed 3\n")
     assert not (tmp_path / "runs").exists()
     # the default preset, made small enough to train here in a moment
     small = [*common, "--name", "small", "--attn", "sdpa", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
