@@ -95,7 +95,8 @@ def speed_table(path):
     at = "seq " + " to ".join(map(str, TABLE_SEQS))
     if not rows:
         raise ValueError(f"{path} has no rows at {at}")
-    lines = ["| head_dim, seq | " + " | ".join(TABLE_IMPLS.values()) + " |", "|---" * (len(TABLE_IMPLS) + 1) + "|"]
+    lines = ["| head_dim, seq: speed over cuDNN's | " + " | ".join(TABLE_IMPLS.values()) + " |",
+             "|---" * (len(TABLE_IMPLS) + 1) + "|"]
     for D in sorted({int(r["head_dim"]) for r in rows}):
         ratios = {impl: [float(r["fwd_bwd_vs_cudnn"]) for r in rows if r["impl"] == impl and int(r["head_dim"]) == D]
                   for impl in TABLE_IMPLS}
