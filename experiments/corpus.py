@@ -197,7 +197,8 @@ def zip_file(blob, path):
 
 
 def read_text(data, encoding="utf-8", errors="strict"):
-    """Bytes as open() in text mode reads them: \\r\\n and a lone \\r become \\n (as the text's sha1 was first pinned)."""
+    """Bytes as open() in text mode reads them: \\r\\n and a lone \\r become \\n (as the text's sha1 was
+    first pinned)."""
     return io.TextIOWrapper(io.BytesIO(data), encoding=encoding, errors=errors).read()
 
 

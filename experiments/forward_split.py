@@ -25,7 +25,8 @@ from kernels import Numerics, flash_attention
 from experiments.launch_variants import tuned
 from nanolp.runconfig import Parser
 
-VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"), "o32": dict(fix="off", numerics=Numerics(delta="fp32-o")),
+VARIANTS = {"off": dict(fix="off"), "shift": dict(fix="paper"),
+            "o32": dict(fix="off", numerics=Numerics(delta="fp32-o")),
             "both": dict(fix="paper", numerics=Numerics(delta="fp32-o"))}
 
 

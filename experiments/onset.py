@@ -129,7 +129,7 @@ def main(argv):
     for run in runs:
         try:
             print(report(run))
-        except (OSError, EOFError, zlib.error, csv.Error, ValueError, DamagedFile) as e:   # a log or summary that cannot be read
+        except (OSError, EOFError, zlib.error, csv.Error, ValueError, DamagedFile) as e:   # a file it cannot read
             sys.exit(f"onset: {run} cannot be read ({e})")
 
 

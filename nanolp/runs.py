@@ -144,9 +144,10 @@ def log_outcome(log):
 
 def provenance(device):
     """What a run ran: the git commit of this checkout (and whether its tracked files had uncommitted changes),
-    and the versions and the GPU it ran on (device's; None on a CPU, even where a GPU is there). Recorded in config.json and summary.json, so that runs made before
-    and after a change of the code can be told apart. $NANOLP_COMMIT, where set, names the commit of a copy of the
-    tree whose own git metadata is missing or stale (a lent GPU machine); None where nothing can be known."""
+    and the versions and the GPU it ran on (device's; None on a CPU, even where a GPU is there). Recorded in
+    config.json and summary.json, so that runs made before and after a change of the code can be told apart.
+    $NANOLP_COMMIT, where set, names the commit of a copy of the tree whose own git metadata is missing or stale (a
+    lent GPU machine); None where nothing can be known."""
     if os.environ.get("NANOLP_COMMIT"):   # the caller's word for the tree it copied; uncommitted changes unknown
         commit, dirty = os.environ["NANOLP_COMMIT"], None
     else:
@@ -171,7 +172,8 @@ def git_state(root):
 def checkpoints(run_dir):
     """The run's checkpoints, oldest first (not those in ckpt/damaged/): by step, which the names' 7 digits order
     only below 10,000,000."""
-    return sorted((Path(run_dir) / "ckpt").glob("step_*.pt"), key=lambda path: int(path.stem[len("step_"):]))
+    found = [path for path in (Path(run_dir) / "ckpt").glob("step_*.pt") if path.stem[len("step_"):].isdigit()]
+    return sorted(found, key=lambda path: int(path.stem[len("step_"):]))
 
 
 def latest_checkpoint(run_dir):
