@@ -14,12 +14,14 @@ import statistics
 from pathlib import Path
 
 from nanolp.runs import read_table
+from nanolp.runconfig import Parser
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 BF16_BITS = 7
 
 
 def main():
+    Parser(prog="python -m experiments.bits_law", description=__doc__.split("\n\n")[0]).parse_args()  # takes no flags
     runs = [r for r in read_table(RESULTS / "amplifier" / "gpu_runs.csv")
             if r["fix"] == "off" and r["seed"] == 0 and r["amplify"] == "p" and not r["variant"]
             and r["delta"] == "o" and r["precision"] == "fa2"]

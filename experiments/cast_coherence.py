@@ -10,10 +10,13 @@ rows 64-255: coherence = |mean of the rounding errors r_i| / mean |r_i| (1: the 
 """
 import torch
 
+from nanolp.runconfig import Parser
+
 T, D, B = 256, 64, 64  # rows (keys) per sequence, head dim, sequences
 
 
 def main():
+    Parser(prog="python -m experiments.cast_coherence", description=__doc__.split("\n\n")[0]).parse_args()  # no flags
     torch.manual_seed(0)
     causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
     print(f"{B} sequences of {T} rows, head dim {D}; "

@@ -9,6 +9,8 @@ cast's (the bf16 O less O before its cast).
 """
 import torch
 
+from nanolp.runconfig import Parser
+
 R, N, D = 4096, 256, 64  # rows, keys per row, head dim
 
 
@@ -18,6 +20,7 @@ def bf(x):
 
 
 def main():
+    Parser(prog="python -m experiments.rounding_terms", description=__doc__.split("\n\n")[0]).parse_args()  # no flags
     torch.manual_seed(0)
     for std in (1.0, 3.0, 10.0):
         s = bf(torch.randn(R, N, dtype=torch.float64) * std).float().double()

@@ -16,6 +16,7 @@ import torch
 
 from kernels import Numerics
 from nanolp import emulate
+from nanolp.runconfig import Parser
 
 
 def rand(shape, seed):
@@ -39,6 +40,7 @@ def row_sums(q, k, v, do, precision, delta="o", undivided=False):
 
 
 if __name__ == "__main__":
+    Parser(prog="python -m experiments.row_sums", description=__doc__.split("\n\n")[0]).parse_args()  # takes no flags
     arms = {"fa2": ("fa2",), "fa2, delta from P": ("fa2", "p"), "autocast": ("autocast",),
             "autocast, --delta fp32-o": ("autocast", "fp32-o"), "autocast, delta from P": ("autocast", "p"),
             "autocast, from P, undivided": ("autocast", "p", True)}

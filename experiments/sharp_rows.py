@@ -10,10 +10,13 @@ dS_max (correlation, sign agreement, least-squares slope).
 """
 import torch
 
+from nanolp.runconfig import Parser
+
 T, D, ROWS = 256, 64, 20000  # keys per row and head dim of the default preset
 
 
 def main():
+    Parser(prog="python -m experiments.sharp_rows", description=__doc__.split("\n\n")[0]).parse_args()  # takes no flags
     torch.manual_seed(0)
     print(f"{ROWS} rows of {T} keys, head dim {D}; V and the exact O in float64, V drawn as bf16 values")
     for eps in (1e-4, 1e-3, 4e-3, 1e-2, 3e-2, 1e-1):

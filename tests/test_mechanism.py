@@ -48,6 +48,7 @@ With the other keys only 1-8 nats below (gap_range=(1, 8)), their P are not tiny
 autocast mode is then biased for k = 1 as well and the fix does not reduce it.
 """
 import functools
+import runpy
 from pathlib import Path
 
 import numpy as np
@@ -443,3 +444,13 @@ def test_mechanism_report(tmp_path):
     assert predicted["nearest", "4"] == pytest.approx(4 * predicted["nearest", "1"], rel=0.15)
     assert predicted["independent", "1"] == 0
     assert "`--fix on --precision fa2`" in report
+
+
+@pytest.mark.parametrize("module", ["bits_law", "cast_coherence", "rounding_terms", "sharp_rows", "row_sums"])
+def test_flagless_measurements_refuse_a_flag(module, monkeypatch, capsys):
+    """The measurements that take no flags refuse one in a line, before any work (a flag would otherwise be ignored)."""
+    monkeypatch.setattr("sys.argv", [module, "--rows", "8"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module(f"experiments.{module}", run_name="__main__")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"python -m experiments.{module}: error: unrecognized arguments: --rows 8\n"
