@@ -24,8 +24,8 @@ PROBE_SEED = 10**6
 DEFAULT_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
 HOW_TO_GIVE_TEXT = (
-    "Give any UTF-8 text file in one of three ways: python train.py --data PATH, "
-    "or the environment variable NANOLP_DATA=PATH, or copy it to {default}."
+    "Copy TinyShakespeare's input.txt to {default} (the default run, under its own name), "
+    "or train on any UTF-8 text file: python train.py --data PATH, or the environment variable NANOLP_DATA=PATH."
 )
 
 

@@ -83,7 +83,7 @@ def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):
     with pytest.raises(data.TextError, match="no text file at .*missing.txt: that file does not exist .*--data PATH"
                                              ".*NANOLP_DATA") as error:
         data.prepare(tmp_path / "missing.txt", data_dir=tmp_path)
-    assert "copy it to" not in str(error.value)   # a path given is a file missing, not a text to put in place
+    assert "Copy TinyShakespeare" not in str(error.value)   # a path given is a file missing, not a text to put in place
     # no default file and no network (a closed local port): where to put the file, not a stack of urllib errors
     monkeypatch.delenv("NANOLP_DATA", raising=False)
     monkeypatch.setattr(data, "DEFAULT_TEXT", tmp_path / "tinyshakespeare" / "input.txt")
@@ -91,7 +91,8 @@ def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):
     with pytest.raises(data.TextError) as error:
         data.prepare(data_dir=tmp_path)
     assert re.fullmatch(r"no text at \S+/tinyshakespeare/input.txt and the download from http://127.0.0.1:9/input.txt "
-                        r"failed \(.*\)\. .*--data PATH.*NANOLP_DATA.*copy it to \S+/tinyshakespeare/input.txt\.",
+                        r"failed \(.*\)\. Copy TinyShakespeare's input.txt to \S+/tinyshakespeare/input.txt "
+                        r".*--data PATH.*NANOLP_DATA=PATH\.",
                         str(error.value))
     assert "\n" not in str(error.value) and not (tmp_path / "tinyshakespeare").exists()
 

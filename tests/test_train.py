@@ -570,7 +570,8 @@ def test_a_text_that_cannot_be_trained_on_is_refused_in_one_line(run, tmp_path, 
     err = refusal(capsys, lambda: train.main(["--preset", "tiny", "--attn", "sdpa", "--device", "cpu", "--out",
                                               str(tmp_path / "runs")]))
     assert re.fullmatch(r"train.py: error: no text at \S+/tinyshakespeare/input.txt and the download from \S+ "
-                        r"failed .*--data PATH.*copy it to \S+/tinyshakespeare/input.txt\.\n", err)
+                        r"failed .*Copy TinyShakespeare's input.txt to \S+/tinyshakespeare/input.txt .*--data PATH.*\n",
+                        err)
     assert not (tmp_path / "runs").exists()
 
 
