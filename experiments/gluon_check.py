@@ -29,14 +29,15 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 from triton.testing import do_bench
 
 import kernels
 from experiments import kernels_gluon
+from experiments.bench import sdpa
 from experiments.tied import exact_scores, mean_error, tied_rows
+from nanolp.runs import read_rows
 
 LOG2E = math.log2(math.e)
 SEQS = (63, 1000, 4096)      # two specializations of N (not and divisible by 16): few compiles
@@ -154,13 +155,6 @@ def sharp_rows(variant, device="cuda", seeds=(0, 1)):
     return rows
 
 
-def sdpa(backend):
-    def run(q, k, v):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return run
-
-
 def impls(part):
     """The forwards a part times: "baselines" (kernels.py's at each fix, SDPA's cuDNN and flash) or one variant."""
     if part == BASELINES:
@@ -239,8 +233,7 @@ def write(out, correct, timed, header, sharp=()):
 
 
 def read_csv(path):
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(path)
     for r in rows:
         for key, value in r.items():
             try:
