@@ -327,13 +327,21 @@ def misfit(model, weights):
 
 def lock_holder(run_dir):
     """The process id in run_dir's lock if that process is alive (a run is writing the folder), else None: a lock
-    whose process is gone was left by a run that was killed, and is stale."""
+    whose process is gone was left by a run that was killed, and is stale. RunError for a lock this user cannot
+    read (another user's run may be writing the folder)."""
+    lock = Path(run_dir) / LOCK
     try:
-        pid = int((Path(run_dir) / LOCK).read_text())
-        if pid <= 0:   # (os.kill would signal a process group)
-            return None
+        pid = int(lock.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    except OSError as e:
+        raise RunError(f"cannot read the lock {lock} ({e.strerror}): if no run is writing {run_dir}, "
+                       f"delete it") from None
+    if pid <= 0:   # (os.kill would signal a process group)
+        return None
+    try:
         os.kill(pid, 0)   # signal 0 sends nothing: it only asks whether the process exists
-    except (FileNotFoundError, ValueError, ProcessLookupError):
+    except ProcessLookupError:
         return None
     except PermissionError:   # alive, another user's
         pass
@@ -361,6 +369,9 @@ def locked(run_dir):
                     raise RunError(f"{run_dir} is being written by a live run (process {pid}): wait for it to end, "
                                    f"or give this run another --name (if no run is writing it, delete {lock})")
                 lock.unlink(missing_ok=True)   # stale
+            except OSError as e:   # the link is the lock: a filesystem without hard links cannot hold one
+                raise RunError(f"cannot lock the run folder {run_dir} ({e.strerror}): runs are written where the "
+                               f"filesystem allows hard links; give another --out") from None
     finally:
         mine.unlink()
     try:

@@ -664,6 +664,23 @@ def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tm
     run("early", "--steps", "50", "--resume")
     assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20, 30, 40, 50]
     assert not (run_dir / runs.LOCK).exists()
+    # a lock this user cannot read, and a filesystem without hard links: one line each, the folder untouched
+    (run_dir / runs.LOCK).write_text("1")
+    with monkeypatch.context() as patched:
+        unread = Path.read_text
+        patched.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(PermissionError(
+            13, "Permission denied")) if self.name == runs.LOCK else unread(self, *a, **k))
+        assert refusal(capsys, lambda: run("early", "--steps", "60", "--resume")) == (
+            f"train.py: error: cannot read the lock {run_dir / runs.LOCK} (Permission denied): if no run is "
+            f"writing {run_dir}, delete it\n")
+    (run_dir / runs.LOCK).unlink()
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "Operation not permitted")))
+        assert refusal(capsys, lambda: run("early", "--steps", "60", "--resume")) == (
+            f"train.py: error: cannot lock the run folder {run_dir} (Operation not permitted): runs are written "
+            f"where the filesystem allows hard links; give another --out\n")
+    assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20, 30, 40, 50]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt", "config.json", "log.csv", "summary.json"]
 
 
 def test_a_collapsed_run_stays_collapsed(run, monkeypatch, capsys, tmp_path):
