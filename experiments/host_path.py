@@ -2,7 +2,7 @@
 Triton's launcher) against the GPU's kernels, for kernels.py's flash_attention (fix "on") and torch SDPA's flash
 backend, at the benchmark's shapes (experiments/bench.py: 16k tokens x 2048 channels, bf16, causal).
 
-    python -m experiments.host_path [--out DIR] [--seqs 256 1024] [--head-dims 64 128]   # GPU, ~1 minute
+    python -m experiments.host_path [--out DIR] [--seqs 256 1024] [--head-dims 64 128]   # GPU (experiments/README.md)
 
 Per row: cpu_us, the host's microseconds per call (a loop of calls, not synchronised: the launches are
 asynchronous, so the loop's time is the host's while the GPU's queue has room); gpu_us, the kernels' own time per

@@ -5,7 +5,7 @@ until layer 0's max logit passes --fork-at, then its checkpoint there is continu
     torch       --exponent torch: S * scale rounded before the max is subtracted, as PyTorch builds FA2
     sdpa-flash  --attn sdpa-flash: torch's own flash backend (PyTorch's FA2)
 
-    python -m experiments.late_stage --seed 3                     # on a GPU (about 15 minutes on one H200)
+    python -m experiments.late_stage --seed 3                     # on a GPU (its time: experiments/README.md)
     python -m experiments.late_stage --collect runs/late_stage    # -> results/late_stage/: thinned logs, runs.csv
 
 The arms start from the same weights, optimizer state and random streams and see the same batches, so whatever
