@@ -36,7 +36,6 @@ from pathlib import Path
 from nanolp.runconfig import DamagedFile, read_json
 from nanolp.runs import log_path
 
-HEADS = 6  # of layer 0, in the default model
 NAME = 16  # width of the run-name column
 
 
@@ -71,18 +70,19 @@ def heads(run):
     if not rows:
         return f"{Path(run).name:{NAME}s} no per-head diagnostics"
     norm = lambda r, h: float(r[f"sn_q_L0_H{h}"])
+    heads = range(sum(column.startswith("sn_q_L0_H") for column in rows[0]))   # layer 0's, as the run logged them
     takeoff = next((r for r in rows if float(r["max_logit_L0"]) > 100), None)
     end = int((takeoff or rows[-1])["step"])
     ref = 20000 if end > 20000 else end // 2000 * 1000
     at_ref = next(r for r in rows if int(r["step"]) == ref)
     until = [takeoff] if takeoff else rows
-    growth = [max(norm(r, h) for r in until) / norm(at_ref, h) for h in range(HEADS)]
-    lead = max(range(HEADS), key=lambda h: growth[h])
+    growth = [max(norm(r, h) for r in until) / norm(at_ref, h) for h in heads]
+    lead = max(heads, key=lambda h: growth[h])
     when = f"at take-off (step {int(takeoff['step']):,})" if takeoff else "no take-off, whole run"
     early = [r for r in rows if 2000 <= int(r["step"]) <= ref + 5000]
-    tie = [sum(float(r[f"tie_rate_L0_H{h}"]) for r in early) / len(early) for h in range(HEADS)]
+    tie = [sum(float(r[f"tie_rate_L0_H{h}"]) for r in early) / len(early) for h in heads]
     rank = lambda values, h: sorted(values, reverse=True).index(values[h]) + 1
-    norms = [norm(at_ref, h) for h in range(HEADS)]
+    norms = [norm(at_ref, h) for h in heads]
     return (f"{Path(run).name:{NAME}s} {when}: lead head {lead}, W_Q norm x{growth[lead]:.1f} over step {ref:,} "
             f"(the other heads x{min(g for h, g in enumerate(growth) if h != lead):.1f}-"
             f"{max(g for h, g in enumerate(growth) if h != lead):.1f}); at {ref:,} its norm {norms[lead]:.1f}, "

@@ -49,6 +49,19 @@ def test_growth_reads_step_10000_the_end_and_the_largest(tmp_path):
     assert onset.growth(run) == "run              no diagnostic row at step 10,000"
 
 
+def test_heads_reads_as_many_heads_as_the_run_logged(tmp_path):
+    """The lead head of a run with two heads (the default has six): the one whose W_Q norm grew most by take-off."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "log.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "max_logit_L0"] + [f"{c}_L0_H{h}" for c in ("sn_q", "tie_rate") for h in (0, 1)])
+        w.writerows([[2000, 5, 1, 1, 0.5, 0.25], [3000, 50, 2, 1.5, 0.5, 0.25], [6000, 150, 3, 9, 0.5, 0.25]])
+    assert onset.heads(run) == (
+        "run              at take-off (step 6,000): lead head 1, W_Q norm x6.0 over step 3,000 (the other heads "
+        "x1.5-1.5); at 3,000 its norm 1.5, rank 2 (largest 2.0); tie rate 2k-8k 0.2500, rank 2 (largest 0.5000)")
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "usage: python -m experiments.onset"),
     (["--late"], "usage: python -m experiments.onset"),
