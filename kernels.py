@@ -4,7 +4,8 @@
     o = flash_attention(q, k, v, causal=True, fix="on")   # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
 
 Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), O and the gradients
-in q's layout; differentiable; head_dim 16/32/64/128; any sequence length; a custom op (torch.compile traces it).
+in q's layout; differentiable (not twice); head_dim 16/32/64/128; any sequence length; a custom op (torch.compile
+traces it).
 
 Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
     S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -602,7 +604,8 @@ def check_device(q):
 def check_inputs(q, k, v, causal, fix, numerics):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
     if not isinstance(causal, bool):   # (a truthy string would run causal attention silently)
-        raise ValueError(f"causal must be True or False, got {causal!r}")
+        shown = f"a tensor of shape {tuple(causal.shape)}" if isinstance(causal, torch.Tensor) else repr(causal)
+        raise ValueError(f"causal must be True or False (there is no mask argument), got {shown}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -624,15 +627,21 @@ def check_inputs(q, k, v, causal, fix, numerics):
     if q.dtype == torch.bfloat16 and capability(q.device) < (8, 0):   # (a T4, a V100: Triton cannot compile it)
         raise TypeError(f"bfloat16 needs a GPU of compute capability 8.0 or later (an A100, RTX 30xx, L4, H100); "
                         f"{q.device} has {'.'.join(map(str, capability(q.device)))}")
+    if fix == "paper" and q.dtype != torch.bfloat16:   # (float16's exponent stops at 2^-24)
+        raise TypeError(f'fix="paper" shifts a tied row\'s max up by as much as {SHIFT_HI:.0f} nats, where P '
+                        f"underflows {q.dtype}: give bfloat16 inputs")
     if numerics.draws and q.dtype != torch.bfloat16:
         raise TypeError(f'stochastic_o and delta="stochastic-o" round O to bfloat16; q, k, v are {q.dtype}')
     check_fix(fix, numerics)
 
 
+PLAIN = Numerics()   # made once: torch.compile(fullgraph=True) cannot trace Numerics() inside a compiled function
+
+
 def as_numerics(numerics):
-    """The entry points' numerics: None is plain FlashAttention-2's, Numerics(); what is not a Numerics, refused."""
+    """The entry points' numerics: None is plain FlashAttention-2's, PLAIN; what is not a Numerics, refused."""
     if numerics is None:
-        return Numerics()
+        return PLAIN
     if not isinstance(numerics, Numerics):
         raise TypeError(f"numerics must be a kernels.Numerics or None, got {type(numerics).__name__}")
     return numerics
@@ -790,6 +799,7 @@ class _FlashAttention(torch.autograd.Function):
         return o, lse, *o_delta
 
     @staticmethod
+    @once_differentiable   # a double backward (create_graph=True) is refused, not run without attention's terms
     def backward(ctx, do, *_):   # (lse and the O delta reads have no gradient)
         q, k, v, o, lse = ctx.saved_tensors
         return *direct(flash_bwd_op, flash_bwd)(do, q, k, v, o, lse, *ctx.args), *(None,) * 8
@@ -829,7 +839,7 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
             backward, where one can follow); O and every other number are fix "off"'s.
         "off": plain FlashAttention-2, whose backward reads the rounded O (the failure this file is about).
         "paper": the paper's rule, a tied row's max shifted up, for the experiments (it leaves O's final cast's
-            error, which fails our runs); O is fix "off"'s up to the shift's rounding (docs/kernel.md).
+            error, which fails our runs); bf16 only; O is fix "off"'s up to the shift's rounding (docs/kernel.md).
     numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
     Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward (two
     passes, no atomics: the same bits every run).
