@@ -228,7 +228,8 @@ def test_gradients_bitwise_equal_emulation_at_every_tuning(D, poisoned):
 # Forward and gradients against float64, within twice the error of plain bf16 attention
 
 def check_against_float64(q, k, v, causal, numerics=Numerics(), fix="off", attention=kernels.flash_attention,
-                          factor=2.0, autocast=False):
+                          factor=2.0, autocast=False, yardstick=plain_attention):
+    """O, dQ, dK, dV within factor x the float64 error of yardstick(q, k, v, causal): plain bf16 attention."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     do = rand(q.shape, q.dtype)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
@@ -239,13 +240,13 @@ def check_against_float64(q, k, v, causal, numerics=Numerics(), fix="off", atten
     ref.backward(do.double())
     refs = (ref, *(t.grad for t in leaves))
     qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    op = plain_attention(qp, kp, vp, causal)
+    op = yardstick(qp, kp, vp, causal)
     op.backward(do)
     plain = (op, qp.grad, kp.grad, vp.grad)
     for name, a, r, p in zip(("O", "dQ", "dK", "dV"), ours, refs, plain):
         assert torch.isfinite(a).all(), f"{name} not finite"
         bound = factor * rel(p, r) + 1e-5
-        assert rel(a, r) <= bound, f"{name}: rel err {rel(a, r):.2e} > {factor} x plain {rel(p, r):.2e}"
+        assert rel(a, r) <= bound, f"{name}: rel err {rel(a, r):.2e} > {factor} x {rel(p, r):.2e}"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -263,28 +264,36 @@ def test_gradients_random_shapes(seed, poisoned):
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs every setting unpipelined; this is for the GPU's")
 @pytest.mark.parametrize("N", [kernels.SHORT_SEQ, kernels.SHORT_SEQ + 77])
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
-def test_gradients_every_tuning_setting(N, D, poisoned):
+@pytest.mark.parametrize("causal, fix", [(True, "off"), (False, "off"), (True, "on"), (False, "on")])
+def test_gradients_every_tuning_setting(N, D, causal, fix, poisoned):
     """Each head_dim's forward and backward settings (stages differ per head_dim and across SHORT_SEQ)."""
-    q, k, v = (rand((1, 2, N, D), seed=D + i) for i in range(3))
-    check_against_float64(q, k, v, True)
+    q, k, v = (rand((2, 2, N, D), seed=D + i) for i in range(3))
+    check_against_float64(q, k, v, causal, fix=fix)
 
 
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
 @pytest.mark.parametrize("fix", ["off", "on", "paper"])
-def test_gradients_precision_modes(precision, fix):
-    q, k, v = (rand((1, 2, 96, 64), scale=s) for s in (2.0, 1.0, 1.0))
-    check_against_float64(q, k, v, True, Numerics(precision=precision), fix)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_precision_modes(precision, fix, causal):
+    q, k, v = (rand((2, 2, 96, 64), scale=s) for s in (2.0, 1.0, 1.0))
+    check_against_float64(q, k, v, causal, Numerics(precision=precision), fix)
 
 
 @pytest.mark.parametrize("precision", ["fa2", "autocast"])
 def test_gradients_autocast_large_logits(precision):
     """Row maxima of a few hundred nats. A backward that rounds S unlike the forward gets P = exp(S - lse)
-    wrong by factors of e here (bf16 spacing is 1-2 at these logits) and fails by orders of magnitude."""
+    wrong by factors of e here (bf16 spacing is 1-2 at these logits) and fails by orders of magnitude. Plain bf16
+    attention's own error is large here (dQ's ~0.2), so the yardstick is the emulation's: the kernel's algorithm
+    in PyTorch (dQ's error ~7e-3 in "fa2"), which a backward that rounds unlike it misses by far more than 2x."""
     q, k, v = rand((1, 2, 128, 64), scale=1.0), rand((1, 2, 128, 64)), rand((1, 2, 128, 64))
     q = q * (300 / (q @ k.transpose(-1, -2) / 8).amax())
     q = q.to(torch.bfloat16)
     for fix in ("off", "on", "paper"):
-        check_against_float64(q, k, v, True, Numerics(precision=precision), fix, autocast=True)
+        numerics = Numerics(precision=precision)
+        emulated = lambda q, k, v, causal, fix=fix: emulate.emulate_attention(q, k, v, causal=causal, fix=fix,
+                                                                             numerics=numerics)
+        check_against_float64(q, k, v, True, numerics, fix, autocast=True)
+        check_against_float64(q, k, v, True, numerics, fix, autocast=True, yardstick=emulated)
 
 
 def ds_residue_atol(q, k, v, do, causal):
@@ -430,7 +439,8 @@ def test_delta_from_the_fp32_o_returns_the_plain_forward_in_q_layout():
     """delta from the fp32 O (fix "on", or delta "fp32-o" with fix "off" or "paper") changes only what the backward
     reads: the O returned is the one without it, bit for bit, in q's dtype and layout; and so is O with delta
     "stochastic-o"."""
-    q, k, v = (rand((1, 37, 2, 32), seed=s).transpose(1, 2) for s in range(3))   # heads inside the sequence
+    # heads inside the sequence; requiring grad, as where fix "on" stores the fp32 O (else it runs fix "off")
+    q, k, v = (rand((1, 37, 2, 32), seed=s).requires_grad_().transpose(1, 2) for s in range(3))
     off, paper = dict(fix="off"), dict(fix="paper")
     for plain, options in ((off, dict(fix="on")), (off, dict(off, numerics=Numerics(delta="fp32-o"))),
                            (paper, dict(paper, numerics=Numerics(delta="fp32-o"))),
@@ -556,6 +566,7 @@ def test_paper_rule_changes_only_rounding(precision):
     "off"'s, bit for bit."""
     q, k, v = (rand((2, 2, 150, 64)) for _ in range(3))
     k[..., 10, :] = k[..., 20, :]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))   # where fix "on" runs as itself (else as fix "off")
     o_off, o_on, o_paper = (kernels.flash_attention(q, k, v, fix=fix, numerics=Numerics(precision=precision))
                             for fix in ("off", "on", "paper"))
     ref, _ = reference(q, k, v, True)
@@ -741,10 +752,17 @@ def test_bad_input():
     with pytest.raises(TypeError, match="torch.Tensor"):
         kernels.flash_attention(q.tolist(), q, q)
     for attention in (kernels.flash_attention, lambda *a, **kw: emulate.emulate_attention(*a, fix="on", **kw)):
-        with pytest.raises(ValueError, match=re.escape("causal must be True or False, got 'no'")):
+        with pytest.raises(ValueError, match=re.escape("causal must be True or False (there is no mask argument), "
+                                                       "got 'no'")):
             attention(q, q, q, causal="no")
+        with pytest.raises(ValueError, match=re.escape("got a tensor of shape (16, 16)")):   # SDPA's attn_mask
+            attention(q, q, q, torch.ones(16, 16, dtype=torch.bool).tril())
         with pytest.raises(TypeError, match="numerics must be a kernels.Numerics or None, got dict"):
             attention(q, q, q, numerics={"delta": "o"})
+    for attention in (kernels.flash_attention, emulate.emulate_attention):
+        with pytest.raises(TypeError, match=re.escape('fix="paper" shifts a tied row\'s max up by as much as 64 '
+                                                      "nats, where P underflows torch.float16: give bfloat16")):
+            attention(q.half(), q.half(), q.half(), fix="paper")
 
 
 def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
@@ -872,6 +890,24 @@ def test_eager_calls_run_the_ops_functions(monkeypatch):
     assert out.o.requires_grad and not out.lse.requires_grad and not out.o_delta.requires_grad
     out.o.float().square().sum().backward()
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
+def test_a_double_backward_is_refused():
+    """The backward is not itself differentiable: create_graph=True's second backward is refused in one line (it
+    would otherwise run, without attention's second-order terms); torch.compile still traces the backward whole."""
+    q, k, v = (rand((1, 2, 40, 16), seed=s).requires_grad_() for s in range(3))
+    dq, = torch.autograd.grad(kernels.flash_attention(q, k, v).float().square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="^trying to differentiate twice a function that was marked with "
+                                           "@once_differentiable$"):
+        dq.float().square().sum().backward()
+    f = lambda q, k, v: kernels.flash_attention(q, k, v).float().square().sum()
+    f(q, k, v).backward()
+    eager = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch._dynamo.reset()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v).backward()
+    assert all(torch.equal(t.grad, g) for t, g in zip((q, k, v), eager))
 
 
 @pytest.mark.parametrize("amplify, delta", [("p", "o"), ("vo", "o"), ("p", "fp32-o")])
