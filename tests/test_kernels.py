@@ -539,6 +539,26 @@ def test_fix_and_stochastic_rounding_bitwise_equal_emulation(option, precision, 
         assert a.dtype == q.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs"
 
 
+@requires_interpreter
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fix", ["off", "on"])
+def test_float16_bitwise_equal_emulation(fix, causal, poisoned):
+    """float16 inputs (every other bitwise test is bf16's), several batches and heads: O and the gradients of fix
+    "off" and "on", bit for bit against the emulation, in both precisions."""
+    shape = (2, 2, 77, 32)
+    q, k, v, do = (rand(shape, torch.float16, scale=s) for s in (2.0, 1.0, 1.0, 1.0))
+    for precision in ("fa2", "autocast"):
+        results = []
+        for attention in (kernels.flash_attention, emulate.emulate_attention):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            o = attention(*inputs, causal=causal, fix=fix, numerics=Numerics(precision=precision))
+            o.backward(do)
+            results.append([o] + [t.grad for t in inputs])
+        for name, a, b in zip(("O", "dQ", "dK", "dV"), *results):
+            assert a.dtype == torch.float16 and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+                f"{precision}: {name} differs"
+
+
 def test_stochastic_forward_rounds_o_unbiased_within_one_step():
     """stochastic_o="forward": each element of O is one of the two bf16 neighbours of the fp32 O, and on average
     the fp32 O itself; round-to-nearest is not unbiased in that sense element by element, but both stay within a
