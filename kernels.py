@@ -597,8 +597,8 @@ def check_device(q):
         return
     else:
         problem = f"the kernel needs CUDA tensors, got {q.device}"
-    raise ValueError(f"{problem}; on the CPU use nanolp.emulate.emulate_attention, the kernel's algorithm in "
-                     "PyTorch (the same numbers)")
+    raise ValueError(f"{problem}; on the CPU use torch's scaled_dot_product_attention, or in nanolp "
+                     "nanolp.emulate.emulate_attention, the kernel's algorithm in PyTorch (the same numbers)")
 
 
 def check_inputs(q, k, v, causal, fix, numerics):

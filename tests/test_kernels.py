@@ -800,7 +800,8 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
     q = torch.randn(1, 1, 8, 16).bfloat16()
     for fn in (kernels.flash_attention, kernels.forward):
-        with pytest.raises(ValueError, match=r"needs CUDA tensors, got cpu; on the CPU use nanolp\.emulate"):
+        with pytest.raises(ValueError, match=r"needs CUDA tensors, got cpu; on the CPU use torch's "
+                                             r"scaled_dot_product_attention, or in nanolp nanolp\.emulate"):
             fn(q, q, q, fix="on")
 
 
@@ -813,7 +814,8 @@ def test_stock_interpreter_is_refused(monkeypatch):
     q = torch.randn(1, 1, 8, 16).bfloat16()
     for fn in (kernels.flash_attention, kernels.forward):
         with pytest.raises(ValueError, match=r"interpreter computes bf16 wrongly unless nanolp/interp_patch\.py "
-                                             r"patches it; on the CPU use nanolp\.emulate\.emulate_attention"):
+                                             r"patches it; on the CPU use torch's scaled_dot_product_attention, "
+                                             r"or in nanolp nanolp\.emulate\.emulate_attention"):
             fn(q, q, q, fix="on")
 
 
