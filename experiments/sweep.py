@@ -16,6 +16,7 @@ data/tinyshakespeare/input.txt first. Then commit results/STUDY/.
 A run is train.py with the study's common flags and the arm's, --steps MIN_STEPS (the study's or its seed's),
 --seed SEED, --name ARM-sSEED, --out OUT (runs/STUDY). Each invocation looks at every run's folder in OUT and in
 results/STUDY/runs/:
+    running   a live process holds the run folder's lock (another sweep's run)  -> skipped, left alone
     finished  OUT's summary.json says it collapsed, or that it reached min_steps -> skipped
     collected not in OUT, but finished in results/STUDY/runs/ (run elsewhere)    -> skipped
     resumable a checkpoint in OUT's ckpt/                                        -> train.py --resume
@@ -35,7 +36,9 @@ Time: --minutes M is this invocation's wall-clock budget. train.py's --minutes c
 is cumulative over resumes (it is saved in the checkpoint), so a run started with R minutes left gets
 --minutes (training minutes it already has) + R - MARGIN; the margin covers start-up and the final evaluation.
 A run still alive GRACE seconds past the deadline is terminated; its checkpoints survive, and the next
-invocation resumes it. No run is started with less than MIN_MINUTES left.
+invocation resumes it. No run is started with less than MIN_MINUTES left. Without --minutes a resumed run's own
+limit is lifted (--minutes NO_LIMIT), so a run stopped by an earlier budget goes on to its steps. Stopping the sweep
+(Ctrl-C, or SIGTERM) stops its runs too; the same command resumes them.
 """
 
 import argparse
@@ -43,6 +46,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -54,8 +58,8 @@ import numpy as np
 
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, as_current,
                               read_json)
-from nanolp.runs import (find_runs, latest_checkpoint, load_run, load_runs, log_outcome, log_path, read_rows,
-                         thin_log, write_csv)
+from nanolp.runs import (find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
+                         read_rows, thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -65,6 +69,7 @@ OWNED_FLAGS = ("--name", "--out", "--seed", "--steps", "--minutes", "--resume", 
 CPU_PRESETS = ("tiny",)  # train.py's presets small enough for a CPU
 MARGIN, MIN_MINUTES, GRACE = 0.5, 1.0, 30.0  # minutes, minutes, seconds (see the top of this file)
 DONE = ("finished", "collected")
+NO_LIMIT = 1e6  # minutes (about two years): train.py's --minutes for "no limit", which it has no other way to say
 # first_growth_*: the first head whose W_Q spectral norm exceeds GROWTH x its value at a quarter of the run
 # (early training triples every norm from its initial value, so the first rows are no baseline)
 GROWTH = 3.0
@@ -170,9 +175,13 @@ def parse_flags(text, where):
     """train.py flags from a string, checked: none that the sweep sets, nothing that is not a --flag."""
     if not isinstance(text, str):
         raise StudyError(f"{where}: flags are one string, got {text!r}")
-    flags = shlex.split(text)
+    try:
+        flags = shlex.split(text)
+    except ValueError as e:   # (an unbalanced quote)
+        raise StudyError(f"{where}: {e} in {text!r}") from None
     for flag in flags:
-        if flag.split("=")[0] in OWNED_FLAGS:
+        name = flag.split("=")[0]
+        if any(owned.startswith(name) for owned in OWNED_FLAGS if name.startswith("--") and len(name) > 2):
             raise StudyError(f"{where}: {flag} is set by the sweep ({', '.join(OWNED_FLAGS)})")
     try:
         flag_settings(flags)
@@ -206,8 +215,13 @@ def contradiction(run_dir, flags):
     if not config:
         return ""
     for key, want in flag_settings(flags).items():
-        have = config.get(key)
-        if isinstance(want, bool) or isinstance(have, bool) or have is None:
+        if key not in config:
+            return (f"its config.json has no setting {key!r} (an older run's, or a flag abbreviated: the sweep "
+                    f"compares flags written in full)")
+        have = config[key]
+        if key == "data" and have is not None:   # (train.py records the text's absolute path)
+            same = Path(have).resolve() == Path(want).resolve()
+        elif isinstance(want, bool) or isinstance(have, bool) or have is None:
             same = have is want
         else:
             try:
@@ -230,7 +244,9 @@ def finished(run_dir, min_steps):
 
 
 def run_state(run_dir, min_steps):
-    """'finished', 'resumable', 'stale' or 'new' (see the top of this file)."""
+    """'running', 'finished', 'resumable', 'stale' or 'new' (see the top of this file)."""
+    if lock_holder(run_dir) is not None:
+        return "running"
     if not log_path(run_dir).exists():
         return "new"  # (a folder with only stdout.log: train.py failed before it started; start again)
     if finished(run_dir, min_steps):
@@ -275,6 +291,8 @@ def train_command(run, minutes_left, margin=MARGIN):
     if minutes_left is not None:
         already = trained_minutes(run["dir"]) if run["state"] == "resumable" else 0.0
         cmd += ["--minutes", f"{already + minutes_left - margin:.3f}"]
+    elif run["state"] == "resumable" and read_json(run["dir"] / "config.json").get("minutes") is not None:
+        cmd += ["--minutes", f"{NO_LIMIT:g}"]   # (an earlier budget's limit, which the run would keep)
     return cmd
 
 
@@ -305,6 +323,11 @@ def warm_data_cache(flag_lists):
 # Running
 
 
+def interrupt(signum, frame):
+    """SIGTERM taken as Ctrl-C, so that the sweep stops its runs before it goes (else they run on, orphaned)."""
+    raise KeyboardInterrupt
+
+
 def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, grace=GRACE, poll=1.0):
     """Start or resume every run of `runs` (from plan(), none of them done), one per entry of `slots` (from
     device_slots()) at a time, within `minutes`. Returns {run name: train.py's return code, or why none}."""
@@ -312,6 +335,7 @@ def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, gra
     if runs:
         warm_data_cache([run["flags"] for run in runs])
     queue, active, results, terminated = list(runs), [], {}, set()  # active: (run, Popen, log file, slot)
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         while queue or active:
             left = None if deadline is None else (deadline - time.time()) / 60
@@ -344,6 +368,7 @@ def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, gra
                         now = f"damaged: {e}"
                     print(f"{run['name']}: exited {proc.returncode}, now {now}")
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for run, proc, log, _ in active:  # interrupted: leave no orphans behind
             proc.terminate()
             try:
@@ -445,6 +470,15 @@ def collect(paths, csv_path):
     if not rows:
         raise StudyError(f"no readable run folders (with a log.csv or log.csv.gz) in {', '.join(map(str, paths))}; "
                          f"{csv_path} not written")
+    if Path(csv_path).exists():   # a table may hold rows of runs whose folders are elsewhere, or gone: never lost
+        try:
+            gone = [row.get("name") for row in read_rows(csv_path) if row.get("name") not in {r["name"] for r in rows}]
+        except ValueError as e:
+            raise StudyError(f"{e}; not rewritten") from None
+        if gone:
+            raise StudyError(f"{csv_path} has rows of {len(gone)} runs these folders do not hold ({', '.join(gone[:3])}"
+                             f"{', ...' if len(gone) > 3 else ''}): not rewritten; give a new file, or every folder "
+                             f"(a study's runs.csv: python -m experiments.sweep STUDY --collect)")
     write_csv(csv_path, rows, COLUMNS)
     return rows
 
@@ -534,6 +568,8 @@ def main(argv=None):
             rows = collect(args.collect, args.csv)
         except StudyError as e:
             p.error(str(e))
+        except OSError as e:   # (--csv in a folder that cannot be written)
+            p.error(f"{e.strerror}: {e.filename}")
         print(f"{len(rows)} runs -> {args.csv}")
         return 0
     if args.csv:
@@ -547,7 +583,7 @@ def main(argv=None):
         out = Path(args.out or Path("runs") / study.name)
         results = Path(args.results or Path(args.studies).parent / study.name)
         runs = plan(study, out, results)
-        todo = [run for run in runs if run["state"] not in (*DONE, "damaged")]
+        todo = [run for run in runs if run["state"] not in (*DONE, "damaged", "running")]
         slots = device_slots(args.per_gpu, study.cpu_sized, study.name) if args.collect is None and todo else []
         for run in runs:   # (after a study sized for a GPU is refused on a machine without one)
             detail = (f" ({run['kept']})" if run["state"] == "collected" else
@@ -557,6 +593,11 @@ def main(argv=None):
         rows = collect_study(study, out, results)
     except StudyError as e:
         p.error(str(e))
+    except OSError as e:   # (--out or --results naming a file, say)
+        p.error(f"{e.strerror}: {e.filename}")
+    except KeyboardInterrupt:
+        print("stopped: the runs were stopped with it; the same command resumes them", file=sys.stderr)
+        return 130
     print(f"{len(rows)} runs -> {results / 'runs.csv'}, logs in {results / 'runs'}")
     failed = {name: rc for name, rc in outcome.items() if isinstance(rc, int) and rc != 0}
     if failed:

@@ -4,9 +4,12 @@ real tiny study on the CPU."""
 import csv
 import gzip
 import json
+import os
 import random
 import re
 import shutil
+import signal
+import threading
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import torch
 from experiments import sweep
 from nanolp import data
 from nanolp.runconfig import as_current
-from nanolp.runs import cell, load_run
+from nanolp.runs import LOCK, cell, load_run
 
 # A stand-in for train.py: writes config.json (its flags), log.csv (a row every 10 steps, diagnostics every 100),
 # summary.json and device.txt (CUDA_VISIBLE_DEVICES, start and end time), after --sleep seconds.
@@ -166,10 +169,16 @@ def test_studies_file_errors(tmp_path, text, study, error):
 
 
 @pytest.mark.parametrize("flags", ["--seed 3", "--name n", "--out o", "--steps 9", "--minutes 1", "--resume",
-                                   "--device cpu"])
+                                   "--device cpu", "--dev cpu", "--min 0.1"])   # (train.py takes a prefix)
 def test_flags_the_sweep_sets(tmp_path, flags):
     path = write_studies(tmp_path, f"[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = '--fix off {flags}'\n")
     with pytest.raises(sweep.StudyError, match=f"arm x: {flags.split()[0]} is set by the sweep"):
+        sweep.load_study(path, "a")
+
+
+def test_an_unbalanced_quote_is_one_line(tmp_path):
+    path = write_studies(tmp_path, "[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = \"--data 'x\"\n")
+    with pytest.raises(sweep.StudyError, match="arm x: No closing quotation in \"--data 'x\""):
         sweep.load_study(path, "a")
 
 
@@ -193,7 +202,11 @@ def test_flags_against_a_run_config(tmp_path):
     assert sweep.contradiction(run, ["--fix", "on", "--lr", "1e-3", "--delta", "o", "--batch-size", "64"]) == ""
     assert "fix='on'" in sweep.contradiction(run, ["--fix", "paper"])
     assert "delta='o'" in sweep.contradiction(run, ["--delta", "p"])
-    assert "stochastic_o=None" in sweep.contradiction(run, ["--stochastic-o", "off"])  # an older run: no such key
+    assert "no setting 'stochastic_o'" in sweep.contradiction(run, ["--stochastic-o", "off"])  # an older run's
+    assert "no setting 'att'" in sweep.contradiction(run, ["--att", "sdpa"])   # train.py's prefix, not its name
+    (run / "config.json").write_text(json.dumps(dict(data=str(tmp_path / "text.txt"))))
+    assert sweep.contradiction(run, ["--data", os.path.relpath(tmp_path / "text.txt")]) == ""   # as given
+    assert "data=" in sweep.contradiction(run, ["--data", "other.txt"])
     # a run recorded in the older spellings (delta_fp32, precision "paper") reads in today's
     (run / "config.json").write_text(json.dumps(dict(fix="on", delta_from_p=False, delta_fp32=True,
                                                      stochastic_o="off", precision="paper")))
@@ -225,6 +238,12 @@ def test_run_state_and_resume_minutes(tmp_path):
         str(sweep.TRAIN), "--fix", "off", "--steps", "100", "--out", str(tmp_path), "--name", "cut", "--seed", "1",
         "--resume", "--minutes", f"{24 / 60 + 9.5:.3f}"]
     assert "--minutes" not in sweep.train_command(dict(run, state="new"), None)
+    assert "--minutes" not in sweep.train_command(run, None)   # no budget, and none in the run's config.json
+    (cut / "config.json").write_text(json.dumps(dict(minutes=1.7)))   # stopped by an earlier budget
+    assert sweep.train_command(run, None)[-2:] == ["--minutes", "1e+06"]   # no budget now: its limit lifted
+    # a folder a live process is writing (another sweep's run) is left alone, whatever it holds
+    (cut / LOCK).write_text(str(os.getpid()))
+    assert sweep.run_state(cut, 100) == "running"
 
 
 def test_plan(tmp_path):
@@ -418,6 +437,26 @@ def test_budget(tmp_path, text, fake_train):
     assert "--minutes 0.0" in (tmp_path / "out" / "x-s0" / "stdout.log").read_text()
 
 
+def test_sigterm_stops_the_runs_too(tmp_path, text, fake_train, capsys):
+    """SIGTERM to the sweep stops its train.py as Ctrl-C does (it ran on, orphaned, and a second sweep then moved
+    the folder it was writing)."""
+    study = sweep.load_study(write_studies(tmp_path, f"""
+        [slow]
+        min_steps = 100
+        seeds = [0]
+        [slow.arms]
+        x = "--sleep 60 --data {text}"
+    """), "slow")
+    runs = sweep.plan(study, tmp_path / "out", tmp_path / "slow")
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(KeyboardInterrupt):
+        sweep.sweep(runs, [None], grace=5.0, poll=0.1)
+    pid = int(re.search(r"x-s0: started on the CPU \(pid (\d+)\)", capsys.readouterr().out).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)   # stopped and reaped
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the sweep's handler only while it runs
+
+
 def test_collect_only(tmp_path, capsys):
     studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0, 1]\n[s.arms]\nx = '--fix off'\n")
     write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), dict(steps=40), [dict(step=40, elapsed_s=4)])
@@ -526,6 +565,26 @@ def test_a_log_cut_short_of_its_summary_is_not_collected(tmp_path, capsys):
     assert (f"x-s0: not collected, {tmp_path / 'out' / 'x-s0' / 'log.csv'} ends at step 40, before the 100 steps "
             f"of its summary.json") in capsys.readouterr().out.splitlines()
     assert log.read_text() == whole and (row["steps"], row["minutes"]) == (100, 10 / 60)
+
+
+def test_collect_into_a_table_keeps_its_rows(tmp_path, capsys):
+    """--collect DIR --csv FILE rewrites FILE only if every run it has a row of is in the folders: a study's
+    runs.csv keeps rows of runs whose logs are gone, which this mode would otherwise lose."""
+    runs, table = tmp_path / "runs", tmp_path / "runs.csv"
+    write_run(runs, "x-s0", {}, dict(steps=10), [dict(step=10)])
+    assert sweep.main(["--collect", str(runs), "--csv", str(table)]) == 0
+    assert sweep.main(["--collect", str(runs), "--csv", str(table)]) == 0   # the same runs again: rewritten
+    table.write_text(table.read_text() + "x-s1-nolog" + "," * (len(read_csv(table)[0]) - 1) + "\n")
+    kept = table.read_text()
+    with pytest.raises(SystemExit) as exited:
+        sweep.main(["--collect", str(runs), "--csv", str(table)])
+    assert exited.value.code == 2 and capsys.readouterr().err.endswith(
+        f"{table} has rows of 1 runs these folders do not hold (x-s1-nolog): not rewritten; give a new file, or "
+        f"every folder (a study's runs.csv: python -m experiments.sweep STUDY --collect)\n")
+    assert table.read_text() == kept
+    with pytest.raises(SystemExit) as exited:   # a folder that cannot be written: one line
+        sweep.main(["--collect", str(runs), "--csv", str(tmp_path / "runs.csv" / "x.csv")])
+    assert exited.value.code == 2 and capsys.readouterr().err.endswith(f": error: File exists: {table}\n")
 
 
 def test_collect_refuses_no_runs_and_a_csv_that_is_a_folder(tmp_path, capsys):
