@@ -129,7 +129,7 @@ def load_study(path, name):
     if name not in studies:
         raise StudyError(f"no study {name!r} in {path} (its studies: {', '.join(studies) or 'none'})")
     table, where = studies[name], f"{path}, study {name}"
-    if not isinstance(table, dict) or not re.fullmatch(r"[\w.-]+", name):
+    if not isinstance(table, dict) or not re.fullmatch(r"[\w.-]+", name) or set(name) == {"."}:   # ("..": the parent)
         raise StudyError(f"{where}: a study is a table named by a folder name")
     unknown = set(table) - {"min_steps", "seeds", "common", "arms"}
     if unknown:

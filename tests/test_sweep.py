@@ -158,6 +158,7 @@ def test_min_steps_per_seed(tmp_path):
     ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = 3", "a", "an arm is"),
     ("[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\n'x/y' = '--fix off'", "a", "an arm's name"),
     ("[a]\nmin_steps = 5\nseeds = [0]", "a", "no arms"),
+    ("['..']\nmin_steps = 5\nseeds = [0]\n['..'.arms]\nx = ''", "..", "a study is a table named by a folder name"),
     ("[a]\nmin_steps = 5\nseeds = [0\n", "a", "studies.toml: Unclosed array"),
     ("[a]\nmin_steps = { x = 5 }\nseeds = [0]\n[a.arms]\nx = ''", "a", "min_steps per seed is"),
     ("[a]\nmin_steps = { 0 = 0 }\nseeds = [0]\n[a.arms]\nx = ''", "a", "min_steps must be a positive"),
