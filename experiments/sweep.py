@@ -56,8 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, as_current,
-                              read_json)
+from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, RunError,
+                              as_current, read_json)
 from nanolp.runs import (find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
                          read_rows, thin_log, write_csv)
 
@@ -267,7 +267,7 @@ def plan(study, out, results):
                 if why:
                     raise StudyError(f"{folder}: {why}. The study changed since this run: move the folder away, "
                                      f"or give the arm a new name")
-        except DamagedFile as e:   # the other runs go on; this one waits for a person to look
+        except RunError as e:   # a damaged file, an unreadable lock: the other runs go on, this one waits for a person
             run["state"], run["damage"] = "damaged", str(e)
     seed_rank = {run["name"]: study.arms[run["arm"]][1].index(run["seed"]) for run in runs}
     return sorted(runs, key=lambda run: (run["state"] != "resumable", seed_rank[run["name"]]))

@@ -245,6 +245,7 @@ def test_run_state_and_resume_minutes(tmp_path):
     # a folder a live process is writing (another sweep's run) is left alone, whatever it holds
     (cut / LOCK).write_text(str(os.getpid()))
     assert sweep.run_state(cut, 100) == "running"
+    (cut / LOCK).unlink()
 
 
 def test_plan(tmp_path):
