@@ -799,7 +799,7 @@ class _FlashAttention(torch.autograd.Function):
         return o, lse, *o_delta
 
     @staticmethod
-    @once_differentiable   # a double backward (create_graph=True) is refused, not run without attention's terms
+    @once_differentiable   # a double backward through dO is refused (one that reaches q only elsewhere is not)
     def backward(ctx, do, *_):   # (lse and the O delta reads have no gradient)
         q, k, v, o, lse = ctx.saved_tensors
         return *direct(flash_bwd_op, flash_bwd)(do, q, k, v, o, lse, *ctx.args), *(None,) * 8

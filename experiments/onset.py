@@ -83,9 +83,10 @@ def heads(run):
     tie = [sum(float(r[f"tie_rate_L0_H{h}"]) for r in early) / len(early) for h in heads]
     rank = lambda values, h: sorted(values, reverse=True).index(values[h]) + 1
     norms = [norm(at_ref, h) for h in heads]
+    others = [g for h, g in enumerate(growth) if h != lead]
     return (f"{Path(run).name:{NAME}s} {when}: lead head {lead}, W_Q norm x{growth[lead]:.1f} over step {ref:,} "
-            f"(the other heads x{min(g for h, g in enumerate(growth) if h != lead):.1f}-"
-            f"{max(g for h, g in enumerate(growth) if h != lead):.1f}); at {ref:,} its norm {norms[lead]:.1f}, "
+            f"(the other heads " + (f"x{min(others):.1f}-{max(others):.1f}" if others else "none") +
+            f"); at {ref:,} its norm {norms[lead]:.1f}, "
             f"rank {rank(norms, lead)} (largest {max(norms):.1f}); "
             f"tie rate 2k-{(ref + 5000) // 1000}k {tie[lead]:.4f}, "
             f"rank {rank(tie, lead)} (largest {max(tie):.4f})")

@@ -364,7 +364,7 @@ def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, gra
                     results[run["name"]] = "terminated" if run["name"] in terminated else proc.returncode
                     try:
                         now = run_state(run["dir"], run["min_steps"])
-                    except DamagedFile as e:   # (killed as it wrote its summary.json, say)
+                    except RunError as e:   # (killed as it wrote its summary.json, say)
                         now = f"damaged: {e}"
                     print(f"{run['name']}: exited {proc.returncode}, now {now}")
     finally:
@@ -476,7 +476,8 @@ def collect(paths, csv_path):
         except ValueError as e:
             raise StudyError(f"{e}; not rewritten") from None
         if gone:
-            raise StudyError(f"{csv_path} has rows of {len(gone)} runs these folders do not hold ({', '.join(gone[:3])}"
+            shown = ", ".join(map(str, gone[:3]))   # (None: a row without a name)
+            raise StudyError(f"{csv_path} has rows of {len(gone)} runs these folders do not hold ({shown}"
                              f"{', ...' if len(gone) > 3 else ''}): not rewritten; give a new file, or every folder "
                              f"(a study's runs.csv: python -m experiments.sweep STUDY --collect)")
     write_csv(csv_path, rows, COLUMNS)
@@ -493,6 +494,8 @@ def collect_study(study, out, results):
     for run in runs:
         src, dst = run["dir"], run["kept"]
         try:
+            if lock_holder(src) is not None:   # (being written: its files may not agree yet)
+                raise DamagedFile(f"{src} is being written by a live run")
             # src's files read first: a summary.json (finished) or config.json that cannot be parsed is not copied,
             # nor a log that ends before its summary's steps (cut short by a copy or a full disk), whose thinned
             # copy would replace a whole one
