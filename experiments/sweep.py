@@ -216,8 +216,7 @@ def contradiction(run_dir, flags):
         return ""
     for key, want in flag_settings(flags).items():
         if key not in config:
-            return (f"its config.json has no setting {key!r} (an older run's, or a flag abbreviated: the sweep "
-                    f"compares flags written in full)")
+            return f"its config.json has no setting {key!r} (an older run's)"
         have = config[key]
         if key == "data" and have is not None:   # (train.py records the text's absolute path)
             same = Path(have).resolve() == Path(want).resolve()
@@ -581,6 +580,7 @@ def main(argv=None):
         p.error(f"name a study of {args.studies}, or give --collect DIR... --csv PATH")
     if args.per_gpu < 1:
         p.error("--per-gpu must be 1 or more")
+    stage = "planning"   # what a Ctrl-C stops
     try:
         study = load_study(args.studies, args.study)
         out = Path(args.out or Path("runs") / study.name)
@@ -592,14 +592,19 @@ def main(argv=None):
             detail = (f" ({run['kept']})" if run["state"] == "collected" else
                       f", left out: {run['damage']}" if run["state"] == "damaged" else "")
             print(f"{run['name']}: {run['state']}{detail}")
+        stage = "running" if slots else "planning"
         outcome = sweep(todo, slots, args.minutes) if slots else {}
+        stage = "collecting"
         rows = collect_study(study, out, results)
     except StudyError as e:
         p.error(str(e))
     except OSError as e:   # (--out or --results naming a file, say)
         p.error(f"{e.strerror}: {e.filename}")
     except KeyboardInterrupt:
-        print("stopped: the runs were stopped with it; the same command resumes them", file=sys.stderr)
+        print({"planning": "stopped before any run started",
+               "running": "stopped: the runs were stopped with it; the same command resumes them",
+               "collecting": "stopped while collecting, after the runs: --collect collects again"}[stage],
+              file=sys.stderr)
         return 130
     print(f"{len(rows)} runs -> {results / 'runs.csv'}, logs in {results / 'runs'}")
     failed = {name: rc for name, rc in outcome.items() if isinstance(rc, int) and rc != 0}

@@ -109,8 +109,10 @@ def prepare(path=None, data_dir=None, block_size=None):
     each split must hold at least one example (block_size + 1 tokens: a block and its next-token targets)."""
     text_path = find_text(path)
     raw = text_path.read_bytes()
-    if not raw:
-        raise TextError(f"{text_path} is empty. " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
+    if not raw:   # (TinyShakespeare's place emptied: copy it back; a text given: give another)
+        raise TextError(f"{text_path} is empty. " + (HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)
+                        if text_path == DEFAULT_TEXT else "Give a text with something in it (--data PATH or "
+                                                          "NANOLP_DATA=PATH), or neither for TinyShakespeare."))
     key = hashlib.sha1(raw).hexdigest()  # the cache follows the text's content, not its name or date
     cache = Path(data_dir or DATA_DIR) / cache_name(text_path)
     if cache.resolve() == text_path.resolve():

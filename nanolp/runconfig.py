@@ -116,7 +116,7 @@ def parser(presets, choices, preset="default"):
         value = default[key]
         return f" (default {value:,})" if isinstance(value, int) else f" (default {value})"
     p = Parser(
-        prog="train.py",
+        prog="train.py", allow_abbrev=False,   # a flag in full, as config.json and the studies' flags spell it
         description="Train a char-level GPT in bf16 and watch flash attention's rounding collapse it (--fix off), "
                     f"or not (--fix on). The defaults shown are the {preset} preset's (--preset tiny --help: the "
                     "tiny preset's). Details: the top of train.py and README.md.")

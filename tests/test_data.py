@@ -97,7 +97,7 @@ def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):
     assert "\n" not in str(error.value) and not (tmp_path / "tinyshakespeare").exists()
 
 
-def test_texts_that_cannot_be_trained_on(tmp_path):
+def test_texts_that_cannot_be_trained_on(tmp_path, monkeypatch):
     """Each gets one line that names the file and says what to do."""
     def error(content, block_size=None):
         path = tmp_path / "text.txt"
@@ -107,7 +107,15 @@ def test_texts_that_cannot_be_trained_on(tmp_path):
         assert str(path) in str(raised.value) and "\n" not in str(raised.value)
         return str(raised.value)
 
-    assert "text.txt is empty" in error(b"")
+    assert error(b"").endswith("text.txt is empty. Give a text with something in it (--data PATH or "
+                               "NANOLP_DATA=PATH), or neither for TinyShakespeare.")
+    # TinyShakespeare's own place emptied: put it back
+    monkeypatch.setattr(data, "DEFAULT_TEXT", tmp_path / "tinyshakespeare" / "input.txt")
+    monkeypatch.delenv("NANOLP_DATA", raising=False)
+    data.DEFAULT_TEXT.parent.mkdir()
+    data.DEFAULT_TEXT.write_bytes(b"")
+    with pytest.raises(data.TextError, match=r"input.txt is empty. Copy TinyShakespeare's input.txt to "):
+        data.prepare(data_dir=tmp_path / "cache")
     assert error("naïve café ".encode("utf-8") + "garçon".encode("latin-1")).startswith(
         f"{tmp_path / 'text.txt'} is not UTF-8 (byte 16, 0xe7: invalid continuation byte)")   # ç: 13 bytes, then g a r
     # a training example is block_size + 1 characters, and the validation split (the last 10%) needs one too

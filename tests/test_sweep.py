@@ -170,7 +170,7 @@ def test_studies_file_errors(tmp_path, text, study, error):
 
 
 @pytest.mark.parametrize("flags", ["--seed 3", "--name n", "--out o", "--steps 9", "--minutes 1", "--resume",
-                                   "--device cpu", "--dev cpu", "--min 0.1"])   # (train.py takes a prefix)
+                                   "--device cpu", "--dev cpu", "--min 0.1"])   # (a prefix: what was meant)
 def test_flags_the_sweep_sets(tmp_path, flags):
     path = write_studies(tmp_path, f"[a]\nmin_steps = 5\nseeds = [0]\n[a.arms]\nx = '--fix off {flags}'\n")
     with pytest.raises(sweep.StudyError, match=f"arm x: {flags.split()[0]} is set by the sweep"):
@@ -204,7 +204,6 @@ def test_flags_against_a_run_config(tmp_path):
     assert "fix='on'" in sweep.contradiction(run, ["--fix", "paper"])
     assert "delta='o'" in sweep.contradiction(run, ["--delta", "p"])
     assert "no setting 'stochastic_o'" in sweep.contradiction(run, ["--stochastic-o", "off"])  # an older run's
-    assert "no setting 'att'" in sweep.contradiction(run, ["--att", "sdpa"])   # train.py's prefix, not its name
     (run / "config.json").write_text(json.dumps(dict(data=str(tmp_path / "text.txt"))))
     assert sweep.contradiction(run, ["--data", os.path.relpath(tmp_path / "text.txt")]) == ""   # as given
     assert "data=" in sweep.contradiction(run, ["--data", "other.txt"])
@@ -450,13 +449,31 @@ def test_sigterm_stops_the_runs_too(tmp_path, text, fake_train, capsys):
         x = "--sleep 60 --data {text}"
     """), "slow")
     runs = sweep.plan(study, tmp_path / "out", tmp_path / "slow")
-    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    with pytest.raises(KeyboardInterrupt):
-        sweep.sweep(runs, [None], grace=5.0, poll=0.1)
+    def callers_handler(signum, frame):
+        pass
+    before = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(KeyboardInterrupt):
+            sweep.sweep(runs, [None], grace=5.0, poll=0.1)
+        assert signal.getsignal(signal.SIGTERM) is callers_handler   # the sweep's handler only while it runs
+    finally:
+        signal.signal(signal.SIGTERM, before)
     pid = int(re.search(r"x-s0: started on the CPU \(pid (\d+)\)", capsys.readouterr().out).group(1))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)   # stopped and reaped
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the sweep's handler only while it runs
+
+
+@pytest.mark.parametrize("where, said", [("plan", "stopped before any run started"),
+                                         ("collect_study", "stopped while collecting, after the runs")])
+def test_ctrl_c_says_what_it_stopped(tmp_path, monkeypatch, capsys, where, said):
+    studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = '--fix off'\n")
+    write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), dict(steps=100), [dict(step=100)])   # done
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sweep, where, ctrl_c)
+    assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == said + (": --collect collects again" if where == "collect_study" else "") + "\n"
 
 
 def test_collect_only(tmp_path, capsys):

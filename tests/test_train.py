@@ -524,6 +524,7 @@ BAD_SETTINGS = [
     (("--attn", "emulate", "--exponent", "torch", "--precision", "autocast"),
      '--exponent torch is a form of the "fa2" exponent; --precision autocast rounds S on its own'),
     (("--precision", "paper"), "argument --precision: invalid choice: 'paper'"),
+    (("--att", "fp32"), "unrecognized arguments: --att fp32"),   # (a prefix would run, and no study could compare it)
     (("--attn", "emulate", "--dtype", "fp32"), "--dtype fp32 needs --attn sdpa or fp32"),
     (("--attn", "sdpa-cudnn"), "--attn sdpa-cudnn needs a CUDA device, not cpu"),
     (("--device", "gpu"), "--device 'gpu' is not a device torch knows"),
