@@ -58,7 +58,7 @@ import numpy as np
 
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, RunError,
                               as_current, read_json)
-from nanolp.runs import (find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
+from nanolp.runs import (LOCK, find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
                          read_rows, thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -344,7 +344,16 @@ def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, gra
             for *_, slot in active:
                 free.remove(slot)
             while queue and free and (left is None or left - margin >= min_minutes):
-                active.append(start(queue.pop(0), free.pop(0), left, margin))
+                run = queue.pop(0)
+                try:
+                    taken = lock_holder(run["dir"]) is not None   # (by another sweep, since the plan)
+                except RunError:
+                    taken = True
+                if taken:
+                    results[run["name"]] = "running elsewhere"
+                    print(f"{run['name']}: a live process took its folder since the plan, left alone")
+                    continue
+                active.append(start(run, free.pop(0), left, margin))
             if not active:
                 break  # nothing running and too little time left to start anything
             time.sleep(poll)
@@ -590,7 +599,9 @@ def main(argv=None):
         slots = device_slots(args.per_gpu, study.cpu_sized, study.name) if args.collect is None and todo else []
         for run in runs:   # (after a study sized for a GPU is refused on a machine without one)
             detail = (f" ({run['kept']})" if run["state"] == "collected" else
-                      f", left out: {run['damage']}" if run["state"] == "damaged" else "")
+                      f", left out: {run['damage']}" if run["state"] == "damaged" else
+                      f", left alone: {run['dir'] / LOCK} names a live process (if it is no run of this folder, "
+                      f"delete the lock)" if run["state"] == "running" else "")
             print(f"{run['name']}: {run['state']}{detail}")
         stage = "running" if slots else "planning"
         outcome = sweep(todo, slots, args.minutes) if slots else {}

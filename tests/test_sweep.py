@@ -438,6 +438,24 @@ def test_budget(tmp_path, text, fake_train):
     assert "--minutes 0.0" in (tmp_path / "out" / "x-s0" / "stdout.log").read_text()
 
 
+def test_a_run_taken_since_the_plan_is_left_alone(tmp_path, text, fake_train, capsys):
+    """A second sweep that started a queued run after this one planned it: its folder is not moved or written."""
+    study = sweep.load_study(write_studies(tmp_path, f"""
+        [s]
+        min_steps = 100
+        seeds = [0, 1]
+        [s.arms]
+        x = "--data {text}"
+    """), "s")
+    runs = sweep.plan(study, tmp_path / "out", tmp_path / "s")
+    taken = tmp_path / "out" / "x-s1"
+    taken.mkdir(parents=True)
+    (taken / LOCK).write_text(str(os.getpid()))
+    assert sweep.sweep(runs, [None], poll=0.1) == {"x-s0": 0, "x-s1": "running elsewhere"}
+    assert "x-s1: a live process took its folder since the plan, left alone" in capsys.readouterr().out
+    assert sorted(p.name for p in taken.iterdir()) == [LOCK]
+
+
 def test_sigterm_stops_the_runs_too(tmp_path, text, fake_train, capsys):
     """SIGTERM to the sweep stops its train.py as Ctrl-C does (it ran on, orphaned, and a second sweep then moved
     the folder it was writing)."""
@@ -462,6 +480,16 @@ def test_sigterm_stops_the_runs_too(tmp_path, text, fake_train, capsys):
     pid = int(re.search(r"x-s0: started on the CPU \(pid (\d+)\)", capsys.readouterr().out).group(1))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)   # stopped and reaped
+
+
+def test_a_folder_a_live_process_writes_is_named_and_left_alone(tmp_path, capsys):
+    studies = write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = '--fix off'\n")
+    write_run(tmp_path / "out", "x-s0", dict(fix="off", seed=0), None, [dict(step=40)])
+    (tmp_path / "out" / "x-s0" / LOCK).write_text(str(os.getpid()))   # (another sweep's run, say)
+    assert sweep.main(["s", "--studies", str(studies), "--out", str(tmp_path / "out")]) == 0
+    assert f"x-s0: running, left alone: {tmp_path / 'out' / 'x-s0' / LOCK} names a live process" in \
+        capsys.readouterr().out
+    assert not (tmp_path / "s" / "runs" / "x-s0").exists()   # not collected while it is written
 
 
 @pytest.mark.parametrize("where, said", [("plan", "stopped before any run started"),
