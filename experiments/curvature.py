@@ -30,11 +30,10 @@ ROUNDINGS = ("nearest", "stochastic", "independent")
 
 def bf16_neighbours(o):
     """The bf16 numbers just below and above fp32 o (equal where o is a bf16 number), as float64."""
-    down = o.to(torch.bfloat16).float()
-    down = torch.where(down > o, torch.nextafter(down.to(torch.bfloat16), torch.tensor(-math.inf,
-                       dtype=torch.bfloat16)).float(), down)
-    up = torch.where(down == o, down, torch.nextafter(down.to(torch.bfloat16), torch.tensor(math.inf,
-                     dtype=torch.bfloat16)).float())
+    near = o.to(torch.bfloat16)
+    below, above = (torch.nextafter(near, torch.full_like(near, inf)).float() for inf in (-math.inf, math.inf))
+    down = torch.where(near.float() > o, below, near.float())
+    up = torch.where(down == o, down, torch.where(near.float() > o, near.float(), above))
     return down.double(), up.double()
 
 

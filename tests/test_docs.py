@@ -430,7 +430,9 @@ def test_findings_cure_numbers_are_their_files():
     paired = [row['seed'] for row in cure if row['seed'] in gpt2]   # the seeds GPT-2's block ran with the fix off
     collapses = both(format(gpt2[seed]['collapse_step'], ',') for seed in paired)
     on_seeds = "the same seeds" if len(paired) == len(cure) else seeds_text(paired)
-    assert f"{seeds_text([row['seed'] for row in cure])} so far) it trained {both(format(row['steps'], ',') for row in cure)} " \
+    _, declared = load_study(root / "results/studies.toml", "cure").arms["on"]
+    left = sorted(set(declared) - {row['seed'] for row in cure})
+    assert f"{seeds_text([row['seed'] for row in cure])}{' so far' if left else ''}) it trained {both(format(row['steps'], ',') for row in cure)} " \
            f"steps without a collapse where fix off collapsed at {collapses} on {on_seeds}, layer 0's max logit " \
            f"{both(f'{at(run, 10_000):.1f}' for run in on)} at step 10,000, at most {both(f'{peak(run):.1f}' for run in on)}" \
            in text
@@ -439,8 +441,6 @@ def test_findings_cure_numbers_are_their_files():
            f"{peak('seed_study/runs/paper-fp32-o-s1'):.1f}) and in fp32 attention " \
            f"({at('seed_study/runs/attn-fp32-s1', 10_000):.1f}, at most {peak('seed_study/runs/attn-fp32-s1'):.1f})" \
            in text
-    _, declared = load_study(root / "results/studies.toml", "cure").arms["on"]
-    left = sorted(set(declared) - {row['seed'] for row in cure})
     verb = "is" if len(left) == 1 else "are"
     assert f"{seeds_text(left)[:1].upper()}{seeds_text(left)[1:]} {verb} still to run" in text if left \
         else "still to run" not in text
