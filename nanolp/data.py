@@ -137,11 +137,13 @@ def prepare(path=None, data_dir=None, block_size=None):
             raise TextError(f"{text_path} is not UTF-8 (byte {e.start}, 0x{raw[e.start]:02x}: {e.reason}); "
                             "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 for a Latin-1 text)") from None
         codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        chars, ids = np.unique(codepoints, return_inverse=True)
+        chars = np.flatnonzero(np.bincount(codepoints))   # the distinct characters, sorted (a count, not a sort)
         if len(chars) > 2**16:
             raise TextError(f"{text_path} has {len(chars)} distinct characters; uint16 tokens hold at most 65536")
         itos = "".join(map(chr, chars))
-        ids = ids.astype(np.uint16)
+        token = np.zeros(chars[-1] + 1, dtype=np.uint16)   # code point -> token id (the text is not empty)
+        token[chars] = np.arange(len(chars))
+        ids = token[codepoints]
         n = split_point(len(ids))
         train, val = ids[:n], ids[n:]
         cache.mkdir(parents=True, exist_ok=True)

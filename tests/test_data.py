@@ -12,7 +12,7 @@ from nanolp import data
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / "tiny.txt"
-    path.write_text("to be, or not to be: that is the question. " * 50 + "naïve café ☃\n", encoding="utf-8")
+    path.write_text("to be, or not to be: that is the question. " * 50 + "naïve café ☃ 😀\n", encoding="utf-8")   # (😀 past 16 bits)
     return path
 
 
@@ -118,6 +118,8 @@ def test_texts_that_cannot_be_trained_on(tmp_path, monkeypatch):
         data.prepare(data_dir=tmp_path / "cache")
     assert error("naïve café ".encode("utf-8") + "garçon".encode("latin-1")).startswith(
         f"{tmp_path / 'text.txt'} is not UTF-8 (byte 16, 0xe7: invalid continuation byte)")   # ç: 13 bytes, then g a r
+    many = "".join(chr(c) for c in range(0x20, 0x20 + 2**16 + 1 + 2048) if not 0xD800 <= c < 0xE000)   # (surrogates)
+    assert "has 65537 distinct characters; uint16 tokens hold at most 65536" in error(many.encode("utf-8"))
     # a training example is block_size + 1 characters, and the validation split (the last 10%) needs one too
     assert "10 characters, so its training split has 9, and one example takes block_size + 1 = 65; give a text " \
            "of at least 641 characters, or a smaller --block-size" in error(b"0123456789", block_size=64)
