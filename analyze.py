@@ -444,12 +444,21 @@ def seed_list(seeds):
 
 def rows_by_arm(rows):
     """A study's runs.csv rows (nanolp.runs.read_table) by arm, in the order the arms first appear, less the rows
-    of patched kernels (no train.py command: results/README.md has those)."""
+    of patched kernels (no train.py command: results/README.md has those). Our kernel's runs from before an option
+    (BEFORE_OPTION) stand apart, under "ARM (before --OPTION)", as arm() labels them in the figures."""
     arms = {}
     for row in rows:
         if not row.get("variant"):
-            arms.setdefault(row["arm"], []).append(row)
+            before = row.get("attn") in OURS and not as_shipped(row)
+            name = row["arm"] + "".join(f" (before --{k.replace('_', '-')})" for k in BEFORE_OPTION if before)
+            arms.setdefault(name, []).append(row)
     return arms
+
+
+def quoted(name):
+    """An arm's name (rows_by_arm) as a table shows it: `paper`, `paper` (before --exponent)."""
+    arm, label = name.split(" (", 1) if " (" in name else (name, "")
+    return f"`{arm}`" + (f" ({label}" if label else "")
 
 
 def readme_order(arms):
@@ -479,9 +488,9 @@ def alone_minutes(group, kin=()):
 def kin_of(group, rows):
     """The rows that train at an arm's pace: the same attention and block (rotary positions and QK-norm cost a step
     12-18%: rope-s0 and qk-norm-s0 trained 8,690 and 8,360 steps a minute alone, the fix's runs that had the GPU
-    alone 9,900-10,200; runs.csv's steps over minutes)."""
-    same = lambda row: all(row.get(key) == group[0].get(key) for key in ("attn", *GPT2_BLOCK))
-    return [row for row in rows if same(row)]
+    alone 9,900-10,200; runs.csv's steps over minutes), the same model and batch, and no patched kernel."""
+    keys = ("attn", *GPT2_BLOCK, "n_layer", "n_embd", "batch_size", "block_size")
+    return [row for row in rows if all(row.get(key) == group[0].get(key) for key in keys) and not row.get("variant")]
 
 
 def table_rows(tables):
@@ -533,7 +542,8 @@ def shipped_table(rows):
                  f"**{len(fell)} / {len(group)}**", "; ".join(steps), "-" if minutes is None else span(minutes, ".1f"),
                  span(kept_peaks(group), ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + ["", f"Minutes alone: a run's own where it had an H200 to itself (over {ALONE_PACE:,} steps a "
+    return lines + ["", f"Each number is the median of the runs (of two, their midpoint), the range in brackets. "
+                        f"Minutes alone: a run's own where it had an H200 to itself (over {ALONE_PACE:,} steps a "
                         f"minute, our kernel's pace alone), else its steps at the pace of its command's runs that did, "
                         f"or where none did, of the other commands' runs of the same attention and block that did; "
                         f"`-` where none did (fp32 attention, under that pace even alone)."]
@@ -570,7 +580,7 @@ def study_table(rows):
     for name, group in arms.items():
         fell = [row for row in group if row["collapsed"]]
         stood = [row for row in group if not row["collapsed"]]
-        cells = [f"`{name}`", f"`python train.py {group[0]['flags']}`",
+        cells = [quoted(name), f"`python train.py {group[0]['flags']}`",
                  f"{len(group)} ({seed_list(row['seed'] for row in group)})",
                  str(sum(bool(row.get("log_kept")) for row in group)), f"**{len(fell)} / {len(group)}**",
                  span([row["collapse_step"] for row in fell]), span([row["steps"] for row in stood]),
@@ -587,14 +597,14 @@ def study_table(rows):
         flat = [row["max_logit"] for name, group in quiet.items() if name not in ran_away for row in group
                 if row["max_logit"] is not None]
         lines += ["", f"No collapse is not no runaway: the max logit passed {RUNAWAY_LOGIT:,.0f} in " + ", ".join(
-            f"{len(high_rows)} of the {len(arms[name])} runs of `{name}`" for name, high_rows in ran_away.items()) +
+            f"{len(high_rows)} of the {len(arms[name])} runs of {quoted(name)}" for name, high_rows in ran_away.items()) +
             ", which ended at the steps above before a collapse" + (
             f"; the other arms without a collapse peak at {max(flat):.3g}." if flat else ".")]
     for name, group in arms.items():
         off = [row for row in group if row["collapsed"] and row["flags"] == "--fix off"]
         minutes = alone_minutes(off) if off else None
         if minutes is not None:   # steps a minute of the runs that had the GPU alone, evaluations included
-            lines += ["", f"Alone on one H200 the fix-off runs of `{name}` would collapse after "
+            lines += ["", f"Alone on one H200 the fix-off runs of {quoted(name)} would collapse after "
                           f"{span(minutes, '.1f')} minutes (alone_minutes)."]
     return lines
 

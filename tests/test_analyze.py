@@ -674,6 +674,21 @@ def test_minutes_alone_borrow_the_pace_of_the_same_block_only():
     assert minutes == {"off": [1.0], "on": [10.0], "qk-off": [2.0], "qk": [10.0]}   # (not 18,000 / 9,500)
 
 
+def test_study_table_keeps_the_earlier_kernels_runs_apart():
+    """An arm whose runs span the kernel's change (the earlier ones record no exponent): two lines, as the
+    figures' legend has them, not one median over both kernels."""
+    rows = [dict(name=f"paper-s{s}", arm="paper", flags="--fix paper", seed=s, attn="kernel", collapsed=True,
+                 collapse_step=step, collapse_minute=step / 10_000, steps=step, minutes=step / 10_000, max_logit=1e9,
+                 log_kept=False, exponent=exponent)
+            for s, step, exponent in ((0, 70_000, None), (1, 120_000, None), (2, 65_000, "fma"))]
+    rows.append(dict(rows[0], name="fp32-s0", arm="fp32", flags="--attn fp32", attn="fp32", collapsed=False))
+    lines = analyze.study_table(rows)
+    assert [line.split(" | ")[:5] for line in lines[2:5]] == [
+        ["| `paper` (before --exponent)", "`python train.py --fix paper`", "2 (0, 1)", "0", "**2 / 2**"],
+        ["| `paper`", "`python train.py --fix paper`", "1 (2)", "0", "**1 / 1**"],
+        ["| `fp32`", "`python train.py --attn fp32`", "1 (0)", "0", "**0 / 1**"]]   # (no kernel: no exponent)
+
+
 def test_study_table_counts_collapses_per_arm(tmp_path):
     rows = [dict(name=f"off-s{s}-nolog", arm="off", flags="--fix off", seed=s, collapsed=True, collapse_step=step,
                  collapse_minute=minute, steps=step, minutes=minute, tokens_per_s=speed, max_logit=logit,
@@ -701,7 +716,8 @@ def test_study_table_counts_collapses_per_arm(tmp_path):
     shipped = analyze.shipped_table(rows)
     assert shipped[2:] == ["| `python train.py --fix off` | 2 (0, 1) | **2 / 2** | 20,000 (10,000-30,000) "
                            "| 2.0 (1.0-3.0) | - |", "", shipped[-1]]
-    assert shipped[-1].startswith("Minutes alone: a run's own where it had an H200 to itself (over 8,000 steps")
+    assert shipped[-1].startswith("Each number is the median of the runs (of two, their midpoint), the range in "
+                                  "brackets. Minutes alone: a run's own")
     # (the comments start one space after the longest command: here the only one)
     assert analyze.run_lines(rows) == ["    python train.py --fix off # collapsed on 2 of 2 seeds, "
                                        "1.0-3.0 min alone on an H200"]
