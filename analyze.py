@@ -393,8 +393,8 @@ def analyze_runs(runs, out):
     rates = arm_rates(runs)
     write_csv(out / "rates.csv", rates, list(rates[0]))
     lines = ["## Runs", ""]
-    tiny = [run.name for run in runs if run.setting("preset", "default") == "tiny"]
-    if tiny:   # a CPU smoke run: its flat logits are no result
+    tiny = [run.name for run in runs if run.setting("preset", "default") == "tiny" and not run.summary.get("collapsed")]
+    if tiny:   # a CPU smoke run: its flat logits are no result (as train.py says at its end)
         lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
     for table in tables:   # a study's runs: results/README.md's table, the rows of runs whose logs were not kept too
         lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` writes it into the docs whose "
@@ -659,6 +659,9 @@ def analyze_probe(runs, out):
     runs = [run for run in runs if run.series(probe.column("total")) is not None]
     if not runs:
         fail(f"no run with the probe's columns ({probe.column('total')}, ...)")
+    if all(probe.reference_logit(run) is None for run in runs):   # (a tiny run, say: nothing to pool)
+        fail(f"no run with the probe reaches step {probe.REFERENCE_STEP:,}, where its phases start: "
+             f"{', '.join(run.name for run in runs)}")
     return probe.report(runs, arm, out)
 
 

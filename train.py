@@ -22,6 +22,7 @@ has ended (its summary written).
 
 import hashlib
 import math
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -267,7 +268,8 @@ def print_outcome(run_dir, c, summary):
     if logits:
         print(f"layer {PROBE_LAYER}'s max attention logit peaked at {max(logits):.4g}")
     print(f"run folder: {run_dir} (summary.json: the outcome and the arm; config.json: every setting)")
-    print(f"next: python analyze.py {c['out']}   (figures and report.md of the runs in {c['out']}, written to "
+    analyze = os.path.relpath(Path(__file__).with_name("analyze.py"))   # (analyze.py from where this ran)
+    print(f"next: python {analyze} {c['out']}   (figures and report.md of the runs in {c['out']}, written to "
           f"{Path(c['out']) / 'figures'})")
 
 

@@ -74,7 +74,9 @@ def heads(run):
     takeoff = next((r for r in rows if float(r["max_logit_L0"]) > 100), None)
     end = int((takeoff or rows[-1])["step"])
     ref = 20000 if end > 20000 else end // 2000 * 1000
-    at_ref = next(r for r in rows if int(r["step"]) == ref)
+    at_ref = next((r for r in rows if int(r["step"]) == ref), None)
+    if at_ref is None:   # (a take-off or an end before step 2,000: no reference before it)
+        return f"{Path(run).name:{NAME}s} no reference step before its {'take-off' if takeoff else 'end'} at step {end:,}"
     until = [takeoff] if takeoff else rows
     growth = [max(norm(r, h) for r in until) / norm(at_ref, h) for h in heads]
     lead = max(heads, key=lambda h: growth[h])
@@ -94,6 +96,8 @@ def heads(run):
 
 def late(run):
     rows = [(int(r["step"]), float(r["max_logit_L0"])) for r in log_rows(run) if r.get("max_logit_L0")]
+    if not rows:
+        return f"{Path(run).name:{NAME}s} no diagnostic rows"
     first = lambda level: next((s for s, v in rows if v > level), None)
     k, m = first(1e3), first(1e6)
     collapse = read_json(Path(run) / "summary.json").get("collapse_step")   # ({} for a run still in progress)

@@ -402,7 +402,7 @@ def check_machine(c, args, presets):
     raise RunError(f"the {c['preset']} preset is sized for a GPU and this machine has no CUDA device: a step takes "
                    f"about {span(*step)} on two CPU cores, its {c['steps']:,} steps "
                    f"{span(*(seconds * c['steps'] for seconds in step))} (--device cpu trains it here anyway); a smoke "
-                   f"run of about a minute: {tiny}")
+                   f"run of seconds: {tiny}")
 
 
 def step_flops(c):

@@ -330,6 +330,15 @@ def test_probe_pooled_per_arm_text_and_phase(tmp_path, capsys):
     assert all((out / figure).stat().st_size > 0 and f"({figure})" in report for figure in figures)
 
 
+def test_probe_refuses_runs_without_a_reference_step(tmp_path, capsys):
+    """Runs with the probe that all stop before step 10,000 (tiny runs, say): one line, no empty tables or figure."""
+    runs, out = tmp_path / "runs", tmp_path / "probe"
+    write_probe_run(runs, "tiny-s0", dict(fix="off", seed=0), [10] * 5, [1] * 5, [1] * 5)
+    assert refused(["--probe", str(runs), "--out", str(out)], capsys) == (
+        "analyze.py: error: no run with the probe reaches step 10,000, where its phases start: tiny-s0\n")
+    assert not any(out.iterdir())   # (the folder made, nothing written)
+
+
 # -----------------------------------------------------------------------------
 # The whole command
 
@@ -353,7 +362,8 @@ def test_runs_report_and_figures(tmp_path):
     for name in ("headline", "max_logit", "spectral_norm", "spectral_norm_heads", "tie_rate", "delta_err"):
         assert (out / f"{name}.png").stat().st_size > 0, name
     report = (out / "report.md").read_text()
-    assert f"off-s0, on-s0, partial, sdpa-s1: {train.TINY_NOTE}." in report   # the tiny runs checked the pipeline
+    assert f"\non-s0, partial, sdpa-s1: {train.TINY_NOTE}." in report   # the tiny runs checked the pipeline (not
+    # off-s0, which collapsed: train.py does not say it either)
     row = next(line for line in report.splitlines() if line.startswith(f"| `{runs / 'off-s0'}`"))
     assert f"| `--preset tiny --fix off` | 0 | 390 | step {COLLAPSE_STEP}, {COLLAPSE_STEP * 1.5 / 60:.1f} min" in row
     assert f"{[r['val_loss'] for r in collapsed if r['val_loss'] != ''][-1]:.4f}" in row
@@ -529,17 +539,10 @@ def test_a_table_that_cannot_be_read_or_misses_a_kept_log_is_one_line(tmp_path, 
         f"analyze.py: error: runs.csv says these runs' logs are kept, but there is none in {Path('runs', 'on-s0')}\n")
 
 
-def test_probe_report_without_phases(tmp_path):
-    """A run with the probe's columns that never logged step 10,000: no pooled rows, the run named as left out."""
-    rng = np.random.default_rng(0)
-    write_run(tmp_path / "runs", "off-s0", 0, False, rng)
-    analyze.main(["--probe", str(tmp_path / "runs"), "--out", str(tmp_path / "probe")])
-    assert (tmp_path / "probe" / "delta_probe_preset-tiny-fix-off.png").stat().st_size > 0
-    assert (tmp_path / "probe" / "probe_phases.csv").read_text().strip() == ",".join(probe.CSV_COLUMNS)
-    report = (tmp_path / "probe" / "report.md").read_text()
-    assert "## Delta probe" in report and "left out: no max_logit_L0 at step 10,000" in report
+def test_mechanism_reads_no_runs(tmp_path):
+    write_run(tmp_path / "runs", "off-s0", 0, False, np.random.default_rng(0))
     with pytest.raises(SystemExit):
-        analyze.main(["--mechanism", str(tmp_path / "runs")])  # --mechanism reads no runs
+        analyze.main(["--mechanism", str(tmp_path / "runs")])
 
 
 def test_arm_rates(tmp_path):

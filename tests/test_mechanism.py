@@ -48,6 +48,7 @@ With the other keys only 1-8 nats below (gap_range=(1, 8)), their P are not tiny
 autocast mode is then biased for k = 1 as well and the fix does not reduce it.
 """
 import functools
+import re
 import runpy
 from pathlib import Path
 
@@ -446,7 +447,21 @@ def test_mechanism_report(tmp_path):
     assert "`--fix on --precision fa2`" in report
 
 
-@pytest.mark.parametrize("module", ["bits_law", "cast_coherence", "rounding_terms", "sharp_rows", "row_sums"])
+FLAGLESS = ("bits_law", "cast_coherence", "rounding_terms", "sharp_rows", "row_sums")   # CPU measurements, no flags
+COMMITTED = dict(re.findall(r"`python -m experiments\.(\w+) > (results/[\w/]+\.txt)`",
+                            (Path(__file__).parent.parent / "results" / "README.md").read_text()))
+
+
+@pytest.mark.parametrize("module", FLAGLESS)
+def test_committed_measurements_are_what_their_command_prints(module, monkeypatch, capsys):
+    """Each measurement's committed file is what its command prints now (a file left from an earlier version of its
+    module would back a claim that no longer holds)."""
+    monkeypatch.setattr("sys.argv", [module])
+    runpy.run_module(f"experiments.{module}", run_name="__main__")
+    assert capsys.readouterr().out == (Path(__file__).parent.parent / COMMITTED[module]).read_text()
+
+
+@pytest.mark.parametrize("module", FLAGLESS)
 def test_flagless_measurements_refuse_a_flag(module, monkeypatch, capsys):
     """The measurements that take no flags refuse one in a line, before any work (a flag would otherwise be ignored)."""
     monkeypatch.setattr("sys.argv", [module, "--rows", "8"])

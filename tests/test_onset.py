@@ -60,6 +60,13 @@ def test_heads_reads_as_many_heads_as_the_run_logged(tmp_path):
     assert onset.heads(run) == (
         "run              at take-off (step 6,000): lead head 1, W_Q norm x6.0 over step 3,000 (the other heads "
         "x1.5-1.5); at 3,000 its norm 1.5, rank 2 (largest 2.0); tie rate 2k-8k 0.2500, rank 2 (largest 0.5000)")
+    with open(run / "log.csv", "w", newline="") as f:   # a take-off before step 2,000 (lr 1e-2): no reference
+        w = csv.writer(f)
+        w.writerow(["step", "max_logit_L0", "sn_q_L0_H0", "tie_rate_L0_H0"])
+        w.writerows([[500, 5, 1, 0.5], [1000, 150, 3, 0.5]])
+    assert onset.heads(run) == "run              no reference step before its take-off at step 1,000"
+    (run / "log.csv").write_text("step,max_logit_L0\n500,\n")
+    assert onset.late(run) == "run              no diagnostic rows"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -55,6 +55,13 @@ def run(tmp_path, text):
     return run
 
 
+def test_the_next_step_names_analyze_py_from_where_the_run_was_started(run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)   # (not the repository's root)
+    run("elsewhere", "--steps", "2")
+    analyze = Path(train.__file__).with_name("analyze.py")
+    assert f"next: python {os.path.relpath(analyze)} {tmp_path / 'runs'}   (" in capsys.readouterr().out
+
+
 def parse_args(argv):
     """train.py's command line, as its main reads it."""
     return runconfig.parse_args(argv, train.PRESETS, train.CHOICES)
@@ -727,10 +734,10 @@ def test_a_gpu_preset_without_cuda_is_refused_unless_device_cpu_insists(text, tm
         assert refusal(capsys, lambda: train.main(common)) == (
             "train.py: error: the default preset is sized for a GPU and this machine has no CUDA device: a step takes "
             "about 42-50 s on two CPU cores, its 200,000 steps 97-116 days (--device cpu trains it here anyway); a "
-            f"smoke run of about a minute: python train.py --preset tiny --data {text}\n")
+            f"smoke run of seconds: python train.py --preset tiny --data {text}\n")
         assert refusal(capsys, lambda: train.main(["--preset", "gpt2", "--fix", "on", *common])).endswith(
             "a step takes about 25-29 minutes on two CPU cores, its 10,000 steps 171-204 days (--device cpu trains "
-            f"it here anyway); a smoke run of about a minute: python train.py --preset tiny --fix on --data {text}\n")
+            f"it here anyway); a smoke run of seconds: python train.py --preset tiny --fix on --data {text}\n")
         # the smoke run keeps the command's arm, less the GPU preset's size
         arm = ["--attn", "fp32", "--pos", "rope", "--seed", "3"]
         assert refusal(capsys, lambda: train.main([*arm, *common])).endswith(
