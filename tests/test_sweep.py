@@ -70,6 +70,12 @@ def write_studies(tmp_path, text):
     return path
 
 
+def one_arm_study(tmp_path, flags, seeds=(0, 1)):
+    """A study s of one arm, x, with these train.py flags, to 100 steps, loaded."""
+    text = f"[s]\nmin_steps = 100\nseeds = {list(seeds)}\n[s.arms]\nx = \"{flags}\"\n"
+    return sweep.load_study(write_studies(tmp_path, text), "s")
+
+
 def read_csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -425,14 +431,8 @@ def test_study_on_the_cpu_one_at_a_time(tmp_path, text, fake_train, gpus, monkey
 
 
 def test_budget(tmp_path, text, fake_train):
-    study = sweep.load_study(write_studies(tmp_path, f"""
-        [slow]
-        min_steps = 100
-        seeds = [0, 1]
-        [slow.arms]
-        x = "--sleep 30 --data {text}"
-    """), "slow")
-    runs = sweep.plan(study, tmp_path / "out", tmp_path / "slow")
+    study = one_arm_study(tmp_path, f"--sleep 30 --data {text}")
+    runs = sweep.plan(study, tmp_path / "out", tmp_path / "s")
     outcome = sweep.sweep(runs, [None], minutes=0.02, margin=0.0, min_minutes=0.01, grace=0.5, poll=0.1)
     assert outcome == {"x-s0": "terminated", "x-s1": "not started"}  # past the 1.2 s budget and its grace
     assert "--minutes 0.0" in (tmp_path / "out" / "x-s0" / "stdout.log").read_text()
@@ -440,13 +440,7 @@ def test_budget(tmp_path, text, fake_train):
 
 def test_a_run_taken_since_the_plan_is_left_alone(tmp_path, text, fake_train, capsys):
     """A second sweep that started a queued run after this one planned it: its folder is not moved or written."""
-    study = sweep.load_study(write_studies(tmp_path, f"""
-        [s]
-        min_steps = 100
-        seeds = [0, 1]
-        [s.arms]
-        x = "--data {text}"
-    """), "s")
+    study = one_arm_study(tmp_path, f"--data {text}")
     runs = sweep.plan(study, tmp_path / "out", tmp_path / "s")
     taken = tmp_path / "out" / "x-s1"
     taken.mkdir(parents=True)
@@ -459,14 +453,8 @@ def test_a_run_taken_since_the_plan_is_left_alone(tmp_path, text, fake_train, ca
 def test_sigterm_stops_the_runs_too(tmp_path, text, fake_train, capsys):
     """SIGTERM to the sweep stops its train.py as Ctrl-C does (it ran on, orphaned, and a second sweep then moved
     the folder it was writing)."""
-    study = sweep.load_study(write_studies(tmp_path, f"""
-        [slow]
-        min_steps = 100
-        seeds = [0]
-        [slow.arms]
-        x = "--sleep 60 --data {text}"
-    """), "slow")
-    runs = sweep.plan(study, tmp_path / "out", tmp_path / "slow")
+    study = one_arm_study(tmp_path, f"--sleep 60 --data {text}", seeds=[0])
+    runs = sweep.plan(study, tmp_path / "out", tmp_path / "s")
     def callers_handler(signum, frame):
         pass
     before = signal.signal(signal.SIGTERM, callers_handler)
