@@ -312,10 +312,19 @@ def device_slots(per_gpu, cpu_sized, study_name=""):
 
 def warm_data_cache(flag_lists):
     """Tokenize each distinct text once here, so that parallel runs find the token cache instead of all
-    writing it at the same time."""
-    from nanolp.data import prepare  # imports torch: only when a sweep actually runs
-    for path in sorted({flag_settings(flags).get("data") or "" for flags in flag_lists}):
-        prepare(path or None)
+    writing it at the same time: a run's text is its --data, else its preset's (--preset corpus), else train.py's
+    default. StudyError for a text that cannot be trained on."""
+    from nanolp.data import TextError, prepare  # import torch: only when a sweep actually runs
+    from train import PRESETS
+    texts = set()
+    for flags in flag_lists:
+        settings = flag_settings(flags)
+        texts.add(settings.get("data") or PRESETS.get(settings.get("preset"), PRESETS["default"]).get("data") or "")
+    for path in sorted(texts):
+        try:
+            prepare(path or None)
+        except TextError as e:
+            raise StudyError(str(e)) from None
 
 
 # -----------------------------------------------------------------------------

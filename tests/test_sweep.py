@@ -438,6 +438,23 @@ def test_budget(tmp_path, text, fake_train):
     assert "--minutes 0.0" in (tmp_path / "out" / "x-s0" / "stdout.log").read_text()
 
 
+def test_the_data_cache_is_warmed_for_each_runs_text(monkeypatch):
+    """The text each run will read: its --data, else its preset's (the corpus preset's own), else TinyShakespeare; a
+    text that cannot be read is a StudyError (one line), not a traceback."""
+    import train
+    from nanolp import data
+    read = []
+    monkeypatch.setattr(data, "prepare", lambda path=None: read.append(path))
+    sweep.warm_data_cache([["--fix", "off"], ["--preset", "corpus", "--fix", "on"], ["--data", "x.txt"],
+                           ["--preset", "corpus", "--attn", "fp32"]])
+    assert read == [None, train.PRESETS["corpus"]["data"], "x.txt"]
+    def missing(path=None):
+        raise data.TextError("no text at nowhere.txt")
+    monkeypatch.setattr(data, "prepare", missing)
+    with pytest.raises(sweep.StudyError, match="no text at nowhere.txt"):
+        sweep.warm_data_cache([["--data", "nowhere.txt"]])
+
+
 def test_a_run_taken_since_the_plan_is_left_alone(tmp_path, text, fake_train, capsys):
     """A second sweep that started a queued run after this one planned it: its folder is not moved or written."""
     study = one_arm_study(tmp_path, f"--data {text}")
