@@ -2,7 +2,8 @@
 
     python analyze.py RUN... [--out DIR]         headline.png (per arm of the kernel as it ships: each run's loss
                                                  and layer 0's max logit, the share not yet collapsed; the other
-                                                 runs in headline_earlier_kernels.png), per-layer figures, rates.csv
+                                                 runs in headline_earlier_kernels.png), the train and val loss
+                                                 (loss.png), per-layer figures, rates.csv
                                                  (per arm: collapsed, medians) and report.md, into DIR (by default
                                                  the runs' folder's figures/: runs/figures for `python analyze.py runs`)
     python analyze.py --probe RUN... --out DIR   probe_phases.csv and .png: the probe's terms per arm, pooled per
@@ -366,6 +367,9 @@ def analyze_runs(runs, out):
                                          ({run.path for run in study} - shipped, "headline_earlier_kernels.png",
                                           "the earlier kernels, whose exponent the compiler fused in part"))
                if keep]
+    figures.append(plot_grid(   # (a val loss that rises while the train loss falls: the text memorised)
+        runs, styles, [["train_loss", "val_loss"]], "training and validation loss", "nats per character",
+        out / "loss.png"))
     layers = range(layer_count(runs))
     layer, growth = growth_layer(runs)
     if layers:

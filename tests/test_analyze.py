@@ -359,7 +359,7 @@ def test_runs_report_and_figures(tmp_path):
     analyze.main([str(runs)])
 
     out = runs / "figures"
-    for name in ("headline", "max_logit", "spectral_norm", "spectral_norm_heads", "tie_rate", "delta_err"):
+    for name in ("headline", "loss", "max_logit", "spectral_norm", "spectral_norm_heads", "tie_rate", "delta_err"):
         assert (out / f"{name}.png").stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert f"\non-s0, partial, sdpa-s1: {train.TINY_NOTE}." in report   # the tiny runs checked the pipeline (not
