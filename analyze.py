@@ -54,8 +54,14 @@ def arm(run):
         [f"--fix {fix_word(run)}"] if ours else [])
     changed = changed_settings(settings, PRESETS)
     recorded = {**run.config, **run.summary}
-    before = [f"(before --{k.replace('_', '-')})" for k in BEFORE_OPTION if ours and recorded.get(k) is None]
-    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS] + before)
+    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS]
+                    + before_options(recorded, ours))
+
+
+def before_options(recorded, ours):
+    """'(before --exponent)' for each option (BEFORE_OPTION) that a run of our kernel did not record (recorded: its
+    config and summary, or its runs.csv row): it ran neither value."""
+    return [f"(before --{k.replace('_', '-')})" for k in BEFORE_OPTION if ours and recorded.get(k) is None]
 
 
 def flag_text(key, value):
@@ -453,9 +459,7 @@ def rows_by_arm(rows):
     arms = {}
     for row in rows:
         if not row.get("variant"):
-            before = row.get("attn") in OURS and not as_shipped(row)
-            name = row["arm"] + "".join(f" (before --{k.replace('_', '-')})" for k in BEFORE_OPTION if before)
-            arms.setdefault(name, []).append(row)
+            arms.setdefault(" ".join([row["arm"], *before_options(row, row.get("attn") in OURS)]), []).append(row)
     return arms
 
 
@@ -601,7 +605,8 @@ def study_table(rows):
         flat = [row["max_logit"] for name, group in quiet.items() if name not in ran_away for row in group
                 if row["max_logit"] is not None]
         lines += ["", f"No collapse is not no runaway: the max logit passed {RUNAWAY_LOGIT:,.0f} in " + ", ".join(
-            f"{len(high_rows)} of the {len(arms[name])} runs of {quoted(name)}" for name, high_rows in ran_away.items()) +
+            f"{len(high_rows)} of the {len(arms[name])} runs of {quoted(name)}"
+            for name, high_rows in ran_away.items()) +
             ", which ended at the steps above before a collapse" + (
             f"; the other arms without a collapse peak at {max(flat):.3g}." if flat else ".")]
     for name, group in arms.items():

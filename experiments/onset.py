@@ -76,7 +76,7 @@ def heads(run):
     ref = 20000 if end > 20000 else end // 2000 * 1000
     at_ref = next((r for r in rows if int(r["step"]) == ref), None)
     if at_ref is None:   # (a take-off or an end before step 2,000: no reference before it)
-        return f"{Path(run).name:{NAME}s} no reference step before its {'take-off' if takeoff else 'end'} at step {end:,}"
+        return f"{Path(run).name:{NAME}s} no reference step before its {'take-off' if takeoff else 'end'} at {end:,}"
     until = [takeoff] if takeoff else rows
     growth = [max(norm(r, h) for r in until) / norm(at_ref, h) for h in heads]
     lead = max(heads, key=lambda h: growth[h])

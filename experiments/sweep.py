@@ -216,7 +216,7 @@ def contradiction(run_dir, flags):
         return ""
     for key, want in flag_settings(flags).items():
         if key not in config:
-            return f"its config.json has no setting {key!r} (an older run's)"
+            return f"its config.json has no setting {key!r} (an older run's, or a flag train.py does not have)"
         have = config[key]
         if key == "data" and have is not None:   # (train.py records the text's absolute path)
             same = Path(have).resolve() == Path(want).resolve()
@@ -340,8 +340,6 @@ def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, gra
     """Start or resume every run of `runs` (from plan(), none of them done), one per entry of `slots` (from
     device_slots()) at a time, within `minutes`. Returns {run name: train.py's return code, or why none}."""
     deadline = None if minutes is None else time.time() + 60 * minutes
-    if runs:
-        warm_data_cache([run["flags"] for run in runs])
     queue, active, results, terminated = list(runs), [], {}, set()  # active: (run, Popen, log file, slot)
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -355,12 +353,12 @@ def sweep(runs, slots, minutes=None, margin=MARGIN, min_minutes=MIN_MINUTES, gra
             while queue and free and (left is None or left - margin >= min_minutes):
                 run = queue.pop(0)
                 try:
-                    taken = lock_holder(run["dir"]) is not None   # (by another sweep, since the plan)
-                except RunError:
-                    taken = True
-                if taken:
+                    taken = "a live process took its folder" if lock_holder(run["dir"]) is not None else ""
+                except RunError as e:   # (another user's lock)
+                    taken = str(e)
+                if taken:   # (by another sweep, since the plan)
                     results[run["name"]] = "running elsewhere"
-                    print(f"{run['name']}: a live process took its folder since the plan, left alone")
+                    print(f"{run['name']}: {taken}: left alone")
                     continue
                 active.append(start(run, free.pop(0), left, margin))
             if not active:
@@ -612,7 +610,9 @@ def main(argv=None):
                       f", left alone: {run['dir'] / LOCK} names a live process (if it is no run of this folder, "
                       f"delete the lock)" if run["state"] == "running" else "")
             print(f"{run['name']}: {run['state']}{detail}")
-        stage = "running" if slots else "planning"
+        if slots:
+            warm_data_cache([run["flags"] for run in todo])
+            stage = "running"
         outcome = sweep(todo, slots, args.minutes) if slots else {}
         stage = "collecting"
         rows = collect_study(study, out, results)

@@ -665,16 +665,19 @@ def test_step_labels_read_as_steps(last, labels):
 
 def test_minutes_alone_borrow_the_pace_of_the_same_block_only():
     """An arm none of whose runs had the GPU alone takes the pace of the runs of its attention and block that did: a
-    run of another block (QK-norm, slower a step) lends it none."""
+    run of another block (QK-norm, slower a step), of another model size or of a patched kernel lends it none."""
     row = lambda name, flags, steps, minutes, **block: dict(
         name=name, arm=name, flags=flags, seed=0, attn="kernel", collapsed=False, collapse_step=None,
         collapse_minute=None, steps=steps, minutes=minutes, exponent="fma", **(dict(pos="learned", qk_norm=False)
                                                                              | block))
     rows = [row("off", "--fix off", 10_000, 2.0), row("on", "--fix on", 100_000, 10.0),
             row("qk-off", "--fix off --qk-norm", 18_000, 4.0, qk_norm=True),
-            row("qk", "--fix on --qk-norm", 90_000, 10.0, qk_norm=True)]
+            row("qk", "--fix on --qk-norm", 90_000, 10.0, qk_norm=True),
+            row("small", "--fix on --n-layer 2", 300_000, 10.0, n_layer=2),
+            row("patched", "--fix on", 300_000, 10.0, variant="a patched kernel")]
     minutes = {r["name"]: analyze.alone_minutes([r], analyze.kin_of([r], rows)) for r in rows}
-    assert minutes == {"off": [1.0], "on": [10.0], "qk-off": [2.0], "qk": [10.0]}   # (not 18,000 / 9,500)
+    assert minutes == {"off": [1.0], "on": [10.0], "qk-off": [2.0], "qk": [10.0], "small": [10.0],
+                       "patched": [10.0]}   # (not 18,000 / 9,500, nor 10,000 / 30,000 a minute)
 
 
 def test_study_table_keeps_the_earlier_kernels_runs_apart():

@@ -12,7 +12,8 @@ from nanolp import data
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / "tiny.txt"
-    path.write_text("to be, or not to be: that is the question. " * 50 + "naïve café ☃ 😀\n", encoding="utf-8")   # (😀 past 16 bits)
+    path.write_text("to be, or not to be: that is the question. " * 50 + "naïve café ☃ 😀\n",
+                    encoding="utf-8")   # (😀 past 16 bits)
     return path
 
 
@@ -30,10 +31,12 @@ def test_prepare_round_trip(text_file, tmp_path):
 def test_cache_reused_and_invalidated(text_file, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = data.prepare(text_file, data_dir=cache)
-    # the second call must read the token files, not tokenize again
-    monkeypatch.setattr(data.np, "unique", lambda *a, **k: pytest.fail("tokenized again"))
+    # the second call must read the token files, not tokenize again (nor write them)
+    written = [(file, file.stat().st_mtime_ns) for file in (cache / "tiny").iterdir()]
+    monkeypatch.setattr(data.np, "bincount", lambda *a, **k: pytest.fail("tokenized again"))
     again = data.prepare(text_file, data_dir=cache)
     assert torch.equal(first.train, again.train) and first.itos == again.itos
+    assert [(file, file.stat().st_mtime_ns) for file in (cache / "tiny").iterdir()] == written
     monkeypatch.undo()
     text_file.write_text("a different text, same file name\n" * 20, encoding="utf-8")
     changed = data.prepare(text_file, data_dir=cache)

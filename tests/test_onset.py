@@ -64,7 +64,7 @@ def test_heads_reads_as_many_heads_as_the_run_logged(tmp_path):
         w = csv.writer(f)
         w.writerow(["step", "max_logit_L0", "sn_q_L0_H0", "tie_rate_L0_H0"])
         w.writerows([[500, 5, 1, 0.5], [1000, 150, 3, 0.5]])
-    assert onset.heads(run) == "run              no reference step before its take-off at step 1,000"
+    assert onset.heads(run) == "run              no reference step before its take-off at 1,000"
     (run / "log.csv").write_text("step,max_logit_L0\n500,\n")
     assert onset.late(run) == "run              no diagnostic rows"
 
