@@ -12,7 +12,8 @@
     python analyze.py --mechanism --out DIR      the bias on synthetic rows (CPU, about a minute)
     python analyze.py --table STUDY/runs.csv...  the tables of a study (or one of several) in README.md,
                                                  results/README.md and docs/findings.md: per command, how many
-                                                 collapsed, when (and findings' table by learning rate)
+                                                 collapsed, when (and findings' tables by learning rate and
+                                                 of each run's lowest losses)
 
 What the runs show, and why: docs/findings.md.
 Runs are named by their arm: the train.py flags that set them apart from their preset.
@@ -623,7 +624,31 @@ def lr_table(rows):
     return lr_curve.markdown(lr_curve.curve_points(rows))
 
 
-BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": run_lines, "by lr": lr_table}
+def loss_table(rows):
+    """Whether the runs had memorised their text when they collapsed: per run whose log is kept, its lowest train and
+    val loss (a memorised text: a train loss near 0, the val loss lowest long before the collapse), and the layer
+    whose max logit ran highest; `-` where its log has none of a column."""
+    lines = ["| run | collapsed at step | lowest train loss | lowest val loss (its step) | layer whose max logit "
+             "peaked highest (peak) |", "|---|---|---|---|---|"]
+    for row in rows:
+        if not row.get("log_kept") or not (runs := load_runs([kept(row)])):   # a damaged run: named by load_runs
+            continue
+        run = runs[0]
+        train, val = run.series("train_loss"), run.series("val_loss")
+        peaks = {int(column[len("max_logit_L"):]): series[1].max()
+                 for column in run.columns(r"max_logit_L\d+") if (series := run.series(column)) is not None}
+        layer = max(peaks, key=peaks.get, default=None)
+        cells = [f"`{row['name']}` (`{row['flags']}`)",
+                 f"{row['collapse_step']:,}" if row["collapsed"] else f"none in {row['steps']:,}",
+                 "-" if train is None else f"{train[1].min():.3f}",
+                 "-" if val is None else f"{val[1].min():.3f} ({val[0][val[1].argmin()]:,.0f})",
+                 "-" if layer is None else f"{layer} ({peaks[layer]:.3g})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+BLOCKS = {"table": shipped_table, "all runs": study_table, "commands": run_lines, "by lr": lr_table,
+          "losses": loss_table}
 
 
 def is_runs_table(path):

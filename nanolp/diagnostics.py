@@ -1,6 +1,6 @@
 """
 What the paper's mechanism says to watch, measured on one fixed batch every --diag-interval steps (never per step);
-the names are log.csv's columns, and why each is watched: docs/findings.md, section 11.
+the names are log.csv's columns, and why each is watched: docs/findings.md, section 12.
 
     max_logit   largest scaled score q.k/sqrt(d) in a layer
     tie_rate    fraction of causal rows with >= 2 scores within TIE_TOL of the row max: where P rounds to 1.0

@@ -431,6 +431,56 @@ def test_one_table_of_two_studies(tmp_path, monkeypatch):
     assert lines[-2] == "old"   # the block of base/runs.csv alone is not this command's
 
 
+def test_loss_table_reads_each_runs_lowest_losses_and_runaway_layer(tmp_path):
+    """The memorisation block: per kept run, the collapse (or the steps run), the lowest train loss, the lowest val
+    loss at its step (here a run whose val loss turns up at step 100, memorising), the layer that peaked highest."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, collapse in (("off-s0", True), ("on-s0", False)):
+        write_run(tmp_path / "runs", name, 0, collapse, rng)
+        log = tmp_path / "runs" / name / "log.csv"
+        lines = list(csv.DictReader(open(log)))
+        for line in lines:
+            if line["val_loss"] and not collapse:   # lowest at step 100, then rising
+                line["val_loss"] = 3.0 + abs(int(line["step"]) - 100) / 100
+            if line["max_logit_L0"] and not collapse:
+                line["max_logit_L0"] = 3 * float(line["max_logit_L0"])
+        write_csv(log, lines, list(lines[0]))
+        rows.append(dict(json.loads((tmp_path / "runs" / name / "summary.json").read_text()), arm=name[:-3],
+                         flags=f"--fix {name[:-3]}", log_kept=True))
+    write_csv(tmp_path / "runs.csv", rows, list(rows[0]))
+    table = analyze.loss_table(analyze.table_rows([tmp_path / "runs.csv"]))
+    logs = {name: list(csv.DictReader(open(tmp_path / "runs" / name / "log.csv"))) for name in ("off-s0", "on-s0")}
+    peak = lambda name, i: max(float(r[f"max_logit_L{i}"]) for r in logs[name] if r[f"max_logit_L{i}"])
+    assert table[2] == (f"| `off-s0` (`--fix off`) | {COLLAPSE_STEP:,} | {4.0 - 290 / 200:.3f} | "   # 290: before it
+                        f"{4.1 - 350 / 200:.3f} (350) | 1 ({peak('off-s0', 1):.3g}) |")
+    assert table[3] == (f"| `on-s0` (`--fix on`) | none in {STEPS[-1]:,} | {4.0 - 390 / 200:.3f} | 3.000 (100) | "
+                        f"0 ({peak('on-s0', 0):.3g}) |")
+    assert len(table) == 4
+
+
+def test_loss_table_leaves_out_a_damaged_run_and_marks_a_column_a_log_lacks(tmp_path, capsys):
+    """A kept run that cannot be read is named and left out (the next run keeps its own numbers); a log without val
+    rows or max logits has `-` in those cells."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in ("off-s0", "off-s1", "off-s2"):
+        write_run(tmp_path / "runs", name, int(name[-1]), False, rng)
+        rows.append(dict(json.loads((tmp_path / "runs" / name / "summary.json").read_text()), arm="off",
+                         flags="--fix off", log_kept=True))
+    (tmp_path / "runs/off-s0/config.json").write_text("{")   # damaged
+    log = tmp_path / "runs/off-s2/log.csv"
+    lines = [{k: ("" if k == "val_loss" or k.startswith("max_logit") else v) for k, v in line.items()}
+             for line in csv.DictReader(open(log))]
+    write_csv(log, lines, list(lines[0]))
+    write_csv(tmp_path / "runs.csv", rows, list(rows[0]))
+    table = analyze.loss_table(analyze.table_rows([tmp_path / "runs.csv"]))
+    assert "runs/off-s0: left out" in capsys.readouterr().out
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| `off-s1` (`--fix off`)", "| `off-s2` (`--fix off`)"]
+    assert table[2].split(" | ")[3] == f"{4.1 - 350 / 200:.3f} (350)"
+    assert table[3].endswith(" | - | - |")
+
+
 def peak_of(run):
     return max(float(r["max_logit_L0"]) for r in csv.DictReader(open(run / "log.csv")) if r["max_logit_L0"])
 
