@@ -42,6 +42,8 @@ limit is lifted (--minutes NO_LIMIT), so a run stopped by an earlier budget goes
 """
 
 import argparse
+import contextlib
+import io
 import os
 import re
 import shlex
@@ -57,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, RunError,
-                              as_current, read_json)
+                              as_current, parse_args, read_json)
 from nanolp.runs import (LOCK, find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
                          read_rows, thin_log, write_csv)
 
@@ -308,6 +310,19 @@ def device_slots(per_gpu, cpu_sized, study_name=""):
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the GPUs this process sees, as the machine numbers them
     gpus = visible.split(",")[:count] if visible else [str(i) for i in range(count)]
     return [gpu for _ in range(per_gpu) for gpu in gpus]
+
+
+def check_flags(runs):
+    """Each run's flags read by train.py's own parser before any run starts: a flag train.py lacks (or abbreviates)
+    or a value it refuses is one line now, the run named, not a train.py that exits 2 on the machine taken for it."""
+    from train import CHOICES, PRESETS   # import torch: only when runs are to start
+    for run in runs:
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                parse_args(run["flags"], PRESETS, CHOICES)
+        except SystemExit:   # (the parser's refusal, `train.py: error: ...`, went to `said`)
+            raise StudyError(f"{run['name']}: {said.getvalue().strip()}") from None
 
 
 def warm_data_cache(flag_lists):
@@ -611,6 +626,7 @@ def main(argv=None):
                       f"delete the lock)" if run["state"] == "running" else "")
             print(f"{run['name']}: {run['state']}{detail}")
         if slots:
+            check_flags(todo)
             warm_data_cache([run["flags"] for run in todo])
             stage = "running"
         outcome = sweep(todo, slots, args.minutes) if slots else {}

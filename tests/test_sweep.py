@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import threading
+import tomllib
 
 import pytest
 import torch
@@ -353,6 +354,7 @@ def fake_train(tmp_path, monkeypatch):
     path = tmp_path / "fake_train.py"
     path.write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, "TRAIN", path)
+    monkeypatch.setattr(sweep, "check_flags", lambda runs: None)   # the stand-in takes flags train.py lacks
 
 
 def device_log(run_dir):
@@ -713,6 +715,36 @@ def test_command_line_errors(argv, error, capsys):
 
 # -----------------------------------------------------------------------------
 # The real train.py
+
+
+def test_every_declared_run_is_a_command_train_py_takes():
+    """Each run of every study in results/studies.toml passes train.py's parser (sweep.check_flags)."""
+    names = tomllib.loads(sweep.STUDIES.read_text())
+    for name in names:
+        study = sweep.load_study(sweep.STUDIES, name)
+        sweep.check_flags(study.runs("out", "results"))
+
+
+@pytest.mark.parametrize("flags, error", [
+    ("--fix of", "bad-s0: train.py: error: argument --fix: invalid choice: 'of'"),
+    ("--fixx off", "bad-s0: train.py: error: unrecognized arguments: --fixx off"),
+    ("--att sdpa", "bad-s0: train.py: error: unrecognized arguments: --att sdpa"),   # a prefix: train.py's in full
+])
+def test_a_flag_train_py_refuses_stops_the_study_before_any_run(tmp_path, text, gpus, capsys, flags, error):
+    gpus(0)
+    studies = write_studies(tmp_path, f"""
+        [tiny]
+        min_steps = 20
+        seeds = [0]
+        common = "--preset tiny --data {text}"
+        [tiny.arms]
+        good = "--fix off"
+        bad = "{flags}"
+    """)
+    with pytest.raises(SystemExit) as exit:
+        sweep.main(["tiny", "--studies", str(studies), "--out", str(tmp_path / "out")])
+    assert exit.value.code == 2 and error in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()   # not even the good arm started
 
 
 def test_tiny_study_on_cpu(tmp_path, text, gpus):
