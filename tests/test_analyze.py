@@ -330,6 +330,20 @@ def test_probe_pooled_per_arm_text_and_phase(tmp_path, capsys):
     assert all((out / figure).stat().st_size > 0 and f"({figure})" in report for figure in figures)
 
 
+def test_probe_keeps_two_runs_of_one_name_apart_by_their_paths(tmp_path):
+    """Two studies' runs of one name (off-s0 here and there) are two rows of probe_runs.csv, each named by its path,
+    not one run pooled of both; a run whose name is its own keeps its name."""
+    write_probe_run(tmp_path / "a" / "runs", "off-s0", dict(fix="off", seed=0), [10] * 10, [1] * 10, [1] * 10)
+    write_probe_run(tmp_path / "b" / "runs", "off-s0", dict(fix="off", seed=0), [10] * 10, [3] * 10, [1] * 10)
+    write_probe_run(tmp_path / "b" / "runs", "off-s1", dict(fix="off", seed=1), [10] * 10, [5] * 10, [1] * 10)
+    analyze.main(["--probe", str(tmp_path / "a" / "runs"), str(tmp_path / "b" / "runs"), "--out", str(tmp_path / "p")])
+    with open(tmp_path / "p" / "probe_runs.csv", newline="") as f:
+        total = {r["run"]: float(r["mean"]) for r in csv.DictReader(f) if r["term"] == "total"}
+    assert total == pytest.approx({str(tmp_path / "a/runs/off-s0"): 1 * TERM_SCALE["total"],
+                                   str(tmp_path / "b/runs/off-s0"): 3 * TERM_SCALE["total"],
+                                   "off-s1": 5 * TERM_SCALE["total"]})
+
+
 def test_probe_refuses_runs_without_a_reference_step(tmp_path, capsys):
     """Runs with the probe that all stop before step 10,000 (tiny runs, say): one line, no empty tables or figure."""
     runs, out = tmp_path / "runs", tmp_path / "probe"

@@ -720,6 +720,18 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{sci(layer(s0, 1)[1].max())} at the collapse, while layer 0's peaked at {layer(s0, 0)[1].max():.0f}" \
            in text and np.argmax(peaks(s0)) == 1 and np.argmax(peaks(s1)) == 0
     assert "Seed 1's logits ran away in layer 0, as on TinyShakespeare; seed 0's in layer 1." in text
+    ours = {"off-s1", *(f"results/memorisation/runs/{row['name']}" for row in off)}   # (off-s0: another study's too)
+    probe = {(row["run"].split("/")[-1], row["term"]): row
+             for row in read_table(root / "results/delta_probe/probe_runs.csv")
+             if row["probe_batches"] == "train" and row["phase"] == 1 and row["run"] in ours}
+    term = lambda name, what, spec: format(probe[name, what]["mean" if spec == ".1e" else "t"], spec)
+    assert f"was positive (t {term('off-s0', 'total', '+.1f')} in seed 0, {term('off-s1', 'total', '+.1f')} in seed " \
+           f"1), the curvature term's size within its noise ({term('off-s0', 'total', '.1e')} against " \
+           f"{term('off-s0', 'curv', '.1e')}; {term('off-s1', 'total', '.1e')} against " \
+           f"{term('off-s1', 'curv', '.1e')}), and the part not correlated with the rounding at zero " \
+           f"(t {term('off-s0', 'lin', '+.1f')}, {term('off-s1', 'lin', '+.1f')})" in text
+    assert all(abs(probe[name, "total"]["mean"] - probe[name, "curv"]["mean"]) < 2 * probe[name, "total"]["se"]
+               and probe[name, "total"]["t"] > 2 and abs(probe[name, "lin"]["t"]) < 2 for name in ("off-s0", "off-s1"))
 
 
 def test_memorisation_study_runs_its_controls_to_one_and_a_half_collapses():
