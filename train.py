@@ -60,7 +60,7 @@ PRESETS = {  # the other presets hold only what differs
     # GPT-2 small's shape, the paper's (124M with GPT-2's vocabulary; ours is the text's characters)
     "gpt2": DEFAULT | dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, steps=10_000,
                            eval_interval=250, diag_interval=250, ckpt_interval=250),
-    # the default run on a text ~100x TinyShakespeare, which it cannot learn by heart in a run: the failure without
+    # the default run on a text ~100x TinyShakespeare, which it cannot learn by heart in a run: a collapse without
     # memorisation (docs/findings.md, section 10; the text: data/README.md, built by `python -m experiments.corpus`)
     "corpus": DEFAULT | dict(data="data/corpus/input.txt"),
     # a CPU smoke run

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, RunError,
-                              as_current, parse_args, read_json)
+                              as_current, parse_args, read_json, resolve_config)
 from nanolp.runs import (LOCK, find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
                          read_rows, thin_log, write_csv)
 
@@ -313,16 +313,21 @@ def device_slots(per_gpu, cpu_sized, study_name=""):
 
 
 def check_flags(runs):
-    """Each run's flags read by train.py's own parser before any run starts: a flag train.py lacks (or abbreviates)
-    or a value it refuses is one line now, the run named, not a train.py that exits 2 on the machine taken for it."""
+    """Each run's command read as train.py reads it before it writes a run folder (its parser, then its settings'
+    checks, nanolp.runconfig.resolve_config), before any run starts: a flag train.py lacks (or abbreviates), a value
+    or a setting it refuses, a resumed run whose flags changed, is one line now, the run named, not a train.py that
+    exits 2 on the machine taken for it."""
     from train import CHOICES, PRESETS   # import torch: only when runs are to start
     for run in runs:
         said = io.StringIO()
         try:
-            with contextlib.redirect_stderr(said):
-                parse_args(run["flags"], PRESETS, CHOICES)
-        except SystemExit:   # (the parser's refusal, `train.py: error: ...`, went to `said`)
-            raise StudyError(f"{run['name']}: {said.getvalue().strip()}") from None
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                resolve_config(parse_args(train_command(run, None)[2:], PRESETS, CHOICES), PRESETS)
+        except SystemExit as e:   # the parser's refusal, `train.py: error: ...`, or its --help
+            raise StudyError(f"{run['name']}: " + (said.getvalue().strip() if e.code else
+                                                   "--help prints train.py's flags, it starts no run")) from None
+        except RunError as e:
+            raise StudyError(f"{run['name']}: train.py: error: {e}") from None
 
 
 def warm_data_cache(flag_lists):
@@ -618,6 +623,8 @@ def main(argv=None):
         results = Path(args.results or Path(args.studies).parent / study.name)
         runs = plan(study, out, results)
         todo = [run for run in runs if run["state"] not in (*DONE, "damaged", "running")]
+        if args.collect is None and todo:
+            check_flags(todo)   # (before the machine's GPUs: a study is read anywhere)
         slots = device_slots(args.per_gpu, study.cpu_sized, study.name) if args.collect is None and todo else []
         for run in runs:   # (after a study sized for a GPU is refused on a machine without one)
             detail = (f" ({run['kept']})" if run["state"] == "collected" else
@@ -626,7 +633,6 @@ def main(argv=None):
                       f"delete the lock)" if run["state"] == "running" else "")
             print(f"{run['name']}: {run['state']}{detail}")
         if slots:
-            check_flags(todo)
             warm_data_cache([run["flags"] for run in todo])
             stage = "running"
         outcome = sweep(todo, slots, args.minutes) if slots else {}

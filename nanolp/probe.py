@@ -18,7 +18,6 @@ The hypothesis predicts probe_total = probe_curv > 0 and probe_lin = probe_indep
 """
 
 import re
-from collections import Counter
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -216,9 +215,8 @@ def report(runs, arm, out):
     labels = {run.path: arm(run) for run in runs}
     rows = pooled_phases(runs, arm)
     write_csv(out / "probe_phases.csv", rows, CSV_COLUMNS)
-    names = Counter(run.path.name for run in runs)   # a run by its name, or its path where two share a name
-    label = lambda run: run.path.name if names[run.path.name] == 1 else str(run.path)
-    per_run = [{"run": row.pop("arm"), **row} for row in pooled_phases(runs, label)]
+    # a run by its folder as given: two studies may each have an off-s0
+    per_run = [{"run": row.pop("arm"), **row} for row in pooled_phases(runs, lambda run: str(run.path))]
     write_csv(out / "probe_runs.csv", per_run, ["run"] + CSV_COLUMNS[1:])
     table = phase_table(rows)
     print("\n".join(table))

@@ -315,9 +315,9 @@ def test_probe_pooled_per_arm_text_and_phase(tmp_path, capsys):
             ) == ("11000", "13000")
     with open(out / "probe_runs.csv", newline="") as f:   # per run: seed 1 alone has phase 2 at 6 and phase 3 at 4
         per_run = {(r["run"], r["probe_batches"], int(r["phase"]), r["term"]): r for r in csv.DictReader(f)}
-    assert {key[0] for key in per_run} == {"off-s0", "off-s1", "off-s2"}
+    assert {key[0] for key in per_run} == {str(runs / name) for name in ("off-s0", "off-s1", "off-s2")}
     for phase, mean, se in ((1, 3, 10 ** 0.5 / 10), (2, 6, 2), (3, 4, 4)):
-        row = per_run["off-s1", "train", phase, "total"]
+        row = per_run[str(runs / "off-s1"), "train", phase, "total"]
         assert (float(row["mean"]), float(row["se"])) == pytest.approx(
             (mean * TERM_SCALE["total"], se * TERM_SCALE["total"]), rel=1e-5)
         assert row["runs"] == "1"
@@ -331,8 +331,8 @@ def test_probe_pooled_per_arm_text_and_phase(tmp_path, capsys):
 
 
 def test_probe_keeps_two_runs_of_one_name_apart_by_their_paths(tmp_path):
-    """Two studies' runs of one name (off-s0 here and there) are two rows of probe_runs.csv, each named by its path,
-    not one run pooled of both; a run whose name is its own keeps its name."""
+    """Two studies' runs of one name (off-s0 here and there) are two rows of probe_runs.csv, each named by its
+    folder, not one run pooled of both."""
     write_probe_run(tmp_path / "a" / "runs", "off-s0", dict(fix="off", seed=0), [10] * 10, [1] * 10, [1] * 10)
     write_probe_run(tmp_path / "b" / "runs", "off-s0", dict(fix="off", seed=0), [10] * 10, [3] * 10, [1] * 10)
     write_probe_run(tmp_path / "b" / "runs", "off-s1", dict(fix="off", seed=1), [10] * 10, [5] * 10, [1] * 10)
@@ -341,7 +341,7 @@ def test_probe_keeps_two_runs_of_one_name_apart_by_their_paths(tmp_path):
         total = {r["run"]: float(r["mean"]) for r in csv.DictReader(f) if r["term"] == "total"}
     assert total == pytest.approx({str(tmp_path / "a/runs/off-s0"): 1 * TERM_SCALE["total"],
                                    str(tmp_path / "b/runs/off-s0"): 3 * TERM_SCALE["total"],
-                                   "off-s1": 5 * TERM_SCALE["total"]})
+                                   str(tmp_path / "b/runs/off-s1"): 5 * TERM_SCALE["total"]})
 
 
 def test_probe_refuses_runs_without_a_reference_step(tmp_path, capsys):

@@ -238,7 +238,7 @@ def test_findings_modern_block_numbers_are_their_files():
     assert all(max(log) == rope_total["last_step"] for log in ropes)   # every checkpoint of every run: phase 1
     by_seed = {row["run"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
                if row["probe_batches"] == "train" and row["term"] == "total"}
-    each = listed([f"{by_seed[row['name']]['t']:+.1f}" for row in runs["rope"]])
+    each = listed([f"{by_seed['results/modern_block/runs/' + row['name']]['t']:+.1f}" for row in runs["rope"]])
     pooled = {2: "both", 3: "the three"}[len(ropes)]
     assert f"over {pooled} seeds' {rope_total['checkpoints']} checkpoints the probe " \
            f"finds total {cell(rope_total)} (seed by seed t {each}), {off['mean'] / rope_total['mean']:.0f}x less " \
@@ -485,18 +485,20 @@ def test_findings_curvature_numbers_are_their_files():
     phase1 = [row for row in read_table(root / "results/delta_probe/probe_runs.csv")
               if row["probe_batches"] == "train" and row["phase"] == 1]
     before = [row for row in phase1 if row["term"] == "total"]
-    high_lr = {row["name"] for row in read_table(root / "results/lr_sweep/runs.csv") if row["lr"] >= 1e-2}
+    high_lr = {f"results/lr_sweep/runs/{row['name']}" for row in read_table(root / "results/lr_sweep/runs.csv")
+               if row["lr"] >= 1e-2}
     learnt = [row for row in before if row["run"] not in high_lr]
     assert learnt and all(row["mean"] > 0 for row in learnt)
     never = [row for row in before if row["run"] in high_lr]   # lr 1e-2: the loss never memorised the text
-    low = [float(np.nanmin(load_run(root / "results/lr_sweep/runs" / row["run"]).series("train_loss")[1]))
+    low = [float(np.nanmin(load_run(root / row["run"]).series("train_loss")[1]))
            for row in never]
     assert len(never) == 2 and min(low) > 0.5
-    assert "positive before the runaway in every run it read that learnt its text (all but the two in fp32 attention " \
-           f"at lr 1e-2, their train loss at its lowest {listed([f'{x:.2f}' for x in low])}: t " \
+    assert "positive before layer 0's logits double in every run it read but the two in fp32 attention at lr 1e-2 " \
+           f"(where every layer passed 100 by step 1,000, their train loss at its lowest " \
+           f"{listed([f'{x:.2f}' for x in low])}: t " \
            f"{listed([format(row['t'], '+.1f') for row in never])})" in text
     lin = {row["run"]: row["t"] for row in phase1 if row["term"] == "lin" and row["run"] not in high_lr}
-    assert lin.keys() == {row["run"] for row in learnt} and min(lin, key=lin.get) == "on-s4"
+    assert lin.keys() == {row["run"] for row in learnt} and min(lin, key=lin.get) == "results/cure/runs/on-s4"
     assert f"(the first-order term's t per run from {min(lin.values()):+.1f}, `--fix on` on seed 4, to " \
            f"{max(lin.values()):+.1f} over those {len(lin)} runs" in text
     report = (root / "results/mechanism/report.md").read_text().split("### The curvature effect")[1].split("###")[0]
@@ -720,7 +722,7 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{sci(layer(s0, 1)[1].max())} at the collapse, while layer 0's peaked at {layer(s0, 0)[1].max():.0f}" \
            in text and np.argmax(peaks(s0)) == 1 and np.argmax(peaks(s1)) == 0
     assert "Seed 1's logits ran away in layer 0, as on TinyShakespeare; seed 0's in layer 1." in text
-    ours = {"off-s1", *(f"results/memorisation/runs/{row['name']}" for row in off)}   # (off-s0: another study's too)
+    ours = {f"results/memorisation/runs/{row['name']}" for row in off}
     probe = {(row["run"].split("/")[-1], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_runs.csv")
              if row["probe_batches"] == "train" and row["phase"] == 1 and row["run"] in ours}

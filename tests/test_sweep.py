@@ -722,21 +722,25 @@ def test_every_declared_run_is_a_command_train_py_takes():
     names = tomllib.loads(sweep.STUDIES.read_text())
     for name in names:
         study = sweep.load_study(sweep.STUDIES, name)
-        sweep.check_flags(study.runs("out", "results"))
+        sweep.check_flags([dict(run, state="new") for run in study.runs("out", "results")])
 
 
 @pytest.mark.parametrize("flags, error", [
     ("--fix of", "bad-s0: train.py: error: argument --fix: invalid choice: 'of'"),
     ("--fixx off", "bad-s0: train.py: error: unrecognized arguments: --fixx off"),
     ("--att sdpa", "bad-s0: train.py: error: unrecognized arguments: --att sdpa"),   # a prefix: train.py's in full
+    ("--fix on --attn sdpa", "bad-s0: train.py: error: --fix on: only our kernel has it"),   # a setting's check
+    ("--lr 0", "bad-s0: train.py: error: --lr must be a positive, finite number"),
+    ("--help", "bad-s0: --help prints train.py's flags, it starts no run"),
 ])
-def test_a_flag_train_py_refuses_stops_the_study_before_any_run(tmp_path, text, gpus, capsys, flags, error):
+@pytest.mark.parametrize("preset", ["tiny", "default"])   # default: sized for a GPU, on a machine without one
+def test_a_flag_train_py_refuses_stops_the_study_before_any_run(tmp_path, text, gpus, capsys, flags, error, preset):
     gpus(0)
     studies = write_studies(tmp_path, f"""
         [tiny]
         min_steps = 20
         seeds = [0]
-        common = "--preset tiny --data {text}"
+        common = "--preset {preset} --data {text}"
         [tiny.arms]
         good = "--fix off"
         bad = "{flags}"
