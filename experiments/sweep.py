@@ -623,9 +623,10 @@ def main(argv=None):
         results = Path(args.results or Path(args.studies).parent / study.name)
         runs = plan(study, out, results)
         todo = [run for run in runs if run["state"] not in (*DONE, "damaged", "running")]
-        if args.collect is None and todo:
+        starts = args.collect is None and todo
+        if starts:
             check_flags(todo)   # (before the machine's GPUs: a study is read anywhere)
-        slots = device_slots(args.per_gpu, study.cpu_sized, study.name) if args.collect is None and todo else []
+        slots = device_slots(args.per_gpu, study.cpu_sized, study.name) if starts else []
         for run in runs:   # (after a study sized for a GPU is refused on a machine without one)
             detail = (f" ({run['kept']})" if run["state"] == "collected" else
                       f", left out: {run['damage']}" if run["state"] == "damaged" else
