@@ -722,6 +722,17 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{sci(layer(s0, 1)[1].max())} at the collapse, while layer 0's peaked at {layer(s0, 0)[1].max():.0f}" \
            in text and np.argmax(peaks(s0)) == 1 and np.argmax(peaks(s1)) == 0
     assert "Seed 1's logits ran away in layer 0, as on TinyShakespeare; seed 0's in layer 1." in text
+    # the fix on, seed 0: no collapse in 1.5x its fix off's steps, layer 1 held where the fix off's ran away
+    on = next(row for row in corpus if row["name"] == "on-s0")
+    on_run = load_run(root / "results/memorisation/runs/on-s0")
+    val = on_run.series("val_loss")
+    assert not on["collapsed"] and on["steps"] >= 1.5 * steps[0]
+    assert f"With the fix on, seed 0 did not collapse in {on['steps']:,} steps, 1.5x its fix off's collapse" in text
+    assert f"layer 1 stayed at most {layer(on_run, 1)[1].max():.1f} over {on['steps']:,} steps (the fix off's was " \
+           f"{at(layer(s0, 1), 60_000):.0f} at step 60,000 and {at(layer(s0, 1), 65_000):.0f} at 65,000), layer 0 at " \
+           f"most {layer(on_run, 0)[1].max():.1f}, and the val loss fell to {val[1].min():.3f} at step " \
+           f"{int(val[0][np.argmin(val[1])]):,}, below the fix off's lowest, {lowest[0][1]:.3f}" in text
+    assert val[1].min() < lowest[0][1] and layer(on_run, 1)[1].max() < 100 < at(layer(s0, 1), 60_000)
     ours = {f"results/memorisation/runs/{row['name']}" for row in off}
     probe = {(row["run"].split("/")[-1], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_runs.csv")
@@ -732,6 +743,11 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{term('off-s0', 'curv', '.1e')}; {term('off-s1', 'total', '.1e')} against " \
            f"{term('off-s1', 'curv', '.1e')}), and the part not correlated with the rounding at zero " \
            f"(t {term('off-s0', 'lin', '+.1f')}, {term('off-s1', 'lin', '+.1f')})" in text
+    fixed = {row["term"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
+             if row["run"] == "results/memorisation/runs/on-s0" and row["probe_batches"] == "train"}
+    assert {row["phase"] for row in fixed.values()} == {1} and fixed["total"]["last_step"] == on["steps"]
+    assert f"in `on-s0` the probe reads it positive over the whole run (t {fixed['total']['t']:+.1f}; " \
+           f"{fixed['total']['mean']:.1e} against the curvature term's {fixed['curv']['mean']:.1e})" in text
     assert all(abs(probe[name, "total"]["mean"] - probe[name, "curv"]["mean"]) < 2 * probe[name, "total"]["se"]
                and probe[name, "total"]["t"] > 2 and abs(probe[name, "lin"]["t"]) < 2 for name in ("off-s0", "off-s1"))
 
@@ -766,6 +782,8 @@ def test_readme_memorisation_sentence_is_its_runs():
     assert f"(`--preset corpus`; train loss never below {np.floor(floor * 100) / 100:.2f}, val loss lowest at steps " \
            f"{lowest[0]:,} and {lowest[1]:,}) fix off collapsed on both seeds run, at {off[0]['collapse_step']:,} " \
            f"and {off[1]['collapse_step']:,} steps" in readme
+    on = next(row for row in read_table(root / "results/memorisation/runs.csv") if row["name"] == "on-s0")
+    assert not on["collapsed"] and f"the fix on, on seed 0, did not in {on['steps']:,} (section 10)" in readme
 
 
 def fix_cost(root):
