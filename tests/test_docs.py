@@ -642,6 +642,15 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"train loss at its minimum {low(runs['off-lr3e-3-s1']):.2f}" in text
     assert not off3_s1["collapsed"] and past(off3_s1_l0, 100) > past(off3_l0, 100)
     assert "(on seed 1 the fix off did not collapse there either)" in text
+    claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same
+    assert f"(seed 0, and the fix off's seed 1 at 3e-3; the kernel as it ships): at 3e-3 fix off collapsed at " \
+           f"{rows['off-lr3e-3-s0']['collapse_step']:,} (train loss at its minimum {low(off3):.2f}; seed 1 not in " \
+           f"{off3_s1['steps']:,} steps, layer 0 past 100 at {past(off3_s1_l0, 100):,}, {off3_s1_l0[1][-1]:.0f} at " \
+           f"the end)" in claims
+    seeds = sorted({row["seed"] for row in rows.values()})
+    assert f"## 9. The learning rate (one seed each; at 3e-3 two with the fix off)" in \
+        (root / "docs/findings.md").read_text() and seeds == [0, 1]
+    assert {name for name, row in rows.items() if row["seed"] == 1} == {"off-lr3e-3-s1"}
     assert f"At 3e-3 the fix on did not collapse in {rows['on-lr3e-3-s0']['steps']:,} steps (fix off: " \
            f"{rows['off-lr3e-3-s0']['collapse_step']:,}), yet layer 0 alone still grew, slower: " \
            f"{at(on3_l0, 4_000):.1f} at step 4,000 (fix off: {at(off3_l0, 4_000):.0f}), past 100 at " \
@@ -732,9 +741,11 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"step {past(layer(s1, 0)):,}, {sci(layer(s1, 0)[1].max())} at the collapse" in text
     assert f"Seed 2 likewise: the val loss rose from its lowest, {lowest[2][1]:.3f} at step {lowest[2][0]:,}, to " \
            f"{at(s2.series('val_loss'), 85_000):.2f} by step 85,000 as layer 0's ran away, past 100 at step " \
-           f"{past(layer(s2, 0)):,}, {sci(layer(s2, 0)[1].max())} at the collapse; its layer 1 passed 100 early, at " \
-           f"step {past(layer(s2, 1)):,}, and did not run away (at most {layer(s2, 1)[1].max():.0f})" in text
-    assert np.argmax(peaks(s2)) == 0 and layer(s2, 1)[1].max() < 2 * 100 < layer(s2, 0)[1].max()
+           f"{past(layer(s2, 0)):,}, {sci(layer(s2, 0)[1].max())} at the collapse; its layers 1 and 2 passed 100 (layer 1 " \
+           f"early, at step {past(layer(s2, 1)):,}) and did not run away (at most {layer(s2, 1)[1].max():.0f} and " \
+           f"{layer(s2, 2)[1].max():.0f})" in text
+    assert [i for i in range(1, 6) if layer(s2, i)[1].max() > 100] == [1, 2]
+    assert np.argmax(peaks(s2)) == 0 and max(peaks(s2)[1:]) < 1_000 < layer(s2, 0)[1].max()
     assert f"layer 1 at {at(layer(s0, 1), 10_000):.1f} at step 10,000, past 100 at {past(layer(s0, 1)):,}, " \
            f"{sci(layer(s0, 1)[1].max())} at the collapse, while layer 0's peaked at {layer(s0, 0)[1].max():.0f}" \
            in text and np.argmax(peaks(s0)) == 1 and np.argmax(peaks(s1)) == 0
@@ -755,6 +766,7 @@ def test_findings_memorisation_numbers_are_the_logs():
     probe = {(row["run"].split("/")[-1], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_runs.csv")
              if row["probe_batches"] == "train" and row["phase"] == 1 and row["run"] in ours}
+    ours_names = [row["name"] for row in off]
     term = lambda name, what, spec: format(probe[name, what]["mean" if spec == ".1e" else "t"], spec)
     assert f"was positive (t {term('off-s0', 'total', '+.1f')} in seed 0, {term('off-s1', 'total', '+.1f')} in seed " \
            f"1, {term('off-s2', 'total', '+.1f')} in seed 2), the curvature term's size within its noise " \
@@ -770,6 +782,15 @@ def test_findings_memorisation_numbers_are_the_logs():
     assert f"in `on-s0` the probe reads it positive over the whole run (t {fixed['total']['t']:+.1f}; " \
            f"{fixed['total']['mean']:.1e} against the curvature term's {fixed['curv']['mean']:.1e})" in text
     claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same
+    three = lambda values: f"{values[0]}, {values[1]} and {values[2]}"
+    floors = [f"{np.nanmin(run.series('train_loss')[1]):.3f}" for run in runs]
+    totals = [f"{probe[name, 'total']['mean']:+.1e} (t {probe[name, 'total']['t']:+.1f})" for name in ours_names]
+    curvs = [f"{probe[name, 'curv']['mean']:+.1e}" for name in ours_names]
+    lins = [f"{probe[name, 'lin']['t']:+.1f}" for name in ours_names]
+    assert f"(fix off, the `corpus` preset, seeds 0-2): collapsed at {three([f'{n:,}' for n in steps])} steps, " \
+           f"train loss at its lowest {three(floors)}, val loss at its lowest " \
+           f"{three([f'{v:.3f} (step {s:,})' for s, v in lowest])};" in claims
+    assert f"total {three(totals)} against curv {three(curvs)}, lin t {three(lins)}" in claims
     assert f"With the fix on, seed 0 (`on-s0`): no collapse in {on['steps']:,} steps, layer 1 at most " \
            f"{on_l1[1].max():.1f} (the fix off's {at(off_l1, 60_000):.0f} at step 60,000, " \
            f"{at(off_l1, 65_000):.0f} at 65,000), layer 0 at most {layer(on_run, 0)[1].max():.1f}, val loss {at(val, lowest[0][0]):.3f} at step " \
@@ -794,6 +815,17 @@ def test_memorisation_study_runs_its_controls_to_one_and_a_half_collapses():
     made = {row["name"] for row in read_table(root / "results/memorisation/runs.csv")}
     declared = {f"{arm}-s{seed}" for arm, (_, seeds) in study.arms.items() for seed in seeds}
     text = doc_section("results/README.md", "## memorisation/", "<!-- all runs")
+    assert set(re.findall(r"`([\w-]+)`", re.search(r"Still to run: ([^.]*)\.", text)[1])) == declared - made
+
+
+def test_lr_sweep_still_to_run_is_the_plan_less_its_runs():
+    """results/README.md's lr_sweep section names, as still to run, exactly the runs studies.toml declares and
+    runs.csv lacks."""
+    root = Path(analyze.__file__).parent
+    study = load_study(root / "results/studies.toml", "lr_sweep")
+    made = {row["name"] for row in read_table(root / "results/lr_sweep/runs.csv")}
+    declared = {f"{arm}-s{seed}" for arm, (_, seeds) in study.arms.items() for seed in seeds}
+    text = doc_section("results/README.md", "## lr_sweep/", "<!-- all runs")
     assert set(re.findall(r"`([\w-]+)`", re.search(r"Still to run: ([^.]*)\.", text)[1])) == declared - made
 
 
