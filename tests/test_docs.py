@@ -741,9 +741,9 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"step {past(layer(s1, 0)):,}, {sci(layer(s1, 0)[1].max())} at the collapse" in text
     assert f"Seed 2 likewise: the val loss rose from its lowest, {lowest[2][1]:.3f} at step {lowest[2][0]:,}, to " \
            f"{at(s2.series('val_loss'), 85_000):.2f} by step 85,000 as layer 0's ran away, past 100 at step " \
-           f"{past(layer(s2, 0)):,}, {sci(layer(s2, 0)[1].max())} at the collapse; its layers 1 and 2 passed 100 (layer 1 " \
-           f"early, at step {past(layer(s2, 1)):,}) and did not run away (at most {layer(s2, 1)[1].max():.0f} and " \
-           f"{layer(s2, 2)[1].max():.0f})" in text
+           f"{past(layer(s2, 0)):,}, {sci(layer(s2, 0)[1].max())} at the collapse; its layers 1 and 2 passed 100 " \
+           f"(layer 1 early, at step {past(layer(s2, 1)):,}) and did not run away (at most " \
+           f"{layer(s2, 1)[1].max():.0f} and {layer(s2, 2)[1].max():.0f})" in text
     assert [i for i in range(1, 6) if layer(s2, i)[1].max() > 100] == [1, 2]
     assert np.argmax(peaks(s2)) == 0 and max(peaks(s2)[1:]) < 1_000 < layer(s2, 0)[1].max()
     assert f"layer 1 at {at(layer(s0, 1), 10_000):.1f} at step 10,000, past 100 at {past(layer(s0, 1)):,}, " \
