@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import analyze
 import kernels
@@ -812,20 +813,17 @@ def test_memorisation_study_runs_its_controls_to_one_and_a_half_collapses():
     assert study.min_steps == {seed: -(-3 * fell[seed] // 2000) * 1000 if seed in fell else 200_000
                                for seed in study.min_steps}
     assert set(study.arms["on"][1]) == set(fell)
-    made = {row["name"] for row in read_table(root / "results/memorisation/runs.csv")}
-    declared = {f"{arm}-s{seed}" for arm, (_, seeds) in study.arms.items() for seed in seeds}
-    text = doc_section("results/README.md", "## memorisation/", "<!-- all runs")
-    assert set(re.findall(r"`([\w-]+)`", re.search(r"Still to run: ([^.]*)\.", text)[1])) == declared - made
 
 
-def test_lr_sweep_still_to_run_is_the_plan_less_its_runs():
-    """results/README.md's lr_sweep section names, as still to run, exactly the runs studies.toml declares and
+@pytest.mark.parametrize("name", ["memorisation", "lr_sweep"])
+def test_results_readme_still_to_run_is_the_plan_less_its_runs(name):
+    """A study's section of results/README.md names, as still to run, exactly the runs studies.toml declares and its
     runs.csv lacks."""
     root = Path(analyze.__file__).parent
-    study = load_study(root / "results/studies.toml", "lr_sweep")
-    made = {row["name"] for row in read_table(root / "results/lr_sweep/runs.csv")}
+    study = load_study(root / "results/studies.toml", name)
+    made = {row["name"] for row in read_table(root / f"results/{name}/runs.csv")}
     declared = {f"{arm}-s{seed}" for arm, (_, seeds) in study.arms.items() for seed in seeds}
-    text = doc_section("results/README.md", "## lr_sweep/", "<!-- all runs")
+    text = doc_section("results/README.md", f"## {name}/", "<!-- all runs")
     assert set(re.findall(r"`([\w-]+)`", re.search(r"Still to run: ([^.]*)\.", text)[1])) == declared - made
 
 
