@@ -6,9 +6,10 @@ how long a run went without one), against the lr.
         results/modern_block/runs.csv --out results/lr_sweep      -> lr_curve.csv, figures/lr_curve.png
 
 The lr_sweep study holds the rates other than the default; the default's runs (lr 1e-3) are the seed, cure and
-modern-block studies'. A point is a run of the kernel as it ships (nanolp.runconfig.as_shipped) on seed 0 whose
+modern-block studies'. A point is a run of the kernel as it ships (nanolp.runconfig.as_shipped), on any seed, whose
 flags are one of ARMS, with or without --lr; layer 0's step comes from its kept log (diagnostic rows every 1,000
-steps: the first such row past 100).
+steps: the first such row past 100). Seed 0 ran at every rate: the figure's lines join its runs, and the other seeds
+stand beside them as the spread.
 """
 
 import shlex
@@ -25,7 +26,6 @@ from nanolp.runs import load_run, read_table, write_csv
 # flags -> nanolp.plots family (the second arm of a family is drawn in its second shade)
 ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32", "--fix off --pos rope": "fix off",
         "--attn fp32 --pos rope": "fp32"}
-SEED = 0
 PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs at lr 1e-3 sit at 11-23 before it)
 COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "past_100_step"]
 
@@ -71,31 +71,51 @@ def curve_points(rows):
     points = []
     for row in rows:
         arm = base_flags(row["flags"])
-        if arm not in ARMS or row["seed"] != SEED or not as_shipped(row) or row.get("variant"):
+        if arm not in ARMS or not as_shipped(row) or row.get("variant"):
             continue
         run = load_run(row["folder"] / "runs" / row["name"]) if row.get("log_kept") else None
         points.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=row["folder"].name,
                            steps=row["steps"], collapsed=row["collapsed"], collapse_step=row["collapse_step"],
                            past_100_step=first_past(run) if run else None))
-    return sorted(points, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"]))
+    return sorted(points, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"]))
 
 
 def markdown(points):
-    """The curve as a small markdown table: a row per lr, a column per arm; in each cell the collapse step, or the
-    steps run without one, and where layer 0's max logit first passed PAST (several runs: one after the other)."""
-    def cell(p):
+    """The curve as a small markdown table: a row per lr, a column per arm. A cell of one run: the collapse step, or
+    the steps run without one, and where layer 0's max logit first passed PAST. A cell of several seeds: how many
+    collapsed and the span of their collapse steps, the span of the others' steps without one, and the span of the
+    steps past PAST with how many of the seeds passed it."""
+    def span(values):
+        low, high = min(values), max(values)
+        return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+
+    def one(p):
         end = f"**collapsed at {p['collapse_step']:,}**" if p["collapsed"] else f"no collapse in {p['steps']:,}"
         return end + (f"; past {PAST:g} at {p['past_100_step']:,}" if p["past_100_step"] is not None else "")
+
+    def several(runs):
+        fell = [p["collapse_step"] for p in runs if p["collapsed"]]
+        held = [p["steps"] for p in runs if not p["collapsed"]]
+        past = [p["past_100_step"] for p in runs if p["past_100_step"] is not None]
+        parts = ([f"**{len(fell)} collapsed, at {span(fell)}**"] if fell else []) + (
+                 [f"{len(held)} ran {span(held)} without" if fell else f"no collapse in {span(held)}"] if held else [])
+        return f"{len(runs)} seeds: " + ", ".join(parts) + (
+            f"; past {PAST:g} at {span(past)} ({len(past)} of {len(runs)})" if past else "")
+
     lines = ["| lr | " + " | ".join(f"`{arm}`" for arm in ARMS) + " |", "|---|" + "---|" * len(ARMS)]
     for lr in sorted({p["lr"] for p in points}):
-        cells = ["; ".join(cell(p) for p in points if (p["arm"], p["lr"]) == (arm, lr)) or "-" for arm in ARMS]
+        cells = []
+        for arm in ARMS:
+            runs = [p for p in points if (p["arm"], p["lr"]) == (arm, lr)]
+            cells.append(one(runs[0]) if len(runs) == 1 else several(runs) if runs else "-")
         lines.append(f"| {lr:.0e} | ".replace("e-0", "e-") + " | ".join(cells) + " |")   # 1e-3, not 0.001
     return lines
 
 
 def plot(rows, path):
     """Steps against lr, log-log, per arm in its colour: a filled dot at the collapse, an open dot where layer 0
-    passed 100, a triangle at a run's end without a collapse (it would collapse later, if at all)."""
+    passed 100, a triangle at a run's end without a collapse (it would collapse later, if at all); a line joins seed
+    0's runs, the other seeds' marks stand alone."""
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for i, (arm, family) in enumerate(ARMS.items()):
         mine = [r for r in rows if r["arm"] == arm]
@@ -106,12 +126,14 @@ def plot(rows, path):
         shift = 1.04 ** (i - 1.5)   # arms side by side at each lr, not on top of each other
         lr = np.array([r["lr"] for r in mine]) * shift
         end = np.array([r["collapse_step"] if r["collapsed"] else r["steps"] for r in mine], dtype=float)
-        ax.plot(lr, end, color=colour, linewidth=1.2, label=f"python train.py {arm}")
+        first = np.array([r["seed"] == 0 for r in mine])
+        ax.plot(lr[first], end[first], color=colour, linewidth=1.2, label=f"python train.py {arm}")
         fell = np.array([r["collapsed"] for r in mine])
         ax.plot(lr[fell], end[fell], "o", color=colour, markersize=8)
         ax.plot(lr[~fell], end[~fell], "^", color=colour, markersize=9, markerfacecolor="white")
         past = np.array([np.nan if r["past_100_step"] is None else r["past_100_step"] for r in mine], dtype=float)
-        ax.plot(lr, past, "o", color=colour, markersize=7, markerfacecolor="white", linestyle=":", linewidth=1)
+        ax.plot(lr[first], past[first], ":", color=colour, linewidth=1)
+        ax.plot(lr, past, "o", color=colour, markersize=7, markerfacecolor="white", linestyle="none")
     for marker, fill, text in (("o", "gray", "the collapse"), ("^", "white", "the run's end, no collapse"),
                                ("o", "white", f"layer 0's max logit past {PAST:g} (dotted)")):
         ax.plot([], [], marker, color="gray", markerfacecolor=fill, label=text)
@@ -120,7 +142,7 @@ def plot(rows, path):
     rates = sorted({r["lr"] for r in rows})
     ax.set_xticks(rates, [f"{lr:g}" for lr in rates])
     ax.set_xticks([], minor=True)
-    ax.set_xlabel("learning rate (seed 0, the default preset otherwise)")
+    ax.set_xlabel("learning rate (the default preset otherwise; lines join seed 0's runs)")
     ax.set_ylabel("step")
     ax.set_title("the failure against the learning rate")
     ax.grid(alpha=0.3, which="both")
@@ -142,7 +164,7 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     if not rows:
-        p.error(f"no run of {', '.join(ARMS)} on seed {SEED} in {', '.join(args.tables)}")
+        p.error(f"no run of {', '.join(ARMS)} in {', '.join(args.tables)}")
     try:
         (args.out / "figures").mkdir(parents=True, exist_ok=True)
     except OSError as e:   # a file of that name, or a folder that cannot be written

@@ -65,15 +65,19 @@ def test_a_table_that_is_no_runs_csv_or_an_out_that_is_a_file_is_one_line(tmp_pa
 
 
 def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
-    """markdown: the collapse in bold or the steps without one, layer 0's first step past 100 where it passed; an
-    arm not run at a rate reads "-", two runs of one arm and rate stand one after the other."""
+    """markdown: one run's cell is its collapse in bold or the steps without one, and layer 0's first step past 100
+    where it passed; several seeds' cell counts the collapses and spans the steps; an arm not run at a rate reads
+    "-"."""
     point = lambda arm, lr, collapsed, steps, past: dict(arm=arm, lr=lr, collapsed=collapsed, steps=steps,
                                                        collapse_step=steps if collapsed else None, past_100_step=past)
-    lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix on", 3e-3, False, 40_000,
-                               None), point("--fix on", 3e-3, False, 20_000, 9_000), point("--fix off", 3e-4, False,
-                               40_000, None)])
+    lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix off", 3e-3, False, 40_000,
+                               19_000), point("--fix on", 3e-3, False, 40_000, None), point("--fix on", 3e-3, False,
+                               20_000, 9_000), point("--fix off", 3e-4, False, 40_000, None), point("--fix on", 3e-4,
+                               True, 5_000, 1_000), point("--fix on", 3e-4, True, 7_000, 1_000)])
     assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` | `--fix off --pos rope` | "
                      "`--attn fp32 --pos rope` |",
-                     "|---|---|---|---|---|---|", "| 3e-4 | no collapse in 40,000 | - | - | - | - |",
-                     "| 3e-3 | **collapsed at 34,300**; past 100 at 4,000 | no collapse in 40,000; no collapse in 20,000; "
-                     "past 100 at 9,000 | - | - | - |"]
+                     "|---|---|---|---|---|---|",
+                     "| 3e-4 | no collapse in 40,000 | 2 seeds: **2 collapsed, at 5,000-7,000**; past 100 at 1,000 (2 of 2) "
+                     "| - | - | - |",
+                     "| 3e-3 | 2 seeds: **1 collapsed, at 34,300**, 1 ran 40,000 without; past 100 at 4,000-19,000 (2 of 2) "
+                     "| 2 seeds: no collapse in 20,000-40,000; past 100 at 9,000 (1 of 2) | - | - | - |"]
