@@ -82,16 +82,17 @@ def curve_points(rows):
 
 def markdown(points):
     """The curve as a small markdown table: a row per lr, a column per arm. A cell of one run: the collapse step, or
-    the steps run without one, and where layer 0's max logit first passed PAST. A cell of several seeds: how many
+    the steps run without one, and where layer 0's max logit first passed PAST. A cell of several runs (seeds): how many
     collapsed and the span of their collapse steps, the span of the others' steps without one, and the span of the
-    steps past PAST with how many of the seeds passed it."""
+    steps past PAST with how many of the runs passed it."""
     def span(values):
         low, high = min(values), max(values)
         return f"{low:,}" if low == high else f"{low:,}-{high:,}"
 
     def one(p):
         end = f"**collapsed at {p['collapse_step']:,}**" if p["collapsed"] else f"no collapse in {p['steps']:,}"
-        return end + (f"; past {PAST:g} at {p['past_100_step']:,}" if p["past_100_step"] is not None else "")
+        seed = f"seed {p['seed']}: " if p["seed"] else ""   # (seed 0 ran at every rate of its arm: unnamed)
+        return seed + end + (f"; past {PAST:g} at {p['past_100_step']:,}" if p["past_100_step"] is not None else "")
 
     def several(runs):
         fell = [p["collapse_step"] for p in runs if p["collapsed"]]
@@ -99,7 +100,7 @@ def markdown(points):
         past = [p["past_100_step"] for p in runs if p["past_100_step"] is not None]
         parts = ([f"**{len(fell)} collapsed, at {span(fell)}**"] if fell else []) + (
                  [f"{len(held)} ran {span(held)} without" if fell else f"no collapse in {span(held)}"] if held else [])
-        return f"{len(runs)} seeds: " + ", ".join(parts) + (
+        return f"{len(runs)} runs: " + ", ".join(parts) + (
             f"; past {PAST:g} at {span(past)} ({len(past)} of {len(runs)})" if past else "")
 
     lines = ["| lr | " + " | ".join(f"`{arm}`" for arm in ARMS) + " |", "|---|" + "---|" * len(ARMS)]
@@ -173,7 +174,8 @@ def main(argv=None):
     plot(rows, args.out / "figures" / "lr_curve.png")
     for r in rows:
         end = f"collapsed at {r['collapse_step']:,}" if r["collapsed"] else f"no collapse in {r['steps']:,}"
-        print(f"{r['arm']:22s} lr {r['lr']:<7g} {end:24s} layer 0 past {PAST:g}: {r['past_100_step'] or '-'}")
+        print(f"{r['arm']:22s} lr {r['lr']:<7g} {r['name']:20s} {end:24s} layer 0 past {PAST:g}: "
+              f"{r['past_100_step'] or '-'}")
 
 
 if __name__ == "__main__":

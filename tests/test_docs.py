@@ -649,7 +649,7 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"{off3_s1['steps']:,} steps, layer 0 past 100 at {past(off3_s1_l0, 100):,}, {off3_s1_l0[1][-1]:.0f} at " \
            f"the end)" in claims
     seeds = sorted({row["seed"] for row in rows.values()})
-    assert f"## 9. The learning rate (one seed each; at 3e-3 two with the fix off)" in \
+    assert f"## 9. The learning rate (the sweep: one seed each; at 3e-3 two with the fix off)" in \
         (root / "docs/findings.md").read_text() and seeds == [0, 1]
     assert {name for name, row in rows.items() if row["seed"] == 1} == {"off-lr3e-3-s1"}
     assert f"At 3e-3 the fix on did not collapse in {rows['on-lr3e-3-s0']['steps']:,} steps (fix off: " \

@@ -26,7 +26,7 @@ def test_first_past_is_the_first_logged_step_above_and_none_without_one():
 
 def test_committed_curve_is_its_studies_runs():
     """results/lr_sweep/lr_curve.csv is points() of the four studies, regenerated, never typed; each arm has a run at
-    lr 1e-2, and all but the fp32 control of rotary positions (run at 1e-2 alone) the default lr's run too."""
+    lr 1e-2, and all but the fp32 control of rotary positions (run at 1e-2 alone) the default lr's runs too."""
     root = Path(__file__).resolve().parent.parent / "results"
     tables = [root / study / "runs.csv" for study in ("lr_sweep", "seed_study", "cure", "modern_block")]
     rows = lr_curve.points(tables)
@@ -66,18 +66,20 @@ def test_a_table_that_is_no_runs_csv_or_an_out_that_is_a_file_is_one_line(tmp_pa
 
 def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
     """markdown: one run's cell is its collapse in bold or the steps without one, and layer 0's first step past 100
-    where it passed; several seeds' cell counts the collapses and spans the steps; an arm not run at a rate reads
-    "-"."""
-    point = lambda arm, lr, collapsed, steps, past: dict(arm=arm, lr=lr, collapsed=collapsed, steps=steps,
-                                                       collapse_step=steps if collapsed else None, past_100_step=past)
+    where it passed, and its seed where that is not 0; several runs' cell counts the collapses and spans the steps;
+    an arm not run at a rate reads "-"."""
+    point = lambda arm, lr, collapsed, steps, past, seed=0: dict(arm=arm, lr=lr, seed=seed, collapsed=collapsed,
+                                                               steps=steps, past_100_step=past,
+                                                               collapse_step=steps if collapsed else None)
     lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix off", 3e-3, False, 40_000,
-                               19_000), point("--fix on", 3e-3, False, 40_000, None), point("--fix on", 3e-3, False,
-                               20_000, 9_000), point("--fix off", 3e-4, False, 40_000, None), point("--fix on", 3e-4,
-                               True, 5_000, 1_000), point("--fix on", 3e-4, True, 7_000, 1_000)])
+                               19_000, 1), point("--fix on", 3e-3, False, 40_000, None), point("--fix on", 3e-3, False,
+                               20_000, 9_000, 1), point("--fix off", 3e-4, False, 40_000, None), point("--fix on", 3e-4,
+                               True, 5_000, 1_000), point("--fix on", 3e-4, True, 7_000, 1_000, 1),
+                               point("--attn fp32", 3e-4, False, 40_000, None, 2)])
     assert lines == ["| lr | `--fix off` | `--fix on` | `--attn fp32` | `--fix off --pos rope` | "
                      "`--attn fp32 --pos rope` |",
                      "|---|---|---|---|---|---|",
-                     "| 3e-4 | no collapse in 40,000 | 2 seeds: **2 collapsed, at 5,000-7,000**; past 100 at 1,000 (2 of 2) "
-                     "| - | - | - |",
-                     "| 3e-3 | 2 seeds: **1 collapsed, at 34,300**, 1 ran 40,000 without; past 100 at 4,000-19,000 (2 of 2) "
-                     "| 2 seeds: no collapse in 20,000-40,000; past 100 at 9,000 (1 of 2) | - | - | - |"]
+                     "| 3e-4 | no collapse in 40,000 | 2 runs: **2 collapsed, at 5,000-7,000**; past 100 at 1,000 (2 of 2) "
+                     "| seed 2: no collapse in 40,000 | - | - |",
+                     "| 3e-3 | 2 runs: **1 collapsed, at 34,300**, 1 ran 40,000 without; past 100 at 4,000-19,000 (2 of 2) "
+                     "| 2 runs: no collapse in 20,000-40,000; past 100 at 9,000 (1 of 2) | - | - | - |"]
