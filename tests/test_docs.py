@@ -88,9 +88,11 @@ def test_readme_numbers_are_their_files():
     high = [load_run(root / "results/lr_sweep/runs" / name) for name in lr if "lr1e-2" in name]
     past = [int(s[0][np.argmax(s[1] > 100)]) for run in high for s in map(run.series, run.columns(r"max_logit_L\d+"))]
     assert len(high) == 5 and max(past) == 1_000   # (the first diagnostic; three attentions, rotary in bf16 and fp32)
-    assert f"The learning rate (seed 0): at 3e-3 `--fix off` collapsed at step " \
-           f"{lr['off-lr3e-3-s0']['collapse_step']:,}, `--fix on` and rotary positions not in " \
-           f"{lr['on-lr3e-3-s0']['steps']:,} steps (the fix's layer 0 past 100 all the same); at 1e-2 every " \
+    later = [lr[f"off-lr3e-3-s{seed}"] for seed in (1, 2)]   # the fix off's other seeds at 3e-3
+    assert f"The learning rate (seed 0 unless named): at 3e-3 `--fix off` collapsed at step " \
+           f"{lr['off-lr3e-3-s0']['collapse_step']:,} (seeds 1 and 2 not in {later[0]['steps']:,} steps, their " \
+           f"layer 0 past 100 all the same), `--fix on` and rotary positions not in " \
+           f"{lr['on-lr3e-3-s0']['steps']:,} (the fix's layer 0 past 100 too); at 1e-2 every " \
            f"attention's logits passed 100 by step 1,000, bf16 attention collapsed (fix off at " \
            f"{lr['off-lr1e-2-s0']['collapse_step']:,}, fix on " \
            f"at {lr['on-lr1e-2-s0']['collapse_step']:,}, rotary positions at " \
@@ -99,6 +101,8 @@ def test_readme_numbers_are_their_files():
     assert lr["on-lr3e-3-s0"]["steps"] == lr["rope-lr3e-3-s0"]["steps"]
     fix3 = load_run(root / "results/lr_sweep/runs/on-lr3e-3-s0").series(analyze.LOGIT)[1]
     assert np.nanmax(fix3) > 100   # the fix's layer 0 past 100 at 3e-3
+    assert all(not row["collapsed"] and row["steps"] == later[0]["steps"] and np.nanmax(load_run(
+        root / "results/lr_sweep/runs" / row["name"]).series(analyze.LOGIT)[1]) > 100 for row in later)
     assert not lr["on-lr3e-3-s0"]["collapsed"] and not lr["rope-lr3e-3-s0"]["collapsed"]
     assert not any(lr[name]["collapsed"] for name in lr if "lr1e-2" in name and lr[name]["attn"] == "fp32")
     # the late stage: the fork's step, and how long each exponent trained past it
@@ -642,16 +646,28 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"{off3_s1_l0[1][-1]:.0f} at the end, the other layers at most {others(runs['off-lr3e-3-s1']):.0f}, the " \
            f"train loss at its minimum {low(runs['off-lr3e-3-s1']):.2f}" in text
     assert not off3_s1["collapsed"] and past(off3_s1_l0, 100) > past(off3_l0, 100)
-    assert "(on seed 1 the fix off did not collapse there either)" in text
+    off3_s2, off3_s2_l0 = rows["off-lr3e-3-s2"], layers(runs["off-lr3e-3-s2"])[0]
+    assert f"Seed 2 (`off-lr3e-3-s2`) did not collapse in {off3_s2['steps']:,} steps either, its layer 0 further " \
+           f"along: past 100 at {past(off3_s2_l0, 100):,}, {off3_s2_l0[1][-1]:,.0f} at the end, the other layers at " \
+           f"most {others(runs['off-lr3e-3-s2']):.0f}, the train loss at its minimum " \
+           f"{low(runs['off-lr3e-3-s2']):.2f}. So at 3e-3 layer 0 ran away on all three seeds, sooner than at 1e-3, " \
+           f"and one of the three collapsed within 40,000 steps" in text
+    assert not off3_s2["collapsed"] and off3_s2["steps"] == 40_000 and off3_s2_l0[1][-1] > off3_s1_l0[1][-1]
+    seed_runs = [rows[f"off-lr3e-3-s{seed}"] for seed in range(3)]
+    default_past = [past(layers(load_run(root / "results/seed_study/runs" / f"off-fma-s{seed}"))[0], 100)
+                    for seed in range(4)]
+    assert sum(row["collapsed"] for row in seed_runs) == 1 and max(past(layers(runs[row["name"]])[0], 100)
+                                                                   for row in seed_runs) < min(default_past)
+    assert "(on seeds 1 and 2 the fix off did not collapse there either, though its layer 0 ran away)" in text
     claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same
-    assert f"(seed 0, and the fix off's seed 1 at 3e-3; the kernel as it ships): at 3e-3 fix off collapsed at " \
-           f"{rows['off-lr3e-3-s0']['collapse_step']:,} (train loss at its minimum {low(off3):.2f}; seed 1 not in " \
-           f"{off3_s1['steps']:,} steps, layer 0 past 100 at {past(off3_s1_l0, 100):,}, {off3_s1_l0[1][-1]:.0f} at " \
-           f"the end)" in claims
+    assert f"(seed 0, and the fix off's seeds 1 and 2 at 3e-3; the kernel as it ships): at 3e-3 fix off collapsed " \
+           f"at {rows['off-lr3e-3-s0']['collapse_step']:,} (train loss at its minimum {low(off3):.2f}; seeds 1 and 2 " \
+           f"not in {off3_s1['steps']:,} steps, layer 0 past 100 at {past(off3_s1_l0, 100):,} and " \
+           f"{past(off3_s2_l0, 100):,}, {off3_s1_l0[1][-1]:.0f} and {off3_s2_l0[1][-1]:,.0f} at the end)" in claims
     seeds = sorted({row["seed"] for row in rows.values()})
-    assert f"## 9. The learning rate (the sweep: one seed each; at 3e-3 two with the fix off)" in \
-        (root / "docs/findings.md").read_text() and seeds == [0, 1]
-    assert {name for name, row in rows.items() if row["seed"] == 1} == {"off-lr3e-3-s1"}
+    assert f"## 9. The learning rate (the sweep: one seed each; at 3e-3 three with the fix off)" in \
+        (root / "docs/findings.md").read_text() and seeds == [0, 1, 2]
+    assert {name for name, row in rows.items() if row["seed"]} == {"off-lr3e-3-s1", "off-lr3e-3-s2"}
     assert f"At 3e-3 the fix on did not collapse in {rows['on-lr3e-3-s0']['steps']:,} steps (fix off: " \
            f"{rows['off-lr3e-3-s0']['collapse_step']:,}), yet layer 0 alone still grew, slower: " \
            f"{at(on3_l0, 4_000):.1f} at step 4,000 (fix off: {at(off3_l0, 4_000):.0f}), past 100 at " \
