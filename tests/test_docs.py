@@ -586,6 +586,21 @@ def test_findings_amplifier_numbers_are_their_files():
            f"{fit[3]} bits is ~{round(steps, -3):,} steps" in text
 
 
+def test_results_readme_names_every_h100_run():
+    """results/README.md's opening names, study by study, the runs whose card was an H100: every runs.csv's `gpu`
+    column."""
+    root = Path(analyze.__file__).parent / "results"
+    named = re.search(r"\(an H100: (.*?); a blank cell", " ".join((root / "README.md").read_text().split()))[1]
+    h100 = {table.parent.name: [row for row in read_table(table) if "H100" in (row.get("gpu") or "")]
+            for table in root.glob("*/runs.csv")}
+    assert {study for study, rows in h100.items() if rows} == {"cure", "lr_sweep", "memorisation"}
+    assert sorted(row["seed"] for row in h100["cure"]) == [0, 1, 3, 4, 5, 6, 7]
+    assert named.startswith("the cure study's seeds 0, 1 and 3-7 and lr_sweep's ")
+    sweep, memorisation = named.split("lr_sweep's ")[1].split("the memorisation study's ")
+    for text, study in ((sweep, "lr_sweep"), (memorisation, "memorisation")):
+        assert set(re.findall(r"`([\w-]+)`", text)) == {row["name"] for row in h100[study]}
+
+
 def test_findings_learning_rate_numbers_are_their_files():
     """Section 9 (the learning rate): each run of results/lr_sweep/ against its log (every layer's max logit, the
     train loss's minimum) and runs.csv, and the default lr's collapses (the seed study's `off-fma`)."""
