@@ -601,6 +601,27 @@ def test_results_readme_names_every_h100_run():
         assert set(re.findall(r"`([\w-]+)`", text)) == {row["name"] for row in h100[study]}
 
 
+def test_results_readme_says_where_and_how_long_each_new_run_ran():
+    """The lr_sweep and memorisation studies' provenance: each "`NAME` alone on one CARD at COMMIT, to its N steps
+    (M training minutes)" is that run's summary.json (card, commit, steps or its collapse, minutes to one decimal)."""
+    root = Path(analyze.__file__).parent / "results"
+    text = " ".join((root / "README.md").read_text().split())
+    said = re.findall(r"`([\w-]+)`(?: and then `([\w-]+)`)? (?:ran )?alone on one (H100|H200) at ([0-9a-f]{7}), "
+                      r"(?:each )?to its (collapse|[\d,]+ steps)(?: \(([\d.]+)(?: and ([\d.]+))? training minutes\))?",
+                      text)
+    folders = {folder.name: folder for study in ("lr_sweep", "memorisation")
+               for folder in (root / study / "runs").iterdir()}
+    assert len(said) >= 8
+    for first, then, card, commit, end, *minutes in said:
+        for name, spent in zip((first, then), minutes):
+            if not name:
+                continue
+            summary = json.loads((folders[name] / "summary.json").read_text())
+            assert card in summary["provenance"]["gpu"] and summary["provenance"]["commit"].startswith(commit), name
+            assert end == ("collapse" if summary["collapsed"] else f"{summary['steps']:,} steps"), name
+            assert not spent or spent == f"{summary['minutes']:.1f}", name
+
+
 def test_findings_learning_rate_numbers_are_their_files():
     """Section 9 (the learning rate): each run of results/lr_sweep/ against its log (every layer's max logit, the
     train loss's minimum) and runs.csv, and the default lr's collapses (the seed study's `off-fma`)."""
