@@ -8,8 +8,8 @@ how long a run went without one), against the lr.
 The lr_sweep study holds the rates other than the default; the default's runs (lr 1e-3) are the seed, cure and
 modern-block studies'. A point is a run of the kernel as it ships (nanolp.runconfig.as_shipped), on any seed, whose
 flags are one of ARMS, with or without --lr; layer 0's step comes from its kept log (diagnostic rows every 1,000
-steps: the first such row past 100). Seed 0 ran at every rate: the figure's lines join its runs, and the other seeds
-stand beside them as the spread.
+steps: the first such row past 100). Seed 0 ran at every rate of its arm: the figure's lines join its runs, and the
+other seeds stand beside them as the spread.
 """
 
 import shlex
