@@ -207,7 +207,6 @@ def test_findings_modern_block_numbers_are_their_files():
     text = " ".join((root / "docs/findings.md").read_text().split("## 8. ")[1].split("## 9. ")[0].split())
     diag = lambda run: {int(r["step"]): {k: float(v) for k, v in r.items() if v} for r in log_rows(run)
                         if r.get("max_logit_L0")}
-    on = diag(root / "results/seed_study/runs/paper-fp32-o-s4")
     # the answer: which seeds ran, none collapsed, GPT-2's block collapsed on each; the seeds still to run
     gpt2 = {row["seed"]: row for row in read_table(root / "results/seed_study/runs.csv")
             if row["name"].startswith("off-fma-s")}
@@ -222,7 +221,7 @@ def test_findings_modern_block_numbers_are_their_files():
                          (("rope", "rotary positions"), ("qk-norm", "QK-norm")) if left[arm])
     verb = "is" if sum(map(len, left.values())) == 1 else "are"
     assert (f"{still[:1].upper()}{still[1:]} {verb} still to run." in text) if still else "still to run" not in text
-    grew = lambda log, col: f"{log[10_000][col]:.3g} -> {log[max(log)][col]:.3g}"
+    grew = lambda log, col, end=None: f"{log[10_000][col]:.3g} -> {log[end or max(log)][col]:.3g}"
     logit = lambda log, step: log[step]["max_logit_L0"]
     peak = lambda log: max(row["max_logit_L0"] for row in log.values())
     # rotary positions, per seed: layer 0's logit and W_Q's and W_K's norms against the complete fix's
@@ -230,9 +229,15 @@ def test_findings_modern_block_numbers_are_their_files():
     assert f"max logit {listed([f'{logit(log, 10_000):.1f}' for log in ropes])} at step 10,000 on " \
            f"seed{'s' * (len(ropes) > 1)} {listed([str(seed) for seed in seeds['rope']])} and at most " \
            f"{listed([f'{peak(log):.1f}' for log in ropes])}" in text
-    norms = [f"seed {seed}: {grew(log, 'sn_q_L0')} and {grew(log, 'sn_k_L0')}"
-             for seed, log in zip(seeds["rope"], ropes)]
-    assert f"({'; '.join(norms)}; paper-fp32-o-s4: {grew(on, 'sn_q_L0')} and {grew(on, 'sn_k_L0')})" in text
+    # over the same steps as the fix's runs of the same seeds (150,000), then to rope's end
+    fixed = [diag(root / f"results/cure/runs/on-s{seed}") for seed in seeds["rope"]]
+    norm = lambda log, step, col: f"{log[step][col]:.3g}"
+    both = lambda log, step: f"{norm(log, step, 'sn_q_L0')} and {norm(log, step, 'sn_k_L0')}"
+    span = lambda logs: ", ".join(f"{grew(log, 'sn_q_L0', 150_000)} and {grew(log, 'sn_k_L0', 150_000)}"
+                                  for log in logs)
+    assert f"from step 10,000 to 150,000, {span(ropes)} on seeds {listed([str(s) for s in seeds['rope']])} (at " \
+           f"200,000: {', '.join(both(log, 200_000) for log in ropes)}), `--fix on`'s on the same seeds " \
+           f"{span(fixed)}." in text and all(max(log) == 200_000 for log in ropes)
     # the probe: rope over all its checkpoints, QK-norm before its doublings, GPT-2's block before its doubling
     probe = {(row["arm"], row["phase"], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_phases.csv") if row["probe_batches"] == "train"}
@@ -410,7 +415,11 @@ def test_findings_delta_term_numbers_are_their_files():
     onset = onset_lines(root / "results/seed_study/onset.txt")
     off = [onset[row["name"]] for row in rows if fix_off(row)]
     ties = [100 * rate for run in off for rate in run["ties"]]
-    assert f"ties are rare in layer 0 ({analyze.between(ties)}% of its rows)" in text
+    assert f"ties are rare in layer 0 ({analyze.between(ties)}% of its rows with the fix off, steps 5,000-30,000)" \
+           in text
+    from_p = [row for row in rows if row["arm"] == "delta-from-p"]
+    assert len(from_p) == 1 and not from_p[0]["collapsed"]
+    assert f"delta from P (`--delta p`, one run: seed {from_p[0]['seed']}, {from_p[0]['steps']:,} steps)" in text
     most = max(run["sharp"] for run in off if run["sharp"] == run["sharp"])   # (NaN: no doubling to count up to)
     assert f"(at most {sci(most)} of layer 0's rows in our fix-off runs until its logit has doubled;" in text
     more = {name: run for name, run in onset.items() if name.startswith("sdpa") and run["sharp"] > most}
@@ -475,9 +484,28 @@ def test_findings_cure_numbers_are_their_files():
         s, v = load_run(run).series(analyze.LOGIT)
         assert v.max() < 2 * v[s == 10_000][0], run
     off = [onset_lines(root / "results/seed_study/onset.txt")[row["name"]] for row in rows if fix_off(row)]
-    assert f"ties are {analyze.between([100 * rate for run in off for rate in run['ties']])}% of layer 0's rows" in text
-    lse = arm("lse-fp64")
-    assert len(lse) == 2 and all(row["collapsed"] for row in lse) and "(both seeds collapsed)" in text
+    cure_ties = [float(r["tie_rate_L0"]) for run in (root / "results/cure/runs").glob("on-s*") for r in log_rows(run)
+            if r.get("tie_rate_L0") and 5000 <= int(r["step"]) <= 30000]
+    assert f"ties are {analyze.between([100 * rate for run in off for rate in run['ties']])}% of layer 0's rows " \
+           f"with the fix off and {analyze.between([100 * rate for rate in cure_ties])}% with the fix on (steps " \
+           "5,000-30,000)" in text
+    rule = arm("paper")
+    assert rule and all(row["collapsed"] and row["lr"] == 1e-3 for row in rule)
+    assert f"The paper's rule alone (`--fix paper`) collapsed on every seed run at lr 1e-3 " \
+           f"({seeds_text(sorted(row['seed'] for row in rule))})" in text
+    (from_p,) = arm("delta-from-p")
+    assert not from_p["collapsed"] and f"Delta from P did the same (seed {from_p['seed']}, {from_p['steps']:,} steps)" \
+           in text
+    # lr 3e-3 with an earlier kernel, one run each: the paper's rule ran on where the fix off collapsed
+    early = {row["name"]: row for row in read_table(root / "results/default_search/gpu_runs.csv")}
+    paper, off3 = early["lr3e-3-paper-s0-run4"], early["lr3e-3-off-s0-run4"]
+    assert not paper["collapsed"] and off3["collapsed"] and paper["lr"] == off3["lr"] == 3e-3
+    assert f"the paper's rule ran {paper['steps']:,} steps on seed {paper['seed']} without a collapse (its max logit " \
+           f"{sci(paper['max_logit'], 1)}) where fix off collapsed at {off3['collapse_step']:,}" in text
+    lse = sorted(arm("lse-fp64"), key=lambda row: row["seed"])
+    assert len(lse) == 2 and all(row["collapsed"] for row in lse) and \
+           f"(both seeds collapsed: seeds {lse[0]['seed']} and {lse[1]['seed']}, at {lse[0]['collapse_step']:,} and " \
+           f"{lse[1]['collapse_step']:,})" in text
 
 
 def test_findings_curvature_numbers_are_their_files():
@@ -506,6 +534,14 @@ def test_findings_curvature_numbers_are_their_files():
     assert lin.keys() == {row["run"] for row in learnt} and min(lin, key=lin.get) == "results/cure/runs/on-s4"
     assert f"(the first-order term's t per run from {min(lin.values()):+.1f}, `--fix on` on seed 4, to " \
            f"{max(lin.values()):+.1f} over those {len(lin)} runs" in text
+    # the runs probed on fixed validation batches: their total of either sign, within two standard errors
+    validation = [row for row in read_table(root / "results/delta_probe/probe_runs.csv")
+                  if row["probe_batches"] == "validation" and row["term"] == "total"]
+    assert all(abs(row["t"]) < 2 for row in validation)
+    assert {row["run"] for row in validation} == {"results/delta_probe/runs/off-s0",
+                                                   "results/seed_study/runs/paper-fp32-o-s0"}
+    assert "two runs probed on fixed validation batches instead, `delta_probe/runs/off-s0` and " \
+           "`seed_study/runs/paper-fp32-o-s0`, read it of either sign within its noise" in text
     report = (root / "results/mechanism/report.md").read_text().split("### The curvature effect")[1].split("###")[0]
     ratios = [float(cells[-1]) for line in report.splitlines() if line.startswith("| ")
               for cells in [[c.strip() for c in line.strip("|").split("|")]] if re.fullmatch(r"[\d.]+", cells[-1])]
@@ -530,6 +566,11 @@ def test_findings_late_stage_numbers_are_their_files():
     assert f"their runs ended at logits of {sci(min(last), 0)}-{sci(max(last), 0)} without a collapse" in text
     assert max(run["after_1e6"] or 0 for run in torch_runs) >= 20_000 and "some after tens of thousands of steps " \
            "above 1e6" in text
+    cudnn, words = [row for row in rows if row["arm"] == "sdpa"], ["none", "one", "two", "three", "four"]
+    below = [row for row in cudnn if late[row["name"]]["after_1e6"] is None]
+    stopped = {round(row["steps"], -3) for row in below if row["steps"] < 100_000}
+    assert len(stopped) == 1 and f"({words[len(below)]} of cuDNN's {words[len(cudnn)]} never passed 1e6, " \
+           f"{words[sum(row['steps'] < 100_000 for row in below)]} of them stopped at {stopped.pop():,} steps)" in text
     shipped = [late[row["name"]]["after_1e6"] for row in rows if analyze.as_shipped(row) and row["collapsed"]]
     assert shipped and max(shipped) < 10_000
     assert "within a few thousand steps of 1e6 with the kernel as it ships" in text
@@ -559,6 +600,20 @@ def test_findings_autocast_numbers_are_their_files():
     assert len(past) == len(off) and min(fa2) >= 20_000   # "tens of thousands"
     assert f"fix off collapsed on {sum(row['collapsed'] for row in off)} of {len(off)} seeds, layer 0 past 100 at " \
            f"steps {analyze.between(past, ',')} (fa2 mode: tens of thousands)" in text
+    paper = {name: run for name, run in onset.items() if name.startswith("paper-precision-paper-s")}
+    assert all(run["past_100"] < onset[name.replace("-paper-s", "-off-s")]["past_100"] for name, run in paper.items())
+    assert f"the paper's rule took off sooner still (seeds {listed(sorted(n[-1] for n in paper))})" in text
+    variants = {row["name"]: row for row in read_table(root / "results/paper_precision/rounding_variants.csv")}
+    both = sorted((name for name in variants if name.startswith("paper-precision-acc32-delta-fp32-s")),
+                  key=lambda name: variants[name]["seed"])
+    alone = [onset[name.replace(part, "")]["past_100"] for name in both for part in ("acc32-", "-delta-fp32")]
+    assert all(onset[name]["past_100"] is None for name in both)
+    doubled = [(variants[name]["seed"], onset[name]["doubled"]) for name in both if onset[name]["doubled"]]
+    assert len(doubled) == 1 and f"only taking both out of delta held layer 0 below 100 through the runs made (seeds " \
+           f"{listed([str(variants[name]['seed']) for name in both])}, " \
+           f"{listed([format(variants[name]['steps'], ',') for name in both])} steps, where either alone passed 100 " \
+           f"by step {analyze.between(alone, ',')}; seed {doubled[0][0]}'s layer 0 had doubled by step " \
+           f"{doubled[0][1]:,})" in text
 
 
 def test_findings_amplifier_numbers_are_their_files():
@@ -573,7 +628,11 @@ def test_findings_amplifier_numbers_are_their_files():
     assert all(row["mantissa_bits"] == 3 and row["delta"] == "o" and row["precision"] == "fa2" for row in off + paper)
     survived = max(row["steps"] for row in off if not row["collapsed"])
     assert all(row["collapsed"] for row in off + paper if row["steps"] > survived)
-    assert f"every fix-off run past {survived:,} steps collapsed, and the paper's rule too" in text
+    shift_all = [row for row in rows if row["arm"] == "p3-paper-shift-all"]
+    assert shift_all and not any(row["collapsed"] for row in shift_all)
+    assert f"every fix-off run past {survived:,} steps collapsed, and the paper's rule too (a variant that shifts " \
+           f"every tile's row max did not, in {analyze.between([row['steps'] for row in shift_all], ',')} steps on " \
+           f"{['', 'one', 'two', 'three'][len(shift_all)]} seeds" in text
     from_p = [row for row in rows if row["arm"] == "p3-delta-from-p"]
     assert from_p and not any(row["collapsed"] for row in from_p) and "delta from P prevents it" in text
     law = (root / "results/amplifier/bits_law.txt").read_text()
@@ -582,8 +641,18 @@ def test_findings_amplifier_numbers_are_their_files():
                     law)
     assert fit[1].replace(", ", "/") == "/".join(bits) == "2/3/4"
     steps = int(fit[4].replace(",", ""))
-    assert f"Collapse comes {fit[2]}x later per bit of P ({' / '.join(bits)} bits), which extrapolated to bf16's " \
-           f"{fit[3]} bits is ~{round(steps, -3):,} steps" in text
+    # the fit is seed 0's runs (bits_law.txt's steps); seed 1's fix-off runs at 2 and 3 bits beside them
+    counts = {b: len(re.search(rf"^P at {b} bits: collapsed at ([\d, ]+) \(", law, re.M)[1].split(", ")) for b in bits}
+    fitted = [row for row in rows if re.fullmatch(r"p[234]-off-s0(-run\d)?", row["name"]) and row["collapsed"]]
+    assert len(fitted) == sum(counts.values()) and {row["seed"] for row in fitted} == {0}
+    assert counts == {"2": 3, "3": 3, "4": 1} and "seed 0's runs, three at 2 and 3 bits and one at 4" in text
+    seed1 = {b: [row["collapse_step"] for row in rows if re.fullmatch(rf"p{b}-off-s1(-run\d)?", row["name"])]
+             for b in (2, 3)}
+    assert all(row["collapsed"] for row in rows if re.fullmatch(r"p[23]-off-s1(-run\d)?", row["name"]))
+    assert f"Collapse comes {fit[2]}x later per bit of P ({' / '.join(bits)} bits; seed 0's runs, three at 2 and 3 " \
+           f"bits and one at 4; seed 1's collapsed at {analyze.between(seed1[2], ',')} and " \
+           f"{analyze.between(seed1[3], ',')} steps), which extrapolated to bf16's {fit[3]} bits is " \
+           f"~{round(steps, -3):,} steps" in text
 
 
 def test_results_readme_names_every_h100_run():
