@@ -4,8 +4,8 @@
     o = flash_attention(q, k, v, causal=True, fix="on")   # q, k, v: (batch, heads, seq, head_dim), bf16/fp16
 
 Same result as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), O and the gradients
-in q's layout; differentiable (not twice); head_dim 16/32/64/128; any sequence length; a custom op (torch.compile
-traces it).
+seq-major where q is (a GPT's head views), else head-major; differentiable (not twice); head_dim 16/32/64/128; any
+sequence length within 32-bit offsets (check_launch); a custom op (torch.compile traces it).
 
 Notation (FlashAttention-2, Dao 2023), for a query tile Q_i and a key/value tile K_j, V_j:
     S = Q_i K_j^T * scale      m' = max(m, rowmax(S))      P = exp(S - m')
@@ -601,6 +601,23 @@ def check_device(q):
                      "nanolp.emulate.emulate_attention, the kernel's algorithm in PyTorch (the same numbers)")
 
 
+def check_launch(q, k, v):
+    """What the kernel cannot take and its emulation can: bfloat16 where Triton cannot compile it, more programs
+    than CUDA's grid has in batch * heads, and offsets within a head past the kernel's 32 bits (its row offsets are
+    int32; a head's start is int64)."""
+    B, H, N, D = q.shape
+    if q.dtype == torch.bfloat16 and capability(q.device) < (8, 0):   # (a T4, a V100: Triton cannot compile it)
+        raise TypeError(f"bfloat16 needs a GPU of compute capability 8.0 or later (an A100, RTX 30xx, L4, H100); "
+                        f"{q.device} has {'.'.join(map(str, capability(q.device)))}")
+    if B * H > 65_535:   # (the grid's second dimension)
+        raise ValueError(f"batch * heads must be at most 65,535, the kernel's grid, got {B} * {H} = {B * H}")
+    o_rows = H * D if q.stride(1) < q.stride(2) else D   # O's row stride (empty_in_layout_of), as dO's, dQ's ...
+    for name, rows in (("q", q.stride(2)), ("k", k.stride(2)), ("v", v.stride(2)), ("O", o_rows)):
+        if (N - 1) * rows + D > 2 ** 31:
+            raise ValueError(f"{name}'s {N:,} rows, {rows:,} elements apart, reach past 2^31 elements within a head, "
+                             "where the kernel's 32-bit offsets would wrap: give shorter sequences")
+
+
 def check_inputs(q, k, v, causal, fix, numerics):
     """Clear errors instead of wrong answers (shared with nanolp/emulate.py); Numerics checks itself."""
     if not isinstance(causal, bool):   # (a truthy string would run causal attention silently)
@@ -624,9 +641,6 @@ def check_inputs(q, k, v, causal, fix, numerics):
         raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {q.shape[-1]}")
     if q.shape[-2] < 1 or q.shape[0] < 1 or q.shape[1] < 1:
         raise ValueError(f"batch, heads and seq must be at least 1, got {tuple(q.shape)}")
-    if q.dtype == torch.bfloat16 and capability(q.device) < (8, 0):   # (a T4, a V100: Triton cannot compile it)
-        raise TypeError(f"bfloat16 needs a GPU of compute capability 8.0 or later (an A100, RTX 30xx, L4, H100); "
-                        f"{q.device} has {'.'.join(map(str, capability(q.device)))}")
     if fix == "paper" and q.dtype != torch.bfloat16:   # (float16's exponent stops at 2^-24)
         raise TypeError(f'fix="paper" shifts a tied row\'s max up by as much as {SHIFT_HI:.0f} nats, where P '
                         f"underflows {q.dtype}: give bfloat16 inputs")
@@ -648,8 +662,8 @@ def as_numerics(numerics):
 
 
 def empty_in_layout_of(t, dtype=None):
-    """An uninitialised (batch, heads, seq, head_dim) tensor laid out as t is (seq-major when t is a head view
-    of a (batch, seq, channels) tensor, so model.py's reshape back is free); dtype: t's by default."""
+    """An uninitialised (batch, heads, seq, head_dim) tensor, seq-major where t is (a head view of a (batch, seq,
+    channels) tensor, so model.py's reshape back is free), else head-major; dtype: t's by default."""
     B, H, N, D = t.shape
     dtype = dtype or t.dtype
     if t.stride(1) < t.stride(2):
@@ -823,6 +837,7 @@ def forward(q, k, v, *, fix, causal=True, numerics=None):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
                              "call .contiguous()")
+    check_launch(q, k, v)
     o, lse, *o_delta = _FlashAttention.apply(q, k, v, causal, fix, numerics.delta, numerics.precision,
                                              numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
                                              numerics.fma)
@@ -833,7 +848,8 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     """Causal (or full) attention softmax(q k^T / sqrt(d)) v, FlashAttention-2 in Triton.
 
     q, k, v: (batch, heads, seq, head_dim), bf16 or fp16, on CUDA (or CPU: check_device); any strides with
-        the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up.
+        the last dimension contiguous; head_dim 16, 32, 64 or 128; seq from 1 up; batch * heads up to 65,535
+        (check_launch).
     fix: "on" (the default here, for drop-in use; train.py's --fix defaults to "off", the failing setting): the
             backward's delta reads the forward's fp32 O (costs that fp32 O's store and its memory until the
             backward, where one can follow); O and every other number are fix "off"'s.
@@ -841,7 +857,8 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
         "paper": the paper's rule, a tied row's max shifted up, for the experiments (it leaves O's final cast's
             error, which fails our runs); bf16 only; O is fix "off"'s up to the shift's rounding (docs/kernel.md).
     numerics: the experiments (Numerics), not for training models; None rounds as FlashAttention-2 does.
-    Returns O, q's shape and dtype, in q's layout (empty_in_layout_of), as are dQ, dK, dV in the backward (two
+    Returns O, q's shape and dtype, seq-major where q is, else head-major (empty_in_layout_of), as are dQ, dK, dV
+    in the backward (two
     passes, no atomics: the same bits every run).
     """
     numerics = as_numerics(numerics)

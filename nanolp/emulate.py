@@ -10,8 +10,9 @@ order are the tile matrix products, the row sums and the transcendental function
 Here each of them is evaluated in float64 and rounded once to float32, which is the correctly rounded
 float32 result in all but astronomically rare cases. The test suite patches Triton's CPU interpreter to do
 the same (nanolp/interp_patch.py), so the kernel and this file agree bit for bit and any difference is a
-difference of algorithm or rounding point, never of summation order. On a GPU the kernel's tensor cores
-and exp2 approximation differ from this in the last float32 bit, so there the two agree only to rounding.
+difference of algorithm or rounding point, never of summation order. On a GPU the kernel's tensor cores,
+exp2 approximation and division (acc / l compiles to PTX's approximate div.full.f32) differ from this in the
+last float32 bits, so there the two agree only to rounding.
 """
 import math
 from dataclasses import asdict

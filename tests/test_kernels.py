@@ -680,9 +680,8 @@ def _shifted_max_kernel(S, T, M, T_NEW, BLOCK: tl.constexpr, COLS: tl.constexpr,
 def test_shifted_max_equals_emulation_on_adversarial_rows(precision):
     """The kernel's _shifted_max, bit for bit against the emulation's, on rows of exact and near ties (within
     tol and just outside), maxima of 0, tiny, moderate, large (past 2^21 spans of the fold, ~10^8) and huge,
-    of both signs, fully masked rows (-inf) and rows tied with the earlier tiles' max t. (Interpreter only: on
-    a GPU Triton compiles the fold's d % span to a division, a truncation and an fma, which is not fmod once
-    the quotient d / span rounds up to the next integer.)"""
+    of both signs, fully masked rows (-inf) and rows tied with the earlier tiles' max t. (Interpreter only, as
+    the file's other bitwise tests.)"""
     shift = kernels.fix_constants(precision)
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -791,14 +790,40 @@ def test_bad_input():
 
 
 def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
-    """A T4 (compute capability 7.5) has no bfloat16: one line, before a launch Triton could not compile."""
+    """A T4 (compute capability 7.5) has no bfloat16: one line, before a launch Triton could not compile; the
+    emulation, which Triton does not compile, runs."""
     q = rand((1, 2, 16, 64))
     monkeypatch.setattr(kernels, "capability", lambda device: (7, 5))
-    for attention in (kernels.flash_attention, emulate.emulate_attention):
-        with pytest.raises(TypeError, match=re.escape("bfloat16 needs a GPU of compute capability 8.0 or later (an "
-                                                      f"A100, RTX 30xx, L4, H100); {q.device} has 7.5")):
-            attention(q, q, q, fix="on")
+    with pytest.raises(TypeError, match=re.escape("bfloat16 needs a GPU of compute capability 8.0 or later (an "
+                                                  f"A100, RTX 30xx, L4, H100); {q.device} has 7.5")):
+        kernels.flash_attention(q, q, q, fix="on")
     assert kernels.flash_attention(q.half(), q.half(), q.half()).dtype == torch.float16   # float16 is not refused
+    assert emulate.emulate_attention(q, q, q, fix="on").isfinite().all()
+
+
+@requires_interpreter
+def test_what_the_kernels_grid_and_offsets_cannot_hold_is_refused():
+    """batch * heads past CUDA's 65,535 programs in the grid's second dimension, and a head's rows past 2^31
+    elements (the kernel's row offsets are int32), in one line each; up to either limit the checks pass. Shapes
+    on the meta device: nothing is allocated."""
+    meta = lambda *shape: torch.empty(shape, dtype=torch.float16, device="meta")
+    q = meta(65_536, 1, 4, 16)
+    with pytest.raises(ValueError, match=re.escape("batch * heads must be at most 65,535, the kernel's grid, got "
+                                                   "65536 * 1 = 65536")):
+        kernels.flash_attention(q, q, q)
+    q = meta(2 ** 25 + 1, 64)[None, None]                   # the last row's last element at 2^31 + 63
+    with pytest.raises(ValueError, match=re.escape("q's 33,554,433 rows, 64 elements apart, reach past 2^31 "
+                                                   "elements within a head")):
+        kernels.flash_attention(q, q, q)
+    heads = meta(1, 2 ** 20 + 1, 3 * 2048).view(1, 2 ** 20 + 1, 3, 32, 64)   # a GPT's q, k, v head views
+    q, k, v = (heads[:, :, i].transpose(1, 2) for i in range(3))
+    with pytest.raises(ValueError, match=re.escape("q's 1,048,577 rows, 6,144 elements apart")):
+        kernels.flash_attention(q, k, v)
+    shared = meta(1, 1, 2 ** 20 + 1, 64).expand(1, 32, -1, -1)   # one head's rows for all: O's are 32 * 64 apart
+    with pytest.raises(ValueError, match=re.escape("O's 1,048,577 rows, 2,048 elements apart")):
+        kernels.flash_attention(shared, shared, shared)
+    kernels.check_launch(meta(65_535, 1, 4, 16), *[meta(1, 1, 4, 16)] * 2)
+    kernels.check_launch(*[meta(2 ** 25, 64)[None, None]] * 3)   # the last element at 2^31 - 1
 
 
 def test_cpu_tensors_without_interpreter(monkeypatch):
