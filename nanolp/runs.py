@@ -254,9 +254,10 @@ def resume(run_dir, c, model, optimizer, columns):
         raise RunError(f"--resume: {run_dir} has recorded {recorded:,} steps: --steps {c['steps']:,} would cut it "
                        f"back; give --steps {recorded:,} or more; nothing changed")
     state = load_checkpoint(run_dir, model, optimizer, torch.device(c["device"]))
-    if (run_dir / "summary.json").exists() and is_finished(c, state["step"], state["elapsed"] / 60):
-        raise RunError(f"--resume: {run_dir}: {done(state['step'])}; give a larger --steps or --minutes to "
-                       f"train it further")
+    reached = limits_reached(c, state["step"], state["elapsed"] / 60)
+    if (run_dir / "summary.json").exists() and reached:
+        raise RunError(f"--resume: {run_dir}: {done(state['step'])}; give a larger {' and a larger '.join(reached)} "
+                       f"to train it further")
     write_rows(run_dir / "log.csv", [row for row in rows if int(row["step"]) <= state["step"]], columns, "w")
     print(f"resuming {run_dir} at step {state['step']}")
     return state
@@ -402,10 +403,11 @@ def claim_folder(run_dir, c, resume, presets):
         ran = as_ran(saved, presets)
         differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
         afresh = f"or delete {run_dir} to start it afresh"
-        finished = summary and ckpt and is_finished(c, int(ckpt.stem.split("_")[1]), summary.get("minutes", 0))
+        finished = summary and ckpt and limits_reached(c, int(ckpt.stem.split("_")[1]), summary.get("minutes", 0))
         advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
                   f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
-                  f"{done(summary.get('steps', 0))}: --resume with a larger --steps trains it further, --name "
+                  f"{done(summary.get('steps', 0))}: --resume with a larger {' and a larger '.join(finished)} trains it "
+                  f"further, --name "
                   f"starts a new run, {afresh}"
                   if finished else f"pass --resume to continue it, --name for a new run, {afresh}" if ckpt else
                   f"its summary.json is kept but its checkpoints are gone, so it cannot be continued: --name starts "
@@ -426,10 +428,11 @@ def claim_folder(run_dir, c, resume, presets):
                 path.unlink()
 
 
-def is_finished(c, step, minutes):
-    """Whether a run at `step`, after `minutes` of training, has reached its --steps or --minutes (settings c):
-    resuming it would train no step."""
-    return step >= c["steps"] or (c["minutes"] is not None and minutes >= c["minutes"])
+def limits_reached(c, step, minutes):
+    """Which of its --steps and --minutes (settings c) a run at `step`, after `minutes` of training, has reached:
+    resuming it while either is would train no step."""
+    return [flag for flag, hit in (("--steps", step >= c["steps"]),
+                                   ("--minutes", c["minutes"] is not None and minutes >= c["minutes"])) if hit]
 
 
 def done(steps):
@@ -588,8 +591,9 @@ def load_run(path):
 
 
 def load_runs(paths):
-    """The runs at `paths`, less those with a file that cannot be read or a log without a row, each named in one
-    line: a table of many runs is not lost to one damaged file."""
+    """The runs at `paths`, less those with a file that cannot be read, without config.json (a log of unknown
+    settings) or with a log without a row, each named in one line: a table of many runs is not lost to one damaged
+    file."""
     runs = []
     for path in paths:
         try:
@@ -597,7 +601,9 @@ def load_runs(paths):
         except DamagedFile as e:
             print(f"{path}: left out, {e}")
             continue
-        if run.series("step") is None:   # stopped before its first log row
+        if not (Path(path) / "config.json").exists():   # (train.py writes it before the log)
+            print(f"{path}: left out, it has no config.json: its settings are unknown")
+        elif run.series("step") is None:   # stopped before its first log row
             print(f"{path}: left out, its log has no row yet")
         else:
             runs.append(run)

@@ -565,10 +565,15 @@ def test_a_run_without_a_log_row_is_left_out_and_paths_may_mix(tmp_path, monkeyp
     write_run(tmp_path / "more", "off-s1", 1, False, rng)
     (tmp_path / "more" / "new").mkdir()
     (tmp_path / "more" / "new" / "log.csv").write_text(",".join(columns()) + "\n")
+    (tmp_path / "more" / "new" / "config.json").write_text((tmp_path / "more" / "off-s1" / "config.json").read_text())
+    (tmp_path / "more" / "bare").mkdir()   # a log of a run whose settings were not kept: no arm can be told
+    (tmp_path / "more" / "bare" / "log.csv").write_text((tmp_path / "more" / "off-s1" / "log.csv").read_text())
     analyze.main(["runs", str(tmp_path / "more")])
-    assert f"{tmp_path / 'more' / 'new'}: left out, its log has no row yet" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'more' / 'new'}: left out, its log has no row yet" in out
+    assert f"{tmp_path / 'more' / 'bare'}: left out, it has no config.json: its settings are unknown" in out
     report = (tmp_path / "figures" / "report.md").read_text()
-    assert "off-s0" in report and "off-s1" in report and "new" not in report
+    assert "off-s0" in report and "off-s1" in report and "new" not in report and "bare" not in report
 
 
 def test_a_table_takes_no_runs_and_no_out(tmp_path, monkeypatch, capsys):

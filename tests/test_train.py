@@ -271,6 +271,18 @@ def test_a_finished_run_says_so_and_how_to_start_it_afresh(run, capsys):
     assert [int(r["step"]) for r in read_log(done)] == [10, 20]   # nothing was touched
 
 
+def test_a_run_finished_by_its_minutes_says_to_give_more_minutes(run, capsys):
+    """A run that ended at its --minutes is told to take a larger --minutes (a larger --steps would not train it)."""
+    done = run("budget-done", "--steps", "1000", "--minutes", "1e-6")
+    steps = json.loads((done / "summary.json").read_text())["steps"]
+    assert steps < 1000
+    said = refusal(capsys, lambda: run("budget-done", "--steps", "1000", "--minutes", "1e-6", "--resume"))
+    assert f"it is finished: no collapse in {steps:,} steps (summary.json); give a larger --minutes to train it " \
+           "further" in said
+    assert "--resume with a larger --minutes trains it further" in refusal(
+        capsys, lambda: run("budget-done", "--steps", "1000", "--minutes", "1e-6"))
+
+
 def test_the_docstring_says_what_the_seed_study_holds():
     """Its three commands' claims against the committed runs: fix off and the paper's rule collapse on every seed
     run; no run whose delta read the fp32 O (`--fix on`, or an experiment's `--delta fp32-o`) collapsed."""
