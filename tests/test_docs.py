@@ -14,6 +14,7 @@ import train
 from experiments import bench
 from experiments.onset import log_rows
 from experiments.sweep import load_study
+from nanolp.probe import pool as probe_pool, pooled_checkpoints
 from nanolp.runs import load_run, read_table, study_runs
 
 
@@ -258,6 +259,15 @@ def test_findings_modern_block_numbers_are_their_files():
     sign = "negative" if lin["t"] < -2 else "positive" if lin["t"] > 2 else "within two standard errors of zero"
     assert f"{off_curv / curv:.0f}x smaller ({curv:+.1e} against {off_curv:+.1e}) and its linear term is {sign} " \
            f"({lin['mean']:+.1e}, t {lin['t']:+.1f})" in text
+    rope_runs = [load_run(root / "results/modern_block/runs" / row["name"]) for row in runs["rope"]]
+    def early(term):   # rope's pooled term over the fix off's steps alone (its phase 1 ends by off["last_step"])
+        steps, _, means, ses, _ = pooled_checkpoints(rope_runs, term)
+        keep = steps <= off["last_step"]
+        return (*probe_pool(means[keep], ses[keep]), int(keep.sum()))
+    total, _, t, n = early("total")
+    assert f"Over the fix off's steps alone ({off['first_step']:,}-{off['last_step']:,}: {n} checkpoints) its total " \
+           f"is {total:+.1e}, t {t:+.1f}, {off['mean'] / total:.0f}x less, and its curvature term " \
+           f"{off_curv / early('curv')[0]:.0f}x smaller" in text
     assert f"steps {qk_total['first_step']:,}-{qk_total['last_step']:,}: total {cell(qk_total)}; curvature term " \
            f"{cell(probe['--fix off --qk-norm', 1, 'curv'], '.0f')}" in text
     # QK-norm, per seed: the logit against its gains, when it doubled, and the sharp rows
