@@ -601,6 +601,11 @@ def check_device(q):
                      "nanolp.emulate.emulate_attention, the kernel's algorithm in PyTorch (the same numbers)")
 
 
+def seq_major(t):
+    """Whether a (batch, heads, seq, head_dim) tensor's heads lie closer in memory than its rows."""
+    return t.stride(1) < t.stride(2)
+
+
 def check_launch(q, k, v):
     """What the kernel cannot take and its emulation can: bfloat16 where Triton cannot compile it, more programs
     than CUDA's grid has in batch * heads, and offsets within a head past the kernel's 32 bits (its row offsets are
@@ -611,7 +616,7 @@ def check_launch(q, k, v):
                         f"{q.device} has {'.'.join(map(str, capability(q.device)))}")
     if B * H > 65_535:   # (the grid's second dimension)
         raise ValueError(f"batch * heads must be at most 65,535, the kernel's grid, got {B} * {H} = {B * H}")
-    o_rows = H * D if q.stride(1) < q.stride(2) else D   # O's row stride (empty_in_layout_of), as dO's, dQ's ...
+    o_rows = H * D if seq_major(q) else D   # O's row stride (empty_in_layout_of), as dO's, dQ's ...
     for name, rows in (("q", q.stride(2)), ("k", k.stride(2)), ("v", v.stride(2)), ("O", o_rows)):
         if (N - 1) * rows + D > 2 ** 31:
             raise ValueError(f"{name}'s {N:,} rows, {rows:,} elements apart, reach past 2^31 elements within a head, "
@@ -666,7 +671,7 @@ def empty_in_layout_of(t, dtype=None):
     channels) tensor, so model.py's reshape back is free), else head-major; dtype: t's by default."""
     B, H, N, D = t.shape
     dtype = dtype or t.dtype
-    if t.stride(1) < t.stride(2):
+    if seq_major(t):
         return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
     return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
 
