@@ -92,16 +92,19 @@ def test_readme_numbers_are_their_files():
     later = [lr[f"off-lr3e-3-s{seed}"] for seed in (1, 2)]   # the fix off's other seeds at 3e-3
     assert f"The learning rate (seed 0 unless named): at 3e-3 `--fix off` collapsed at step " \
            f"{lr['off-lr3e-3-s0']['collapse_step']:,} (seeds 1 and 2 not in {later[0]['steps']:,} steps, their " \
-           f"layer 0 past 100 all the same), `--fix on` and rotary positions not in " \
-           f"{lr['on-lr3e-3-s0']['steps']:,} (the fix's layer 0 past 100 too); at 1e-2 every " \
+           f"layer 0 past 100), `--fix on` on none of seeds 0-2 (its layer 0 slower), rotary positions not in " \
+           f"{lr['rope-lr3e-3-s0']['steps']:,}; at 1e-2 every " \
            f"attention's logits passed 100 by step 1,000, bf16 attention collapsed (fix off at " \
            f"{lr['off-lr1e-2-s0']['collapse_step']:,}, fix on " \
            f"at {lr['on-lr1e-2-s0']['collapse_step']:,}, rotary positions at " \
            f"{lr['rope-lr1e-2-s0']['collapse_step']:,}), fp32 not (in {lr['fp32-lr1e-2-s0']['steps']:,} steps, with " \
            "either block)" in readme and lr['fp32-lr1e-2-s0']['steps'] == lr['rope-fp32-lr1e-2-s0']['steps']
     assert lr["on-lr3e-3-s0"]["steps"] == lr["rope-lr3e-3-s0"]["steps"]
-    fix3 = load_run(root / "results/lr_sweep/runs/on-lr3e-3-s0").series(analyze.LOGIT)[1]
-    assert np.nanmax(fix3) > 100   # the fix's layer 0 past 100 at 3e-3
+    # the fix at 3e-3 on seeds 0-2: no collapse, layer 0 past 100 later than the fix off's of the same seed, or never
+    layer0 = lambda name: load_run(root / "results/lr_sweep/runs" / name).series(analyze.LOGIT)
+    first = lambda s: int(s[0][np.argmax(s[1] > 100)]) if np.nanmax(s[1]) > 100 else np.inf
+    assert all(not lr[f"on-lr3e-3-s{seed}"]["collapsed"] and first(layer0(f"on-lr3e-3-s{seed}")) >
+               first(layer0(f"off-lr3e-3-s{seed}")) for seed in range(3))
     assert all(not row["collapsed"] and row["steps"] == later[0]["steps"] and np.nanmax(load_run(
         root / "results/lr_sweep/runs" / row["name"]).series(analyze.LOGIT)[1]) > 100 for row in later)
     assert not lr["on-lr3e-3-s0"]["collapsed"] and not lr["rope-lr3e-3-s0"]["collapsed"]
@@ -773,16 +776,39 @@ def test_findings_learning_rate_numbers_are_their_files():
                     for seed in range(4)]
     assert sum(row["collapsed"] for row in seed_runs) == 1 and max(past(layers(runs[row["name"]])[0], 100)
                                                                    for row in seed_runs) < min(default_past)
-    assert "(on seeds 1 and 2 the fix off did not collapse there either, though its layer 0 ran away)" in text
+    assert "(seed 0; on seeds 1 and 2 the fix off did not collapse there either, though its layer 0 ran away)" in text
     claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same
-    assert f"(seed 0, and the fix off's seeds 1 and 2 at 3e-3; the kernel as it ships): at 3e-3 fix off collapsed " \
+    assert f"(seed 0, and at 3e-3 seeds 1 and 2 of the fix off and on; the kernel as it ships): at 3e-3 fix off " \
+           f"collapsed " \
            f"at {rows['off-lr3e-3-s0']['collapse_step']:,} (train loss at its minimum {low(off3):.2f}; seeds 1 and 2 " \
            f"not in {off3_s1['steps']:,} steps, layer 0 past 100 at {past(off3_s1_l0, 100):,} and " \
            f"{past(off3_s2_l0, 100):,}, {off3_s1_l0[1][-1]:.0f} and {off3_s2_l0[1][-1]:,.0f} at the end)" in claims
     seeds = sorted({row["seed"] for row in rows.values()})
-    assert f"## 9. The learning rate (the sweep: one seed each; at 3e-3 three with the fix off)" in \
-        (root / "docs/findings.md").read_text() and seeds == [0, 1, 2]
-    assert {name for name, row in rows.items() if row["seed"]} == {"off-lr3e-3-s1", "off-lr3e-3-s2"}
+    assert f"## 9. The learning rate (the sweep: one seed each; at 3e-3 three with the fix off and three with the fix " \
+           f"on)" in (root / "docs/findings.md").read_text() and seeds == [0, 1, 2]
+    assert {name for name, row in rows.items() if row["seed"]} == {f"{arm}-lr3e-3-s{seed}" for arm in ("off", "on")
+                                                                     for seed in (1, 2)}
+    # the fix on at 3e-3 on seeds 0-2: none collapsed; its layer 0 past 100 later than the fix off's, or never
+    fix = {seed: (rows[f"on-lr3e-3-s{seed}"], layers(runs[f"on-lr3e-3-s{seed}"])[0]) for seed in range(3)}
+    off_past = [past(layers(runs[f"off-lr3e-3-s{seed}"])[0], 100) for seed in range(3)]
+    assert not any(row["collapsed"] for row, _ in fix.values()) and fix[2][1][1].max() < 100
+    assert all(past(fix[seed][1], 100) > off_past[seed] for seed in (0, 1))
+    assert f"At 3e-3 the fix on collapsed on none of three seeds in {fix[0][0]['steps']:,} steps, the fix off on one " \
+           f"(seed 0;" in text and f"and on each seed the fix's layer 0 grew slower: past 100 at " \
+           f"{past(fix[0][1], 100):,} and {past(fix[1][1], 100):,} on seeds 0 and 1 and not at all on seed 2, where " \
+           f"the fix off's passed 100 at {min(off_past):,}-{max(off_past):,} on all three" in text
+    s1_l0, s2_l0 = layers(runs["off-lr3e-3-s1"])[0], layers(runs["off-lr3e-3-s2"])[0]
+    assert f"On seeds 1 and 2 (`on-lr3e-3-s1`, `on-lr3e-3-s2`) the fix on did not collapse in " \
+           f"{fix[1][0]['steps']:,} steps either, and its layer 0 stayed behind the fix off's of the same seed: on " \
+           f"seed 1 past 100 at {past(fix[1][1], 100):,} (fix off: {off_past[1]:,}), {fix[1][1][1][-1]:.0f} at the " \
+           f"end (fix off: {s1_l0[1][-1]:.0f}); on seed 2 at most {fix[2][1][1].max():.1f}, never past 100 (fix off: " \
+           f"past 100 at {off_past[2]:,}, {s2_l0[1][-1]:,.0f} at the end); the other layers at most " \
+           f"{others(runs['on-lr3e-3-s1']):.1f} and {others(runs['on-lr3e-3-s2']):.1f}, the train loss at its " \
+           f"minimum {analyze.between([low(runs[f'on-lr3e-3-s{seed}']) for seed in (1, 2)], '.2f')} in each" in text
+    assert fix[2][0]["steps"] == fix[1][0]["steps"] and fix[1][1][1][-1] < s1_l0[1][-1]
+    assert f"fix on not in {fix[0][0]['steps']:,} steps on any of seeds 0-2 (layer 0 past 100 at " \
+           f"{past(fix[0][1], 100):,} and {past(fix[1][1], 100):,} on seeds 0 and 1, {fix[0][1][1][-1]:.0f} and " \
+           f"{fix[1][1][1][-1]:.0f} at the end; on seed 2 at most {fix[2][1][1].max():.1f})" in claims
     assert f"At 3e-3 the fix on did not collapse in {rows['on-lr3e-3-s0']['steps']:,} steps (fix off: " \
            f"{rows['off-lr3e-3-s0']['collapse_step']:,}), yet layer 0 alone still grew, slower: " \
            f"{at(on3_l0, 4_000):.1f} at step 4,000 (fix off: {at(off3_l0, 4_000):.0f}), past 100 at " \
@@ -883,7 +909,13 @@ def test_findings_memorisation_numbers_are_the_logs():
            in text and np.argmax(peaks(s0)) == 1 and np.argmax(peaks(s1)) == 0
     assert "In seeds 1 and 2 the logits ran away in layer 0, as on TinyShakespeare; in seed 0 in layer 1." in text
     # the fix on, seed 0: no collapse in 1.5x its fix off's steps, layer 1 slowed below 100 where the fix off's ran away
-    assert f"With the fix on, seed 0 did not collapse in {on['steps']:,} steps, 1.5x its fix off's collapse" in text
+    fixed = {row["seed"]: row for row in corpus if row["arm"] == "on"}   # the fix on, each seed to 1.5x its collapse
+    assert sorted(fixed) == [0, 1] and not any(row["collapsed"] for row in fixed.values())
+    assert all(row["steps"] >= 1.5 * steps[seed] for seed, row in fixed.items())
+    assert f"With the fix on, seeds 0 and 1 did not collapse in {fixed[0]['steps']:,} and {fixed[1]['steps']:,} " \
+           f"steps, 1.5x their fix off's collapses" in text
+    assert "fp32 attention on seed 0 and the fix on with seed 2 have not run yet" in text \
+        and not any(row["arm"] == "attn-fp32" for row in corpus)
     on_l1, off_l1, val = layer(on_run, 1), layer(s0, 1), on_run.series("val_loss")
     end = val[1][val[0] >= val[0][-1] - 20_000]   # its last 20,000 steps
     assert f"layer 1 grew, slower, and stayed below 100: {at(on_l1, 60_000):.1f} at step 60,000 and " \
@@ -894,6 +926,19 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{lowest[0][1]:.3f} at step {lowest[0][0]:,}, the fix off's lowest) and was level at {end.min():.3f}-" \
            f"{end.max():.3f} over its last 20,000 steps" in text
     assert on_l1[1].max() < 100 < at(off_l1, 60_000) and abs(at(val, lowest[0][0]) - lowest[0][1]) < 0.005
+    # the fix on, seed 1: layer 0, the fix off's runaway, stayed flat; layer 1 passed 100 and did not run away
+    on1 = load_run(root / "results/memorisation/runs/on-s1")
+    on1_l1, val1 = layer(on1, 1), on1.series("val_loss")
+    best1 = (int(val1[0][np.argmin(val1[1])]), float(val1[1].min()))
+    assert f"On seed 1 (`on-s1`), where the fix off's layer 0 ran away, the fix on's stayed at most " \
+           f"{layer(on1, 0)[1].max():.1f} (the fix off's passed 100 at step {past(layer(s1, 0)):,}); its layer 1 " \
+           f"passed 100 at step {past(on1_l1):,} (the fix off's at {past(layer(s1, 1)):,}), peaked at " \
+           f"{on1_l1[1].max():.1f} at step {int(on1_l1[0][np.argmax(on1_l1[1])]):,} and was at {on1_l1[1][-1]:.1f} " \
+           f"at the end, no runaway. Its val loss did not rise: {at(val1, lowest[1][0]):.3f} at step " \
+           f"{lowest[1][0]:,} (the fix off's lowest, {lowest[1][1]:.3f}) and {at(val1, 62_000):.3f} at 62,000 (the " \
+           f"fix off's {at(s1.series('val_loss'), 62_000):.2f}), at its lowest {best1[1]:.3f} at step " \
+           f"{best1[0]:,}" in text
+    assert layer(on1, 0)[1].max() < 100 and max(layer(on1, i)[1].max() for i in range(6)) < 1_000
     ours = {f"results/memorisation/runs/{row['name']}" for row in off}
     probe = {(row["run"].split("/")[-1], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_runs.csv")
@@ -911,8 +956,14 @@ def test_findings_memorisation_numbers_are_the_logs():
     fixed = {row["term"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
              if row["run"] == "results/memorisation/runs/on-s0" and row["probe_batches"] == "train"}
     assert {row["phase"] for row in fixed.values()} == {1} and fixed["total"]["last_step"] == on["steps"]
-    assert f"in `on-s0` the probe reads it positive over the whole run (t {fixed['total']['t']:+.1f}; " \
-           f"{fixed['total']['mean']:.1e} against the curvature term's {fixed['curv']['mean']:.1e})" in text
+    fixed1_row = next(row for row in corpus if row["name"] == "on-s1")
+    fixed1 = {row["term"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
+              if row["run"] == "results/memorisation/runs/on-s1" and row["probe_batches"] == "train"}
+    assert {row["phase"] for row in fixed1.values()} == {1} and fixed1["total"]["t"] > 2
+    assert f"the probe reads it positive over the whole run, in `on-s0` (t {fixed['total']['t']:+.1f}; " \
+           f"{fixed['total']['mean']:.1e} against the curvature term's {fixed['curv']['mean']:.1e}) and in `on-s1` " \
+           f"(t {fixed1['total']['t']:+.1f}; {fixed1['total']['mean']:.1e} against " \
+           f"{fixed1['curv']['mean']:.1e})" in text
     claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same
     three = lambda values: f"{values[0]}, {values[1]} and {values[2]}"
     floors = [f"{np.nanmin(run.series('train_loss')[1]):.3f}" for run in runs]
@@ -929,6 +980,12 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{lowest[0][0]:,} (the fix off's {lowest[0][1]:.3f}), {end.min():.3f}-{end.max():.3f} over its last " \
            f"20,000 steps; its probe of layer 0 over the whole run total {fixed['total']['mean']:+.1e} " \
            f"(t {fixed['total']['t']:+.1f}) against curv {fixed['curv']['mean']:+.1e}." in claims
+    assert f"With the fix on, seed 1 (`on-s1`): no collapse in {fixed1_row['steps']:,} steps, layer 0 at most " \
+           f"{layer(on1, 0)[1].max():.1f} (the fix off's past 100 at step {past(layer(s1, 0)):,}), layer 1 at most " \
+           f"{on1_l1[1].max():.1f} ({on1_l1[1][-1]:.1f} at the end), val loss {at(val1, 62_000):.3f} at step 62,000 " \
+           f"(the fix off's {at(s1.series('val_loss'), 62_000):.2f}); its probe total " \
+           f"{fixed1['total']['mean']:+.1e} (t {fixed1['total']['t']:+.1f}) against curv " \
+           f"{fixed1['curv']['mean']:+.1e}. fp32 attention, and the fix on seed 2, still to run |" in claims
     assert all(abs(probe[name, "total"]["mean"] - probe[name, "curv"]["mean"]) < 2 * probe[name, "total"]["se"]
                and probe[name, "total"]["t"] > 2 and abs(probe[name, "lin"]["t"]) < 2
                for name in ("off-s0", "off-s1", "off-s2"))
@@ -973,8 +1030,10 @@ def test_readme_memorisation_sentence_is_its_runs():
            f"loss lowest at steps {lowest[0]:,}, {lowest[1]:,} and {lowest[2]:,}) fix off collapsed on all three " \
            f"seeds run, at {off[0]['collapse_step']:,}, {off[1]['collapse_step']:,} and " \
            f"{off[2]['collapse_step']:,} steps" in readme
-    on = next(row for row in read_table(root / "results/memorisation/runs.csv") if row["name"] == "on-s0")
-    assert not on["collapsed"] and f"the fix on, on seed 0, did not in {on['steps']:,} steps (section 10)" in readme
+    on = {row["seed"]: row for row in read_table(root / "results/memorisation/runs.csv") if row["arm"] == "on"}
+    fixed = [on[seed] for seed in (0, 1)]
+    assert not any(row["collapsed"] for row in fixed) and f"the fix on, on seeds 0 and 1, did not in " \
+        f"{fixed[0]['steps']:,} and {fixed[1]['steps']:,} steps (section 10)" in readme
 
 
 def fix_cost(root):
