@@ -8,8 +8,8 @@ how long a run went without one), against the lr.
 The lr_sweep study holds the rates other than the default; the default's runs (lr 1e-3) are the seed, cure and
 modern-block studies'. A point is a run of the kernel as it ships (nanolp.runconfig.as_shipped), on any seed, whose
 flags are one of ARMS, with or without --lr; layer 0's step comes from its kept log (diagnostic rows every 1,000
-steps: the first such row past 100). Seed 0 ran at every rate of its arm: the figure's lines join its runs, and the
-other seeds stand beside them as the spread.
+steps: the first such row past 100; a run without its log kept is not known to have passed it or not). Seed 0 ran at
+every rate of its arm: the figure's lines join its runs, and the other seeds stand beside them as the spread.
 """
 
 import shlex
@@ -27,7 +27,7 @@ from nanolp.runs import load_run, read_table, write_csv
 ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32", "--fix off --pos rope": "fix off",
         "--attn fp32 --pos rope": "fp32"}
 PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs at lr 1e-3 sit at 11-23 before it)
-COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "past_100_step"]
+COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "log_kept", "past_100_step"]
 
 
 def base_flags(flags):
@@ -76,15 +76,15 @@ def curve_points(rows):
         run = load_run(row["folder"] / "runs" / row["name"]) if row.get("log_kept") else None
         points.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=row["folder"].name,
                            steps=row["steps"], collapsed=row["collapsed"], collapse_step=row["collapse_step"],
-                           past_100_step=first_past(run) if run else None))
+                           log_kept=run is not None, past_100_step=first_past(run) if run else None))
     return sorted(points, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"]))
 
 
 def markdown(points):
     """The curve as a small markdown table: a row per lr, a column per arm. A cell of one run: the collapse step, or
-    the steps run without one, and where layer 0's max logit first passed PAST. A cell of several runs (seeds): how many
-    collapsed and the span of their collapse steps, the span of the others' steps without one, and the span of the
-    steps past PAST with how many of the runs passed it."""
+    the steps run without one, and where layer 0's max logit first passed PAST (or that its log is not kept). A cell of
+    several runs (seeds): how many collapsed and the span of their collapse steps, the span of the others' steps
+    without one, and the span of the steps past PAST with how many of the runs whose logs are kept passed it."""
     def span(values):
         low, high = min(values), max(values)
         return f"{low:,}" if low == high else f"{low:,}-{high:,}"
@@ -92,7 +92,9 @@ def markdown(points):
     def one(p):
         end = f"**collapsed at {p['collapse_step']:,}**" if p["collapsed"] else f"no collapse in {p['steps']:,}"
         seed = f"seed {p['seed']}: " if p["seed"] else ""   # (seed 0 ran at every rate of its arm: unnamed)
-        return seed + end + (f"; past {PAST:g} at {p['past_100_step']:,}" if p["past_100_step"] is not None else "")
+        past = "; no log" if not p["log_kept"] else (
+            f"; past {PAST:g} at {p['past_100_step']:,}" if p["past_100_step"] is not None else "")
+        return seed + end + past
 
     def several(runs):
         fell = [p["collapse_step"] for p in runs if p["collapsed"]]
@@ -100,8 +102,10 @@ def markdown(points):
         past = [p["past_100_step"] for p in runs if p["past_100_step"] is not None]
         parts = ([f"**{len(fell)} collapsed, at {span(fell)}**"] if fell else []) + (
                  [f"{len(held)} ran {span(held)} without" if fell else f"no collapse in {span(held)}"] if held else [])
+        logged = sum(p["log_kept"] for p in runs)   # (a run without its log: not known whether it passed)
+        of = f"{logged}" if logged == len(runs) else f"the {logged} with logs"
         return f"{len(runs)} runs: " + ", ".join(parts) + (
-            f"; past {PAST:g} at {span(past)} ({len(past)} of {len(runs)})" if past else "")
+            f"; past {PAST:g} at {span(past)} ({len(past)} of {of})" if past else "")
 
     lines = ["| lr | " + " | ".join(f"`{arm}`" for arm in ARMS) + " |", "|---|" + "---|" * len(ARMS)]
     for lr in sorted({p["lr"] for p in points}):
@@ -175,7 +179,7 @@ def main(argv=None):
     for r in rows:
         end = f"collapsed at {r['collapse_step']:,}" if r["collapsed"] else f"no collapse in {r['steps']:,}"
         print(f"{r['arm']:22s} lr {r['lr']:<7g} {r['name']:20s} {end:24s} layer 0 past {PAST:g}: "
-              f"{r['past_100_step'] or '-'}")
+              f"{(r['past_100_step'] or '-') if r['log_kept'] else 'no log'}")
 
 
 if __name__ == "__main__":

@@ -888,8 +888,9 @@ def test_findings_memorisation_numbers_are_the_logs():
     assert on is not None and not on["collapsed"] and on["steps"] >= 1.5 * steps[0]
     on_run = load_run(root / "results/memorisation/runs/on-s0")
     floor = lambda runs: np.floor(min(np.nanmin(run.series("train_loss")[1]) for run in runs) * 100) / 100
-    assert f"The fix off's train loss never fell below {floor(runs):.2f} (the fix on's, over its longer run, " \
-           f"{floor([on_run]):.2f})." in text
+    on_runs = [load_run(root / "results/memorisation/runs" / f"on-s{seed}") for seed in (0, 1)]
+    assert f"The fix off's train loss never fell below {floor(runs):.2f} (the fix on's, over their longer runs, " \
+           f"{floor(on_runs):.2f})." in text
     layer = lambda run, i: run.series(f"max_logit_L{i}")
     at = lambda series, step: float(series[1][series[0] == step][0])
     past = lambda series: int(series[0][np.argmax(series[1] > 100)])
@@ -912,8 +913,14 @@ def test_findings_memorisation_numbers_are_the_logs():
     fixed = {row["seed"]: row for row in corpus if row["arm"] == "on"}   # the fix on, each seed to 1.5x its collapse
     assert sorted(fixed) == [0, 1] and not any(row["collapsed"] for row in fixed.values())
     assert all(row["steps"] >= 1.5 * steps[seed] for seed, row in fixed.items())
+    runaway = [(1, on_runs[0], s0), (0, on_runs[1], s1)]   # (the layer that ran away with the fix off, its runs)
+    assert [np.argmax(peaks(off_run)) for _, _, off_run in runaway] == [1, 0]
+    assert all(layer(on_run, i)[1].max() < 100 for i, on_run, _ in runaway)
+    shown = [f"{layer(on_run, i)[1].max():.1f}, the fix off's {sci(layer(off_run, i)[1].max(), 1)}"
+             for i, on_run, off_run in runaway]
     assert f"With the fix on, seeds 0 and 1 did not collapse in {fixed[0]['steps']:,} and {fixed[1]['steps']:,} " \
-           f"steps, 1.5x their fix off's collapses" in text
+           f"steps, 1.5x their fix off's collapses, and the layer whose logits ran away with the fix off stayed below " \
+           f"100 with it (seed 0's layer 1 at most {shown[0]}; seed 1's layer 0 at most {shown[1]})" in text
     assert "fp32 attention on seed 0 and the fix on with seed 2 have not run yet" in text \
         and not any(row["arm"] == "attn-fp32" for row in corpus)
     on_l1, off_l1, val = layer(on_run, 1), layer(s0, 1), on_run.series("val_loss")
@@ -932,9 +939,10 @@ def test_findings_memorisation_numbers_are_the_logs():
     best1 = (int(val1[0][np.argmin(val1[1])]), float(val1[1].min()))
     assert f"On seed 1 (`on-s1`), where the fix off's layer 0 ran away, the fix on's stayed at most " \
            f"{layer(on1, 0)[1].max():.1f} (the fix off's passed 100 at step {past(layer(s1, 0)):,}); its layer 1 " \
-           f"passed 100 at step {past(on1_l1):,} (the fix off's at {past(layer(s1, 1)):,}), peaked at " \
-           f"{on1_l1[1].max():.1f} at step {int(on1_l1[0][np.argmax(on1_l1[1])]):,} and was at {on1_l1[1][-1]:.1f} " \
-           f"at the end, no runaway. Its val loss did not rise: {at(val1, lowest[1][0]):.3f} at step " \
+           f"was not slowed: past 100 at step {past(on1_l1):,} (the fix off's at {past(layer(s1, 1)):,}), at most " \
+           f"{on1_l1[1].max():.1f} (step {int(on1_l1[0][np.argmax(on1_l1[1])]):,}; the fix off's " \
+           f"{at(layer(s1, 1), int(on1_l1[0][np.argmax(on1_l1[1])])):.0f} there, at most {layer(s1, 1)[1].max():.0f}), " \
+           f"{on1_l1[1][-1]:.1f} at the end, no runaway. Its val loss did not rise: {at(val1, lowest[1][0]):.3f} at step " \
            f"{lowest[1][0]:,} (the fix off's lowest, {lowest[1][1]:.3f}) and {at(val1, 62_000):.3f} at 62,000 (the " \
            f"fix off's {at(s1.series('val_loss'), 62_000):.2f}), at its lowest {best1[1]:.3f} at step " \
            f"{best1[0]:,}" in text
@@ -985,7 +993,8 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{on1_l1[1].max():.1f} ({on1_l1[1][-1]:.1f} at the end), val loss {at(val1, 62_000):.3f} at step 62,000 " \
            f"(the fix off's {at(s1.series('val_loss'), 62_000):.2f}); its probe total " \
            f"{fixed1['total']['mean']:+.1e} (t {fixed1['total']['t']:+.1f}) against curv " \
-           f"{fixed1['curv']['mean']:+.1e}. fp32 attention, and the fix on seed 2, still to run |" in claims
+           f"{fixed1['curv']['mean']:+.1e}. fp32 attention and rotary positions on seed 0, and the fix on seed 2, still " \
+           f"to run |" in claims
     assert all(abs(probe[name, "total"]["mean"] - probe[name, "curv"]["mean"]) < 2 * probe[name, "total"]["se"]
                and probe[name, "total"]["t"] > 2 and abs(probe[name, "lin"]["t"]) < 2
                for name in ("off-s0", "off-s1", "off-s2"))

@@ -67,10 +67,11 @@ def test_a_table_that_is_no_runs_csv_or_an_out_that_is_a_file_is_one_line(tmp_pa
 def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
     """markdown: one run's cell is its collapse in bold or the steps without one, and layer 0's first step past 100
     where it passed, and its seed where that is not 0; several runs' cell counts the collapses and spans the steps;
-    an arm not run at a rate reads "-"."""
-    point = lambda arm, lr, collapsed, steps, past, seed=0: dict(arm=arm, lr=lr, seed=seed, collapsed=collapsed,
-                                                               steps=steps, past_100_step=past,
-                                                               collapse_step=steps if collapsed else None)
+    an arm not run at a rate reads "-". A run without its log is not counted among those that never passed 100."""
+    point = lambda arm, lr, collapsed, steps, past, seed=0, log=True: dict(arm=arm, lr=lr, seed=seed, steps=steps,
+                                                                         collapsed=collapsed, past_100_step=past,
+                                                                         collapse_step=steps if collapsed else None,
+                                                                         log_kept=log)
     lines = lr_curve.markdown([point("--fix off", 3e-3, True, 34_300, 4_000), point("--fix off", 3e-3, False, 40_000,
                                19_000, 1), point("--fix on", 3e-3, False, 40_000, None), point("--fix on", 3e-3, False,
                                20_000, 9_000, 1), point("--fix off", 3e-4, False, 40_000, None), point("--fix on", 3e-4,
@@ -83,3 +84,8 @@ def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
                      "| seed 2: no collapse in 40,000 | - | - |",
                      "| 3e-3 | 2 runs: **1 collapsed, at 34,300**, 1 ran 40,000 without; past 100 at 4,000-19,000 (2 of 2) "
                      "| 2 runs: no collapse in 20,000-40,000; past 100 at 9,000 (1 of 2) | - | - | - |"]
+    unlogged = lr_curve.markdown([point("--fix off", 1e-3, True, 45_960, 30_000),
+                                  point("--fix off", 1e-3, True, 75_010, None, 1, log=False),
+                                  point("--fix on", 1e-3, False, 150_000, None, log=False)])
+    assert unlogged[2] == "| 1e-3 | 2 runs: **2 collapsed, at 45,960-75,010**; past 100 at 30,000 (1 of the 1 with " \
+                          "logs) | no collapse in 150,000; no log | - | - | - |"
