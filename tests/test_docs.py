@@ -921,8 +921,8 @@ def test_findings_memorisation_numbers_are_the_logs():
     assert f"With the fix on, seeds 0 and 1 did not collapse in {fixed[0]['steps']:,} and {fixed[1]['steps']:,} " \
            f"steps, 1.5x their fix off's collapses, and the layer whose logits ran away with the fix off stayed below " \
            f"100 with it (seed 0's layer 1 at most {shown[0]}; seed 1's layer 0 at most {shown[1]})" in text
-    assert "fp32 attention on seed 0 and the fix on with seed 2 have not run yet" in text \
-        and not any(row["arm"] == "attn-fp32" for row in corpus)
+    assert "fp32 attention and rotary positions on seed 0 and the fix on with seed 2 have not run yet" in text \
+        and not any(row["arm"] in ("attn-fp32", "rope") for row in corpus)
     on_l1, off_l1, val = layer(on_run, 1), layer(s0, 1), on_run.series("val_loss")
     end = val[1][val[0] >= val[0][-1] - 20_000]   # its last 20,000 steps
     assert f"layer 1 grew, slower, and stayed below 100: {at(on_l1, 60_000):.1f} at step 60,000 and " \
