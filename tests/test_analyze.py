@@ -820,13 +820,14 @@ def test_the_committed_probe_tables_pool_the_committed_runs():
     with open(root / "results" / "delta_probe" / "probe_phases.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     pooled = probe.pooled_phases(runs, analyze.arm)
-    assert [(r["arm"], r["probe_batches"], r["phase"], r["term"]) for r in rows] == \
+    assert rows and [(r["arm"], r["probe_batches"], r["phase"], r["term"]) for r in rows] == \
            [(p["arm"], p["probe_batches"], str(p["phase"]), p["term"]) for p in pooled]
     for row, new in zip(rows, pooled):
         assert [int(row[c]) for c in ("checkpoints", "runs", "first_step", "last_step")] == \
                [new[c] for c in ("checkpoints", "runs", "first_step", "last_step")], row
         assert float(row["mean"]) == pytest.approx(new["mean"], rel=1e-4), row
         assert float(row["se"]) == pytest.approx(new["se"], rel=1e-4), row
+        assert float(row["t"]) == pytest.approx(new["t"], rel=1e-4, abs=1e-4), row
 
 
 def test_readme_order_puts_the_fix_off_then_on_first():

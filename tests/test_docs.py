@@ -155,15 +155,20 @@ def test_kernel_md_memory_is_the_runs():
 
 def test_kernel_md_gpu_tests_are_their_file():
     """docs/kernel.md's count of the kernel tests on the GPU is the latest whole run's in results/speed/gpu_tests.txt,
-    and of the run of a few since (`-k`: its count says how many were deselected), where the file has one."""
+    the CUDA-graphs step after it (`-k cuda_graphs`) passed, and a run of a few since (`-k`, deselecting the rest) is
+    named with its count, where the file has one."""
     root = Path(analyze.__file__).parent
     text = (root / "results/speed/gpu_tests.txt").read_text()
-    runs = re.findall(r"^(?:(\d+) failed, )?(\d+) passed, \d+ skipped(, \d+ deselected)?", text, re.M)
+    runs = re.findall(r"^(?=\d+ (?:failed|passed))(?:(\d+) failed)?(?:, )?(?:(\d+) passed)?(?:, \d+ skipped)?"
+                      r"(, \d+ deselected)?", text, re.M)   # pytest's last line: "[N failed, ][N passed][, ...]"
     whole = next(i for i, (_, _, deselected) in enumerate(runs) if not deselected)
     kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
     failed, passed, _ = runs[whole]
     counts = f"{passed} passed and {failed} failed" if failed else f"{passed} passed, none failed"
     assert f"at the commit it names, {counts} (`results/speed/gpu_tests.txt`" in kernel_md
+    # the whole run's own CUDA-graphs step comes next in the file: a run of one deselecting the rest, none failed
+    assert whole + 1 < len(runs) and runs[whole + 1][2] and not runs[whole + 1][0] and "-k cuda_graphs" in text
+    assert "and the compiled training step under CUDA graphs passed" in kernel_md
     if whole:
         failed, passed, _ = runs[0]
         assert not failed and f"({passed} passed, none failed)" in kernel_md
@@ -684,24 +689,30 @@ def test_results_readme_names_every_h100_run():
 
 
 def test_results_readme_says_where_and_how_long_each_new_run_ran():
-    """The lr_sweep and memorisation studies' provenance: each "`NAME` alone on one CARD at COMMIT, to its N steps
-    (M training minutes)" is that run's summary.json (card, commit, steps or its collapse, minutes to one decimal)."""
+    """The lr_sweep and memorisation studies' provenance names every run of their runs/ once, each as "`NAME` ran
+    [alone] on one CARD at COMMIT, [what ran beside it,] to its N steps (M training minutes)" (or "to its collapse",
+    or two runs "`A` and then `B` ... each to its ... (M and M training minutes)"): card, commit, steps or collapse and
+    minutes to one decimal are that run's summary.json."""
     root = Path(analyze.__file__).parent / "results"
-    text = " ".join((root / "README.md").read_text().split())
-    said = re.findall(r"`([\w-]+)`(?: and then `([\w-]+)`)? (?:ran )?alone on one (H100|H200) at ([0-9a-f]{7}), "
-                      r"(?:each )?to its (collapse|[\d,]+ steps)(?: \(([\d.]+)(?: and ([\d.]+))? training minutes\))?",
-                      text)
+    said = []
+    for study in ("lr_sweep", "memorisation"):
+        text = doc_section("results/README.md", f"## {study}/", "<!-- all runs" if study == "memorisation" else "| file")
+        said += re.findall(r"`([\w-]+)`(?: and (?:then )?`([\w-]+)`)?(?: \([^()]*\))? ran (?:side by side )?(?:alone )?"
+                           r"on one (H100|H200) at ([0-9a-f]{7})[^;]*? (?:each )?to its (collapse|[\d,]+ steps)"
+                           r"(?: at step ([\d,]+))? \(([\d.]+)(?: and ([\d.]+))? training minutes", text)
     folders = {folder.name: folder for study in ("lr_sweep", "memorisation")
                for folder in (root / study / "runs").iterdir()}
-    assert len(said) >= 8
-    for first, then, card, commit, end, *minutes in said:
+    named = [name for first, then, *_ in said for name in (first, then) if name]
+    assert sorted(named) == sorted(folders)   # every run, each once
+    for first, then, card, commit, end, at_step, *minutes in said:
         for name, spent in zip((first, then), minutes):
             if not name:
                 continue
             summary = json.loads((folders[name] / "summary.json").read_text())
             assert card in summary["provenance"]["gpu"] and summary["provenance"]["commit"].startswith(commit), name
             assert end == ("collapse" if summary["collapsed"] else f"{summary['steps']:,} steps"), name
-            assert not spent or spent == f"{summary['minutes']:.1f}", name
+            assert not at_step or at_step == f"{summary['collapse_step']:,}", name
+            assert spent == f"{summary['minutes']:.1f}", name
 
 
 def test_findings_learning_rate_numbers_are_their_files():
@@ -713,7 +724,7 @@ def test_findings_learning_rate_numbers_are_their_files():
     runs = {name: load_run(root / "results/lr_sweep/runs" / name) for name in rows}
     layers = lambda run: {int(c[len("max_logit_L"):]): run.series(c) for c in run.columns(r"max_logit_L\d+")}
     at = lambda series, step: float(series[1][series[0] == step][0])
-    past = lambda series, level: int(series[0][np.argmax(series[1] > level)])
+    past = lambda series, level: int(series[0][np.argmax(series[1] > level)]) if (series[1] > level).any() else None
     others = lambda run: max(float(s[1].max()) for layer, s in layers(run).items() if layer)
     low = lambda run: float(np.nanmin(run.series("train_loss")[1]))
     off3, on3 = runs["off-lr3e-3-s0"], runs["on-lr3e-3-s0"]
@@ -754,6 +765,8 @@ def test_findings_learning_rate_numbers_are_their_files():
            f"{fp32['steps']:,} steps with GPT-2's block, its logits at {sci(fp32['max_logit'])}, layer 0's at " \
            f"{sci(layers(runs['fp32-lr1e-2-s0'])[0][1].max())}, the train loss {fp32['final_train_loss']:.2f} at the " \
            f"end, nor in" in text
+    assert rows["rope-lr1e-2-s0"]["collapse_step"] < min(rows[name]["collapse_step"] for name in collapsed
+                                                         if name != "rope-lr1e-2-s0")   # soonest
     assert f"nor in {rope['steps']:,} with rotary positions (`--attn fp32 --pos rope --lr 1e-2`), its logits at " \
            f"{sci(rope['max_logit'])}, layer 0's at {sci(layers(runs['rope-fp32-lr1e-2-s0'])[0][1].max())}, the " \
            f"train loss {rope['final_train_loss']:.2f} at the end" in text
@@ -864,7 +877,7 @@ def test_findings_memorisation_numbers_are_the_logs():
     peaks = lambda run: [run.series(c)[1].max() for c in run.columns(r"max_logit_L\d+")]
     assert all(np.argmax(peaks(run)) == 0 for run in shakespeare)
     low = [float(np.nanmin(run.series("train_loss")[1])) for run in shakespeare]
-    assert f"whose log is kept ({len(low)} runs:" in text and "layer 0 ran away in each of those 13 collapses" in text
+    assert f"whose log is kept ({len(low)} runs:" in text and f"layer 0 ran away in each of those {len(low)} collapses" in text
     assert f"the train loss had first fallen to {analyze.between(low, '.3f')}, and the val loss was lowest at the " \
            f"first evaluation ({analyze.between([val.min() for _, val in lowest_val], '.2f')} at step 1,000)" in text
     default = [row["collapse_step"] for row in read_table(root / "results/seed_study/runs.csv")
@@ -893,7 +906,7 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{floor(on_runs):.2f})." in text
     layer = lambda run, i: run.series(f"max_logit_L{i}")
     at = lambda series, step: float(series[1][series[0] == step][0])
-    past = lambda series: int(series[0][np.argmax(series[1] > 100)])
+    past = lambda series: int(series[0][np.argmax(series[1] > 100)]) if (series[1] > 100).any() else None
     s0, s1, s2 = runs
     assert f"In seed 1 the val loss rose from its lowest, {lowest[1][1]:.3f} at step {lowest[1][0]:,}, to " \
            f"{at(s1.series('val_loss'), 62_000):.2f} by step 62,000 as layer 0's max logit ran away: past 100 at " \
@@ -961,13 +974,14 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"with the rounding at zero (t {term('off-s0', 'lin', '+.1f')}, {term('off-s1', 'lin', '+.1f')}, " \
            f"{term('off-s2', 'lin', '+.1f')}). So the one-signed error is there too on a text the model does not " \
            f"memorise (three runs)" in text
-    fixed = {row["term"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
-             if row["run"] == "results/memorisation/runs/on-s0" and row["probe_batches"] == "train"}
-    assert {row["phase"] for row in fixed.values()} == {1} and fixed["total"]["last_step"] == on["steps"]
+    probed = lambda name: [row for row in read_table(root / "results/delta_probe/probe_runs.csv")
+                           if row["run"] == f"results/memorisation/runs/{name}" and row["probe_batches"] == "train"]
+    fixed, fixed1 = ({row["term"]: row for row in probed(name)} for name in ("on-s0", "on-s1"))
     fixed1_row = next(row for row in corpus if row["name"] == "on-s1")
-    fixed1 = {row["term"]: row for row in read_table(root / "results/delta_probe/probe_runs.csv")
-              if row["run"] == "results/memorisation/runs/on-s1" and row["probe_batches"] == "train"}
-    assert {row["phase"] for row in fixed1.values()} == {1} and fixed1["total"]["t"] > 2
+    # one phase, the whole run (layer 0 never doubled), positive in each
+    assert all({row["phase"] for row in probed(name)} == {1} for name in ("on-s0", "on-s1"))
+    assert fixed["total"]["last_step"] == on["steps"] and fixed1["total"]["last_step"] == fixed1_row["steps"]
+    assert fixed["total"]["t"] > 2 and fixed1["total"]["t"] > 2
     assert f"the probe reads it positive over the whole run, in `on-s0` (t {fixed['total']['t']:+.1f}; " \
            f"{fixed['total']['mean']:.1e} against the curvature term's {fixed['curv']['mean']:.1e}) and in `on-s1` " \
            f"(t {fixed1['total']['t']:+.1f}; {fixed1['total']['mean']:.1e} against " \
