@@ -33,7 +33,7 @@ from nanolp import probe
 from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS, TIE_TOL   # the runaway layer, its column; sharp, tied
 from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
-from nanolp.runs import find_runs, load_runs, log_path, read_table, study_runs, write_csv
+from nanolp.runs import find_runs, load_runs, study_rows, study_runs, write_csv
 from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, Parser, as_shipped, changed_settings
 from train import PRESETS, TINY_NOTE
 
@@ -454,7 +454,7 @@ def seed_list(seeds):
 
 
 def rows_by_arm(rows):
-    """A study's runs.csv rows (nanolp.runs.read_table) by arm, in the order the arms first appear, less the rows
+    """A study's runs.csv rows (nanolp.runs.study_rows) by arm, in the order the arms first appear, less the rows
     of patched kernels (no train.py command: results/README.md has those). Our kernel's runs from before an option
     (BEFORE_OPTION) stand apart, under "ARM (before --OPTION)", as arm() labels them in the figures."""
     arms = {}
@@ -503,19 +503,12 @@ def kin_of(group, rows):
 
 
 def table_rows(tables):
-    """The rows of one or more studies' runs.csv (nanolp.runs.read_table), in order, each with its study's `folder`,
-    where the runs whose logs are kept are (folder/runs/NAME). A table that cannot be read, or that says a run's log
-    is kept where there is none, is refused in one line."""
-    rows = []
-    for table in tables:
-        try:
-            rows += [dict(row, folder=Path(table).parent) for row in read_table(table)]
-        except (OSError, ValueError) as e:   # read_table's ValueError names the file (and line), as OSError's does
-            fail(str(e))
-    missing = [str(kept(row)) for row in rows if row.get("log_kept") and not log_path(kept(row)).exists()]
-    if missing:
-        fail(f"runs.csv says these runs' logs are kept, but there is none in {', '.join(missing)}")
-    return rows
+    """The rows of one or more studies' runs.csv, each with its study's `folder` (nanolp.runs.study_rows); a table
+    that cannot be one of them is refused in one line."""
+    try:
+        return study_rows(tables)
+    except ValueError as e:
+        fail(str(e))
 
 
 def kept(row):
@@ -532,6 +525,8 @@ def shipped_commands(rows):
     """The commands of the kernel as it ships (as_shipped) among rows (table_rows), in README's order: per command
     its rows, the steps of those that collapsed, and their minutes alone on the H200 (alone_minutes; None)."""
     shipped = [row for row in rows if as_shipped(row)]
+    if not shipped:
+        fail("no run of the kernel as it ships among these tables' rows: README's table and commands are of those")
     return [(group, [row["collapse_step"] for row in group if row["collapsed"]],
              alone_minutes(group, kin_of(group, shipped)))
             for group in readme_order(rows_by_arm(shipped)).values()]
@@ -621,7 +616,13 @@ def study_table(rows):
 
 def lr_table(rows):
     """The learning-rate curve's points (experiments.lr_curve) as a small table: a row per lr, a column per arm."""
-    return lr_curve.markdown(lr_curve.curve_points(rows))
+    try:
+        points = lr_curve.curve_points(rows)
+    except ValueError as e:   # (a kept log that cannot be read)
+        fail(str(e))
+    if not points:
+        fail(f"no run of {', '.join(lr_curve.ARMS)} as it ships among these tables' rows: the by-lr table is of those")
+    return lr_curve.markdown(points)
 
 
 def loss_table(rows):

@@ -22,8 +22,9 @@ the pythonbible Bibles are Python source files whose literals `ast` reads.
 The text is cut into documents, and about a tenth of each source's documents is held out: whole Bible books (the
 same books in every translation and in the commentary), the tail of each novel, every tenth speech, every tenth
 doc page, every tenth block of 100 dictionary entries. The held-out documents are written after all the training
-ones, and the file is cut so that nanolp's split (the first 90% of the characters train, nanolp/data.py) falls on
-that boundary: what the model validates on, it never reads.
+ones. nanolp's split (the first 90% of the characters train, nanolp/data.py) falls where the 90% does: with more than
+a tenth held out, the file is cut so that it falls on the boundary; with less, as here, a little inside the last
+training documents, whose end is then validated on and never trained on (data/README.md gives the count).
 
 Characters: NFC; tabs become four spaces; a character seen fewer than 200 times in the whole text is folded to its
 ASCII base letter (accents stripped) where that base is common, else dropped. This uses Python's unicodedata, whose
@@ -422,8 +423,8 @@ def clean(docs, min_count=200):
 
 def arrange(docs, seed=1234):
     """The text: the training documents shuffled, then the held-out ones shuffled, three newlines between
-    documents, cut so that nanolp's split int(0.9 * n) falls on the boundary between them. Returns the text and
-    the number of characters of the training documents (with their separator)."""
+    documents, the held-out end cut until nanolp's split int(0.9 * n) falls no later than the boundary between them.
+    Returns the text and the number of characters of the training documents (with their separator)."""
     rng = random.Random(seed)
     train = [t for _, v, t in docs if not v]
     held_out = [t for _, v, t in docs if v]

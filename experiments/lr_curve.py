@@ -20,13 +20,13 @@ import numpy as np
 
 from nanolp.diagnostics import LOGIT
 from nanolp.plots import PALETTE, save
-from nanolp.runconfig import Parser, as_shipped
-from nanolp.runs import load_run, read_table, write_csv
+from nanolp.runconfig import Parser, RunError, as_shipped
+from nanolp.runs import load_run, study_rows, write_csv
 
 # flags -> nanolp.plots family (the second arm of a family is drawn in its second shade)
 ARMS = {"--fix off": "fix off", "--fix on": "fix on", "--attn fp32": "fp32", "--fix off --pos rope": "fix off",
         "--attn fp32 --pos rope": "fp32"}
-PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs at lr 1e-3 sit at 11-23 before it)
+PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs at lr 1e-3: 11-23 at step 10,000)
 COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "log_kept", "past_100_step"]
 
 
@@ -47,23 +47,9 @@ def first_past(run, value=PAST):
     return int(steps[above[0]]) if len(above) else None
 
 
-def study_rows(table):
-    """The rows of a study's runs.csv (read_table); ValueError, in one line naming the file, where it cannot be read
-    as one."""
-    try:
-        rows = read_table(table)
-    except OSError as e:   # (read_table's ValueError names the file, and line, as OSError's does)
-        raise ValueError(str(e)) from None
-    needed = ("name", "flags", "seed", "lr", "steps", "collapsed", "collapse_step")   # what points reads
-    missing = [c for c in needed if c not in rows[0]] if rows else []
-    if missing:
-        raise ValueError(f"{table} is not a study's runs.csv: no column {', '.join(missing)}")
-    return rows
-
-
 def points(tables):
     """One row (COLUMNS) per run of the tables that is a point of the curve, by arm then lr."""
-    return curve_points([dict(row, folder=table.parent) for table in map(Path, tables) for row in study_rows(table)])
+    return curve_points(study_rows(tables))
 
 
 def curve_points(rows):
@@ -73,7 +59,10 @@ def curve_points(rows):
         arm = base_flags(row["flags"])
         if arm not in ARMS or not as_shipped(row) or row.get("variant"):
             continue
-        run = load_run(row["folder"] / "runs" / row["name"]) if row.get("log_kept") else None
+        try:
+            run = load_run(row["folder"] / "runs" / row["name"]) if row["log_kept"] else None
+        except RunError as e:   # (a damaged log: study_rows has seen that there is one)
+            raise ValueError(f"{row['folder'] / 'runs' / row['name']}: {e}") from None
         points.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=row["folder"].name,
                            steps=row["steps"], collapsed=row["collapsed"], collapse_step=row["collapse_step"],
                            log_kept=run is not None, past_100_step=first_past(run) if run else None))
@@ -128,7 +117,7 @@ def plot(rows, path):
             continue
         shades = PALETTE[family]
         colour = shades[list(ARMS.values())[:i].count(family) % len(shades)]
-        shift = 1.04 ** (i - 1.5)   # arms side by side at each lr, not on top of each other
+        shift = 1.04 ** (i - (len(ARMS) - 1) / 2)   # arms side by side at each lr, not on top of each other
         lr = np.array([r["lr"] for r in mine]) * shift
         end = np.array([r["collapse_step"] if r["collapsed"] else r["steps"] for r in mine], dtype=float)
         first = np.array([r["seed"] == 0 for r in mine])

@@ -570,6 +570,8 @@ def kept_rows(table, names, folder):
         written = read_rows(table)
     except ValueError as e:   # (a row cut short would be written back with its cells empty)
         raise StudyError(f"{e}; {table} not rewritten") from None
+    if written and "name" not in written[0]:
+        raise StudyError(f"{table} is not a study's runs.csv: no column name; not rewritten")
     rows = [as_current(row) for row in written if row["name"] not in names]
     for row in (row for row in rows if not log_path(Path(folder) / row["name"]).exists()):
         row["log_kept"] = False

@@ -629,6 +629,34 @@ def study_runs(table):
     return runs
 
 
+STUDY_COLUMNS = ("name", "arm", "flags", "seed", "lr", "steps", "collapsed", "collapse_step", "log_kept")
+
+
+def study_rows(tables):
+    """The rows of studies' runs.csv (read_table), in order, each with its study's `folder`, where the runs whose
+    logs are kept are (folder/runs/NAME). ValueError in one line for a table given twice, one that cannot be read or
+    lacks a column of STUDY_COLUMNS, or one that says a run's log is kept where there is none."""
+    paths = [Path(table) for table in tables]
+    twice = sorted({str(p) for p in paths if [q.resolve() for q in paths].count(p.resolve()) > 1})
+    if twice:
+        raise ValueError(f"a table given twice would count its runs twice: {', '.join(twice)}")
+    rows = []
+    for path in paths:
+        try:
+            table = read_table(path)
+        except OSError as e:   # (read_table's ValueError names the file, and line, as OSError's does)
+            raise ValueError(str(e)) from None
+        missing = [column for column in STUDY_COLUMNS if table and column not in table[0]]
+        if missing:
+            raise ValueError(f"{path} is not a study's runs.csv: no column {', '.join(missing)}")
+        gone = [str(path.parent / "runs" / row["name"]) for row in table
+                if row["log_kept"] and not log_path(path.parent / "runs" / row["name"]).exists()]
+        if gone:
+            raise ValueError(f"{path} says these runs' logs are kept, but there is none in {', '.join(gone)}")
+        rows += [dict(row, folder=path.parent) for row in table]
+    return rows
+
+
 def read_table(path):
     """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell), the settings in
     today's spellings (as_current); ValueError, naming the file and line, for a row that is not whole (read_rows)."""

@@ -15,8 +15,8 @@ import train
 from nanolp import plots, probe
 from nanolp.diagnostics import diag_columns
 from nanolp.plots import PALETTE, run_styles
-from nanolp.runconfig import as_current
-from nanolp.runs import Run, find_runs, load_run, load_runs, read_table, study_runs, write_csv
+from nanolp.runconfig import as_current, as_shipped
+from nanolp.runs import STUDY_COLUMNS, Run, find_runs, load_run, load_runs, read_table, study_runs, write_csv
 
 N_LAYER, N_HEAD = 2, 2  # the tiny preset's
 STEPS = np.arange(0, 400, 10)
@@ -202,16 +202,16 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
     write_run(study / "runs", "off-s0", 0, True, rng, preset="default", n_layer=6, n_head=6)   # the default's shape
     rows = [dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma", collapsed=True,
                  collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=5e8, tokens_per_s=5000.0,
-                 log_kept=True, variant="")]
+                 log_kept=True, variant="", lr=1e-3)]
     rows += [dict(name=f"off-s{seed}-nolog", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off", exponent="fma",
                   collapsed=True, collapse_step=step, collapse_minute=step / 40, steps=step + 5, max_logit=1e9,
-                  tokens_per_s=5000.0, log_kept=False, variant="") for seed, step in ((1, 600), (2, 900))]
+                  tokens_per_s=5000.0, log_kept=False, variant="", lr=1e-3) for seed, step in ((1, 600), (2, 900))]
     rows += [dict(name="sdpa-s0-nolog", arm="sdpa", flags="--attn sdpa", seed=0, attn="sdpa", fix="off",
                   collapsed=False, collapse_step="", collapse_minute="", steps=1000, max_logit=3e5,
-                  tokens_per_s=5000.0, log_kept=False, variant=""),
+                  tokens_per_s=5000.0, log_kept=False, variant="", lr=1e-3),
              dict(name="patched-s0-nolog", arm="patched", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma",
                   collapsed=True, collapse_step=50, collapse_minute=1.0, steps=55, max_logit=1e9, tokens_per_s=5000.0,
-                  log_kept=False, variant="a patched kernel")]
+                  log_kept=False, variant="a patched kernel", lr=1e-3)]
     write_csv(study / "runs.csv", rows, list(rows[0]))
     runs = [load_run(study / "runs" / "off-s0")]
     everyone = study_runs(study / "runs.csv")
@@ -238,7 +238,7 @@ def test_a_row_without_a_log_does_not_rename_a_run_with_one(tmp_path, monkeypatc
     write_run(study / "runs", "off-s0", 0, True, np.random.default_rng(0), preset="default", n_layer=6, n_head=6)
     rows = [dict(name=name, arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma", collapsed=True,
                  collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=1e9, tokens_per_s=5000.0,
-                 log_kept=kept, variant="")
+                 log_kept=kept, variant="", lr=1e-3)
             for name, kept in (("off-s0-nolog", False), ("off-s0", True))]
     write_csv(study / "runs.csv", rows, list(rows[0]))
     figures = []
@@ -430,8 +430,8 @@ def test_one_table_of_two_studies(tmp_path, monkeypatch):
                 row["max_logit_L0"] = row["max_logit_L0"] and 2 * float(row["max_logit_L0"])
             write_csv(log, rows, list(rows[0]))
         summary = json.loads((tmp_path / study / "runs" / name / "summary.json").read_text())
-        write_csv(tmp_path / study / "runs.csv", [dict(summary, arm=name[:-3], flags=flags, log_kept=True)],
-                  list(summary) + ["arm", "flags", "log_kept"])
+        write_csv(tmp_path / study / "runs.csv", [dict(summary, arm=name[:-3], flags=flags, log_kept=True, lr=1e-3)],
+                  list(summary) + ["arm", "flags", "log_kept", "lr"])
         tables.append(f"{study}/runs.csv")
     both, alone = (f"<!-- table: python analyze.py --table {t} -->\nold\n<!-- end of table -->\n"
                    for t in (" ".join(tables), tables[0]))
@@ -461,7 +461,7 @@ def test_loss_table_reads_each_runs_lowest_losses_and_runaway_layer(tmp_path):
                 line["max_logit_L0"] = 3 * float(line["max_logit_L0"])
         write_csv(log, lines, list(lines[0]))
         rows.append(dict(json.loads((tmp_path / "runs" / name / "summary.json").read_text()), arm=name[:-3],
-                         flags=f"--fix {name[:-3]}", log_kept=True))
+                         flags=f"--fix {name[:-3]}", log_kept=True, lr=1e-3))
     write_csv(tmp_path / "runs.csv", rows, list(rows[0]))
     table = analyze.loss_table(analyze.table_rows([tmp_path / "runs.csv"]))
     logs = {name: list(csv.DictReader(open(tmp_path / "runs" / name / "log.csv"))) for name in ("off-s0", "on-s0")}
@@ -481,7 +481,7 @@ def test_loss_table_leaves_out_a_damaged_run_and_marks_a_column_a_log_lacks(tmp_
     for name in ("off-s0", "off-s1", "off-s2"):
         write_run(tmp_path / "runs", name, int(name[-1]), False, rng)
         rows.append(dict(json.loads((tmp_path / "runs" / name / "summary.json").read_text()), arm="off",
-                         flags="--fix off", log_kept=True))
+                         flags="--fix off", log_kept=True, lr=1e-3))
     (tmp_path / "runs/off-s0/config.json").write_text("{")   # damaged
     log = tmp_path / "runs/off-s2/log.csv"
     lines = [{k: ("" if k == "val_loss" or k.startswith("max_logit") else v) for k, v in line.items()}
@@ -603,9 +603,26 @@ def test_a_table_that_cannot_be_read_or_misses_a_kept_log_is_one_line(tmp_path, 
         Path("runs.csv").write_bytes(header + rest)
         error = refused(["--table", "runs.csv"], capsys)
         assert error.startswith("analyze.py: error: runs.csv") and error.count("\n") == 1   # read_table's line
-    Path("runs.csv").write_text("name,arm,flags,log_kept\non-s0,on,--fix on,True\n")
+    Path("runs.csv").write_text("name,arm,flags,log_kept\non-s0,on,--fix on,False\n")   # whole rows, too few columns
+    assert refused(["--table", "runs.csv"], capsys).startswith(
+        "analyze.py: error: runs.csv is not a study's runs.csv: no column seed, lr, steps, collapsed, collapse_step")
+    Path("runs.csv").write_text(f"{','.join(STUDY_COLUMNS)}\non-s0,on,--fix on,0,0.001,100,False,,True\n")
     assert refused(["--table", "runs.csv"], capsys) == (
         f"analyze.py: error: runs.csv says these runs' logs are kept, but there is none in {Path('runs', 'on-s0')}\n")
+    assert refused(["--table", "runs.csv", "./runs.csv"], capsys) == (
+        "analyze.py: error: a table given twice would count its runs twice: runs.csv\n")
+
+
+def test_a_block_of_the_kernel_as_it_ships_without_such_a_run_is_one_line(capsys):
+    """README's table, its commands and the by-lr table are of the kernel as it ships: rows with none (a study of
+    earlier kernels) are refused in one line, not a traceback or a table of headers alone."""
+    rows = analyze.table_rows([Path(analyze.__file__).parent / "results/paper_precision/runs.csv"])
+    assert rows and not any(as_shipped(row) for row in rows)
+    for block in ("table", "commands", "by lr"):
+        with pytest.raises(SystemExit) as exited:
+            analyze.BLOCKS[block](rows)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1 and "as it ships among these tables' rows" in err
 
 
 def test_mechanism_reads_no_runs(tmp_path):

@@ -57,11 +57,30 @@ def test_a_table_that_is_no_runs_csv_or_an_out_that_is_a_file_is_one_line(tmp_pa
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xd0\xff")
     out.write_text("a file\n")
     for argv, line in (([str(binary)], f"{binary} is not UTF-8 text"),
-                       ([str(bench)], f"{bench} is not a study's runs.csv: no column name, flags"),
+                       ([str(bench)], f"{bench} is not a study's runs.csv: no column name, arm, flags"),
                        ([str(results / "lr_sweep" / "runs.csv"), "--out", str(out)],
                         f"--out must be a folder: cannot make {out / 'figures'}")):
         assert refusal(argv, capsys).startswith(f"python -m experiments.lr_curve: error: {line}")
     assert out.read_text() == "a file\n"
+
+
+def test_a_kept_log_that_is_gone_or_damaged_is_one_line(tmp_path, capsys):
+    """A run whose runs.csv row says its log is kept is never read as one that did not pass 100: a log gone, or one
+    that cannot be read, is refused in one line naming it."""
+    study = Path(__file__).resolve().parent.parent / "results" / "lr_sweep"
+    copy = tmp_path / "lr_sweep"
+    (copy / "runs").mkdir(parents=True)
+    (copy / "runs.csv").write_bytes((study / "runs.csv").read_bytes())
+    out = ["--out", str(tmp_path / "out")]
+    assert "says these runs' logs are kept, but there is none in" in refusal([str(copy / "runs.csv"), *out], capsys)
+    for run in (study / "runs").iterdir():
+        (copy / "runs" / run.name).mkdir()
+        for f in run.iterdir():
+            (copy / "runs" / run.name / f.name).write_bytes(f.read_bytes())
+    log = next((copy / "runs" / "off-lr3e-3-s0").glob("log.csv*"))
+    log.write_bytes(b"step,max_logit_L0\n1000,")   # cut short
+    assert refusal([str(copy / "runs.csv"), *out], capsys).startswith(
+        f"python -m experiments.lr_curve: error: {copy / 'runs' / 'off-lr3e-3-s0'}: ")
 
 
 def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():

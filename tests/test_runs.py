@@ -141,6 +141,23 @@ def test_a_study_run_that_cannot_be_read_counts_as_its_row(tmp_path):
     assert [(run.path.name, run.log, run.summary["steps"]) for run in study] == [("off-s0", {}, 100), ("off-s1", {}, 100)]
 
 
+def test_study_rows_refuse_what_would_count_wrong_in_one_line(tmp_path):
+    """study_rows gives each row its study's folder, and refuses in one line (ValueError) a table given twice (its runs
+    counted twice), one without a study's columns, and one that says a log is kept where there is none."""
+    header = ",".join(runs.STUDY_COLUMNS)
+    table = tmp_path / "runs.csv"
+    table.write_text(f"{header}\noff-s0,off,--fix off,0,0.001,100,True,90,False\n")
+    assert [(row["name"], row["folder"]) for row in runs.study_rows([table])] == [("off-s0", tmp_path)]
+    with pytest.raises(ValueError, match="^a table given twice would count its runs twice: "):
+        runs.study_rows([table, tmp_path / "." / "runs.csv"])
+    (tmp_path / "bench.csv").write_text("name,arm,flags,seed\nx,y,,0\n")
+    with pytest.raises(ValueError, match=r"bench.csv is not a study's runs.csv: no column lr, steps, collapsed, "):
+        runs.study_rows([tmp_path / "bench.csv"])
+    table.write_text(f"{header}\noff-s0,off,--fix off,0,0.001,100,True,90,True\n")   # its log kept: no folder
+    with pytest.raises(ValueError, match=r"says these runs' logs are kept, but there is none in .*off-s0$"):
+        runs.study_rows([table])
+
+
 @pytest.mark.parametrize("command", ["train", "analyze", "experiments.sweep", "experiments.bench",
                                      "experiments.lr_curve"])
 def test_every_command_refuses_a_malformed_flag_in_one_line(command, capsys):

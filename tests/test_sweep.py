@@ -829,8 +829,8 @@ def test_a_kept_run_not_collected_keeps_its_row(tmp_path):
 
 
 def test_collect_refuses_a_runs_csv_cut_short(tmp_path, capsys):
-    """An existing runs.csv whose last row is cut short is named in one line and left as it was: its rows would be
-    written back with their cells empty."""
+    """An existing runs.csv whose last row is cut short, or that names no run, is named in one line and left as it
+    was: its rows would be written back with their cells empty."""
     table = tmp_path / "results" / "runs.csv"
     table.parent.mkdir()
     table.write_text("name,arm,flags,seed\noff-s0-nolog,off,--fix off,0\noff-s1-nolog,off,--fix")
@@ -838,3 +838,7 @@ def test_collect_refuses_a_runs_csv_cut_short(tmp_path, capsys):
     with pytest.raises(sweep.StudyError, match=re.escape(f"{table}") + ".*line 3.*not rewritten"):
         sweep.kept_rows(table, set(), tmp_path / "runs")
     assert table.read_bytes() == before
+    table.write_text("arm,flags,seed\noff,--fix off,0\n")   # whole rows, but no run's name
+    with pytest.raises(sweep.StudyError, match=re.escape(f"{table} is not a study's runs.csv: no column name; not "
+                                                         "rewritten")):
+        sweep.kept_rows(table, set(), tmp_path / "runs")
