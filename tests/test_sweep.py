@@ -278,6 +278,10 @@ def test_plan(tmp_path):
         ("a-s2", "resumable"),                         # resumable first, then seed by seed across the arms
         ("a-s0", "finished"), ("b-s0", "new"), ("a-s1", "finished"), ("b-s1", "collected")]
 
+    with open(out / "a-s2" / "log.csv", "a") as f:   # a row cut short: damaged, not a run to resume
+        f.write("30\n")
+    assert [(run["name"], run["state"]) for run in sweep.plan(study, out, results)][-1] == ("a-s2", "damaged")
+
     (out / "a-s0" / "config.json").write_text(json.dumps(dict(fix="paper")))  # run before the study changed
     with pytest.raises(sweep.StudyError, match="a-s0: its config.json has fix='paper'"):
         sweep.plan(study, out, results)
