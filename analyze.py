@@ -32,44 +32,27 @@ from experiments.mechanism import demonstrate   # --mechanism: a study on synthe
 from nanolp import probe
 from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS, TIE_TOL   # the runaway layer, its column; sharp, tied
 from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
-from nanolp.plots import arm_hues, family, fix_word, plot_grid, run_styles, save, step_axis
+from nanolp.plots import arm_hues, family, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, study_rows, study_runs, write_csv
-from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, NUMERICS, Parser, as_shipped, changed_settings
+from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, Parser, arm_flags, as_shipped
 from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------
 # Arms: a run is named by the train.py flags that set it apart from its preset
 
 def arm(run):
-    """The flags, e.g. "--fix off", "--fix on --lr 0.003", "--attn sdpa": --preset and --attn where they are not
-    the default, --fix for our attention, then nanolp.runconfig.changed_settings (the settings of ARM that differ from
-    the preset), less the kernel's options for the torch attentions, which ignore them. A setting an older run
-    did not record reads as its default, but for the exponent (nanolp.runconfig.BEFORE_OPTION): such a run of our
-    kernel ran neither form, and reads "(before --exponent)"."""
-    preset = run.setting("preset", "default")
-    settings = {**PRESETS.get(preset, PRESETS["default"]), **run.config,
-                **{k: v for k, v in run.summary.items() if v is not None}, "preset": preset}
-    ours = settings["attn"] in OURS
-    flags = ([] if preset == "default" else [f"--preset {preset}"]) + (
-        [] if settings["attn"] == PRESETS["default"]["attn"] else [f"--attn {settings['attn']}"]) + (
-        [f"--fix {fix_word(run)}"] if ours else [])
-    changed = changed_settings(settings, PRESETS)
+    """The run's flags (nanolp.runconfig.arm_flags): "--fix off", "--fix on --lr 0.003", "--attn sdpa". A setting an
+    older run did not record reads as its default, but for the exponent (nanolp.runconfig.BEFORE_OPTION): such a run
+    of our kernel ran neither form, and reads "(before --exponent)"."""
     recorded = {**run.config, **run.summary}
-    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS]
-                    + before_options(recorded, ours))
+    flags = arm_flags(run.settings, PRESETS)
+    return " ".join([flags, *before_options(recorded, run.setting("attn", PRESETS["default"]["attn"]) in OURS)])
 
 
 def before_options(recorded, ours):
     """'(before --exponent)' for each option (BEFORE_OPTION) that a run of our kernel did not record (recorded: its
     config and summary, or its runs.csv row): it ran neither value."""
     return [f"(before --{k.replace('_', '-')})" for k in BEFORE_OPTION if ours and recorded.get(k) is None]
-
-
-def flag_text(key, value):
-    name = "--" + key.replace("_", "-")
-    if isinstance(value, bool):   # a switch (--qk-norm): on where it differs from the preset, which has it off
-        return name
-    return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
 
 
 def by_arm(runs):

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, RunError,
-                              as_current, parse_args, read_json, resolve_config)
+                              arm_flags, as_current, parse_args, read_json, resolve_config)
 from nanolp.runs import (LOCK, find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
                          read_rows, thin_log, write_csv)
 
@@ -473,8 +473,12 @@ def first_growth(log):
     return (None, None, None) if best is None else (best[2], best[3], int(best[0]))
 
 
-def collect_row(run, arm=None, flags=""):
-    """One CSV row (COLUMNS) of a run (nanolp.runs.Run); arm defaults to the run's name less its -sSEED."""
+def collect_row(run, arm=None, flags=None):
+    """One CSV row (COLUMNS) of a run (nanolp.runs.Run); arm defaults to the run's name less its -sSEED, flags to
+    the train.py flags that set it apart from its preset (nanolp.runconfig.arm_flags)."""
+    if flags is None:
+        from train import PRESETS   # (import torch: as loading the run did)
+        flags = arm_flags(run.settings, PRESETS)
     log = run.log
     tie_rates = [last_finite(log[c]) for c in run.columns(r"tie_rate_L\d+")]
     tie_rates = [t for t in tie_rates if t is not None]

@@ -195,6 +195,31 @@ def changed_settings(c, presets):
     return {k: c.get(k) for k in ARM if k not in NAMED and c.get(k) != preset.get(k)}
 
 
+def arm_flags(recorded, presets):
+    """The train.py flags that set a run apart from its preset, e.g. "--fix off", "--fix on --lr 0.003", "--attn
+    sdpa" (recorded: its settings, summary.json's over config.json's; presets: train.PRESETS): --preset and --attn
+    where they are not the default, --fix for our attention, then the settings of ARM that differ from the preset
+    (changed_settings), less the kernel's options for the torch attentions, which ignore them. A setting the run did
+    not record reads as its preset's."""
+    preset = recorded.get("preset") or "default"
+    settings = {**presets.get(preset, presets["default"]), **{k: v for k, v in recorded.items() if v is not None},
+                "preset": preset}
+    ours = settings["attn"] in OURS
+    flags = ([] if preset == "default" else [f"--preset {preset}"]) + (
+        [] if settings["attn"] == presets["default"]["attn"] else [f"--attn {settings['attn']}"]) + (
+        [f"--fix {settings.get('fix') or 'off'}"] if ours else [])
+    changed = changed_settings(settings, presets)
+    return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS])
+
+
+def flag_text(key, value):
+    """A setting as its train.py flag: --lr 0.003, --pos rope, --qk-norm."""
+    name = "--" + key.replace("_", "-")
+    if isinstance(value, bool):   # a switch (--qk-norm): on where it differs from the preset, which has it off
+        return name
+    return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+
+
 def numerics(c):
     """The attention's numerics (kernels.Numerics) that a run's settings c hold."""
     return Numerics(**{k: c[k] for k in NUMERICS})

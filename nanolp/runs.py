@@ -74,6 +74,11 @@ class Run:
         seed = self.setting("seed")
         return re.sub(rf"-s{seed}$", "", self.name) if seed is not None else self.name
 
+    @property
+    def settings(self):
+        """Every setting the run recorded, summary.json's (what actually ran) over config.json's."""
+        return {**self.config, **{k: v for k, v in self.summary.items() if v is not None}}
+
     def setting(self, key, default=None):
         """A run setting, from summary.json first (what actually ran), then config.json."""
         for source in (self.summary, self.config):

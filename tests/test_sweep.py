@@ -690,8 +690,11 @@ def test_collect_synthetic_runs(tmp_path):
     assert list(table) == ["arm-s3", "legacy", "older"]
     a, b, c = table["arm-s3"], table["legacy"], table["older"]
     assert (c["precision"], c["delta"], c["stochastic_o"]) == ("autocast", "p", "off")
-    assert (a["arm"], a["flags"], a["seed"], a["mantissa_bits"], a["delta"], a["stochastic_o"]) == (
-        "arm", "", "3", "3", "p", "forward")
+    assert (a["arm"], a["seed"], a["mantissa_bits"], a["delta"], a["stochastic_o"]) == ("arm", "3", "3", "p", "forward")
+    # its flags: what sets it apart from its preset (a preset train.py lacks: from the default), as analyze names it
+    assert a["flags"] == "--preset test --fix off --delta p --stochastic-o forward --mantissa-bits 3 --n-layer 2 " \
+                         "--n-head 2 --n-embd 16 --block-size 32 --batch-size 8"
+    assert sweep.contradiction(tmp_path / "runs" / "arm-s3", shlex.split(a["flags"])) == ""
     assert (a["collapsed"], a["collapse_step"], a["steps"], a["max_logit"]) == ("True", "60", "70", "6.0")
     assert float(a["tie_rate_final"]) == 0.2  # max over layers of each layer's last value (0.03, 0.20)
     assert float(a["tie_rate_head_peak"]) == 0.4  # max over heads and steps (layer 1, head 1, step 60)
@@ -796,7 +799,8 @@ def test_every_committed_run_folder_has_its_row():
 
 def test_committed_rows_equal_their_run_folders():
     """Rebuilds the row of every kept run folder from its summary.json and log and compares it with runs.csv,
-    cell by cell: a row's settings and outcome are its summary's."""
+    cell by cell: a row's settings and outcome are its summary's, and its flags (never blank) its config's and, where
+    studies.toml declares its arm, that arm's."""
     toml = sweep.ROOT / "results/studies.toml"
     studies = {name: sweep.load_study(toml, name) for name in tomllib.loads(toml.read_text())}
     checked = 0
@@ -806,7 +810,7 @@ def test_committed_rows_equal_their_run_folders():
             assert not folder.exists() and row["name"].endswith(sweep.NO_LOG), row["name"]
             continue
         flags = shlex.split(row["flags"] or "")   # (given to collect_row below: checked here against the run's config)
-        assert sweep.contradiction(folder, flags) == "", (folder, sweep.contradiction(folder, flags))
+        assert flags and sweep.contradiction(folder, flags) == "", (folder, sweep.contradiction(folder, flags))
         declared = studies.get(study.name)
         if declared and row["arm"] in declared.arms:   # a declared arm's row holds that arm's flags
             assert flags == [*declared.common, *declared.arms[row["arm"]][0]], (folder, flags)
