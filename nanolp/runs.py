@@ -571,15 +571,11 @@ def read_log(path):
         return {}
     try:
         with opener(path, "rt", newline="") as f:
-            reader = csv.reader(f)
-            header, rows = next(reader, []), []
-            for cells in filter(None, reader):
-                if len(cells) != len(header):
-                    raise DamagedFile(f"{path}, line {reader.line_num}: {len(cells)} cells where the header has "
-                                      f"{len(header)} (the file cut short, or a line not written by train.py)")
-                rows.append(cells)
-    except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile, csv.Error, OSError) as e:
+            header, rows = csv_rows(f, path, "train.py")
+    except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
         raise DamagedFile(f"{path} cannot be read ({e})") from None
+    except ValueError as e:   # (a row not whole, or not CSV: csv_rows's line)
+        raise DamagedFile(str(e)) from None
     return {c: np.array([to_float(row[i]) for row in rows]) for i, c in enumerate(header)} if rows else {}
 
 
@@ -674,19 +670,28 @@ def read_rows(path):
     line for a row with more or fewer cells than the header (as a file cut short leaves its last): never a row
     read with cells missing, which would read as empty and so give a wrong number rather than none."""
     with open(path, newline="") as f:
-        reader = csv.reader(f)
         try:
-            header, rows = next(reader, []), []
-            for cells in filter(None, reader):
-                if len(cells) != len(header):
-                    raise ValueError(f"{path}, line {reader.line_num}: {len(cells)} cells where the header has "
-                                     f"{len(header)} (the file cut short, or a line not written by its writer)")
-                rows.append(dict(zip(header, cells)))
+            header, rows = csv_rows(f, path, "its writer")
         except UnicodeDecodeError as e:
             raise ValueError(f"{path} is not UTF-8 text ({e.reason})") from None
-        except csv.Error as e:
-            raise ValueError(f"{path}, line {reader.line_num}: not CSV ({e})") from None
-    return rows
+    return [dict(zip(header, cells)) for cells in rows]
+
+
+def csv_rows(f, path, writer):
+    """The header and the rows (lists of cells) of an open CSV file, blank lines skipped; ValueError naming path's
+    line for a row with more or fewer cells than the header (a file cut short within its last row, or a line its
+    writer did not write) or text that is not CSV."""
+    reader = csv.reader(f)
+    try:
+        header, rows = next(reader, []), []
+        for cells in filter(None, reader):
+            if len(cells) != len(header):
+                raise ValueError(f"{path}, line {reader.line_num}: {len(cells)} cells where the header has "
+                                 f"{len(header)} (the file cut short, or a line not written by {writer})")
+            rows.append(cells)
+    except csv.Error as e:
+        raise ValueError(f"{path}, line {reader.line_num}: not CSV ({e})") from None
+    return header, rows
 
 
 def from_cell(text):
