@@ -704,7 +704,7 @@ def update_report(path, section):
 
 
 def fail(message):
-    """A command that cannot run, refused as its flags are (nanolp.runconfig.Parser): one line, exit status 2."""
+    """A command that cannot run, refused as its flags are (nanolp.cli.Parser): one line, exit status 2."""
     Parser(prog="analyze.py").error(message)
 
 

@@ -32,7 +32,6 @@ Unicode version follows the Python version; the sha1 below came out the same on 
 3.13.0 (Unicode 13.0 to 15.1): the characters of these texts are old ones, whose properties no longer change.
 """
 
-import argparse
 import ast
 import gzip
 import hashlib
@@ -49,6 +48,8 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanolp.cli import Parser   # (the standard library alone: no torch)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "data" / "corpus" / "input.txt"  # nanolp/data.py names its token cache after the folder
@@ -438,14 +439,6 @@ def arrange(docs, seed=1234):
     while int(0.9 * (len(train_text) + n_held)) > len(train_text):
         n_held -= 1
     return train_text + held_text[:n_held], len(train_text)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse's, a bad flag refused in one line without the usage, as the project's commands refuse one
-    (nanolp.runconfig.Parser, which imports torch: this file keeps to the standard library)."""
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def main(argv=None):

@@ -19,20 +19,19 @@ Older runs' files spell some settings otherwise; every reader gets them in today
 files, being data, stay as written.
 """
 
-import argparse
 import difflib
 import hashlib
 import json
 import math
 import os
 import re
-import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
 from kernels import FIXES, Numerics, check_fix
+from nanolp.cli import Parser   # (the commands import it from here)
 from nanolp.data import PROBE_SEED, cache_name, text_path
 from nanolp.emulate import OURS, kernel_only
 
@@ -82,15 +81,6 @@ def as_shipped(settings):
     exponent (BEFORE_OPTION), which the earlier kernels' runs did not have. README's table and headline figure hold
     these runs; results/README.md and the second figure the earlier ones."""
     return all(settings.get(key) is not None for key in BEFORE_OPTION)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse's parser for the commands here (train.py, analyze.py, experiments'): a malformed flag refused in one
-    line, `prog: error: ...`, exit status 2, as each refuses every command that cannot run (argparse prints its usage
-    first). prog is given: a command run in a test or by `python -m` would otherwise name the wrong program."""
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def parse_args(argv, presets, choices):

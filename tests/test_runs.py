@@ -159,9 +159,9 @@ def test_study_rows_refuse_what_would_count_wrong_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "analyze", "experiments.sweep", "experiments.bench",
-                                     "experiments.lr_curve"])
+                                     "experiments.lr_curve", "experiments.corpus"])
 def test_every_command_refuses_a_malformed_flag_in_one_line(command, capsys):
-    """Each command's parser is runconfig.Parser: a flag it does not know is refused in one line naming the command
+    """Each command's parser is nanolp.cli.Parser: a flag it does not know is refused in one line naming the command
     as it is run, exit status 2, where argparse would print its usage first."""
     main = importlib.import_module(command).main
     with pytest.raises(SystemExit) as exited:
