@@ -44,9 +44,8 @@ def arm(run):
     """The run's flags (nanolp.runconfig.arm_flags): "--fix off", "--fix on --lr 0.003", "--attn sdpa". A setting an
     older run did not record reads as its default, but for the exponent (nanolp.runconfig.BEFORE_OPTION): such a run
     of our kernel ran neither form, and reads "(before --exponent)"."""
-    recorded = {**run.config, **run.summary}
-    flags = arm_flags(run.settings, PRESETS)
-    return " ".join([flags, *before_options(recorded, run.setting("attn", PRESETS["default"]["attn"]) in OURS)])
+    attn = {**PRESETS.get(run.setting("preset"), PRESETS["default"]), **run.settings}["attn"]   # as arm_flags reads it
+    return " ".join([arm_flags(run.settings, PRESETS), *before_options({**run.config, **run.summary}, attn in OURS)])
 
 
 def before_options(recorded, ours):

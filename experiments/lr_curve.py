@@ -62,7 +62,7 @@ def curve_points(rows):
         try:
             run = load_run(row["folder"] / "runs" / row["name"]) if row["log_kept"] else None
         except RunError as e:   # (a damaged log: study_rows has seen that there is one)
-            raise ValueError(f"{row['folder'] / 'runs' / row['name']}: {e}") from None
+            raise ValueError(str(e)) from None   # (DamagedFile's line names the file)
         points.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=row["folder"].name,
                            steps=row["steps"], collapsed=row["collapsed"], collapse_step=row["collapse_step"],
                            log_kept=run is not None, past_100_step=first_past(run) if run else None))

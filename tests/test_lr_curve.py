@@ -80,7 +80,7 @@ def test_a_kept_log_that_is_gone_or_damaged_is_one_line(tmp_path, capsys):
     log = next((copy / "runs" / "off-lr3e-3-s0").glob("log.csv*"))
     log.write_bytes(b"step,max_logit_L0\n1000,")   # cut short
     assert refusal([str(copy / "runs.csv"), *out], capsys).startswith(
-        f"python -m experiments.lr_curve: error: {copy / 'runs' / 'off-lr3e-3-s0'}: ")
+        f"python -m experiments.lr_curve: error: {log} cannot be read (")
 
 
 def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
