@@ -53,9 +53,20 @@ def test_backends_agree_with_fp32_reference(attn, fix):
     assert (out - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()
 
 
-@pytest.mark.parametrize("attn", ["fp32", "emulate"])
+def qkv_grads(model):
+    """Each layer's gradient of W_Q, W_K and W_V (c_attn's three row blocks): a slice each, so that an error in dQ or
+    dK is not lost under dV's larger norm."""
+    return [grad for block in model.transformer.h for grad in block.attn.c_attn.weight.grad.chunk(3)]
+
+
+def relative_errors(grads, reference):
+    return [float((g - r).norm() / r.norm()) for g, r in zip(grads, reference, strict=True)]
+
+
+@pytest.mark.parametrize("attn", ["fp32", "emulate", "kernel"])
 def test_models_train_alike(attn):
-    """Same weights, same batch, bf16 autocast: loss and gradients of each backend match SDPA closely."""
+    """Same weights, same batch, bf16 autocast: loss and each layer's W_Q, W_K and W_V gradients of each backend
+    match SDPA's closely (~0.5% apart, the bf16 roundings'; "kernel" is what computes it on this machine)."""
     x, y = batch()
     results = {}
     for name in ("sdpa", attn):
@@ -63,10 +74,10 @@ def test_models_train_alike(attn):
         with BF16:
             loss = model(x, y)[1]
         loss.backward()
-        results[name] = loss.item(), model.transformer.h[1].attn.c_attn.weight.grad
-    (loss_a, grad_a), (loss_b, grad_b) = results.values()
+        results[name] = loss.item(), qkv_grads(model)
+    (loss_a, grads_a), (loss_b, grads_b) = results.values()
     assert abs(loss_a - loss_b) < 1e-3
-    assert (grad_a - grad_b).norm() < 0.02 * grad_a.norm()
+    assert max(relative_errors(grads_b, grads_a)) < 0.015
 
 
 def test_flops_per_token_matches_torchs_flop_counter():
@@ -82,7 +93,8 @@ def test_flops_per_token_matches_torchs_flop_counter():
 
 
 def test_delta_options_reach_the_backward_only():
-    """delta "fp32-o" and "p" change the gradients the model gets (in their last bits), never the loss."""
+    """delta "fp32-o" and "p" change the gradients the model gets (by a few tenths of a per cent, bf16's last bits),
+    never the loss."""
     x, y = batch(2)
     results = []
     for numerics in (Numerics(), Numerics(delta="fp32-o"), Numerics(delta="p")):
@@ -91,11 +103,11 @@ def test_delta_options_reach_the_backward_only():
         with BF16:
             _, loss = model(x, y)
         loss.backward()
-        results.append((loss.item(), model.transformer.h[0].attn.c_attn.weight.grad))
-    (loss, grad), *others = results
-    for other_loss, other_grad in others:
-        assert other_loss == loss and not torch.equal(other_grad, grad)
-        assert torch.allclose(other_grad, grad, rtol=0.05, atol=1e-4)
+        results.append((loss.item(), qkv_grads(model)))
+    (loss, grads), *others = results
+    for other_loss, other_grads in others:
+        assert other_loss == loss and not torch.equal(torch.cat(other_grads), torch.cat(grads))
+        assert max(relative_errors(other_grads, grads)) < 0.01   # (~0.25% apart)
 
 
 def test_kernel_options_need_our_kernel():
