@@ -40,7 +40,8 @@ def qkv(logit_scale=1.0, B=2, H=2, T=64, D=32):
     return (q * logit_scale).bfloat16(), k.bfloat16(), v.bfloat16()
 
 
-@pytest.mark.parametrize("attn, fix", [("sdpa", "off"), ("emulate", "off"), ("emulate", "on"), ("kernel", "on")])
+@pytest.mark.parametrize("attn, fix", [("sdpa", "off"), ("emulate", "off"), ("emulate", "on"), ("emulate", "paper"),
+                                       ("kernel", "on")])
 def test_backends_agree_with_fp32_reference(attn, fix):
     """Each backend against plain fp32 softmax attention; "kernel" is whatever computes it on this machine (on a
     CPU the emulation, on a GPU the Triton kernel), so this also checks what attn "kernel" runs here."""
@@ -191,15 +192,15 @@ def test_rope_replaces_the_position_table_and_turns_q_and_k():
 
 
 @pytest.mark.skipif(not kernels.INTERPRET, reason="bitwise equality holds under the interpreter")
-@pytest.mark.parametrize("options", [dict(pos="rope"), dict(qk_norm=True), dict(pos="rope", qk_norm=True)])
-def test_modern_block_kernel_equals_its_emulation(options, monkeypatch):
-    """With rotary positions and QK-norm on, our Triton kernel (under the CPU interpreter) and
-    its PyTorch emulation give the same loss and gradients bit for bit, fix off and on, under bf16 autocast: the
-    options change what reaches the attention, not how it rounds. The QK-norm gains' gradients are sums over the
+@pytest.mark.parametrize("options", [dict(), dict(pos="rope"), dict(qk_norm=True), dict(pos="rope", qk_norm=True)])
+def test_each_block_kernel_equals_its_emulation(options, monkeypatch):
+    """In GPT-2's block (q, k and v views of one projection) and with rotary positions and QK-norm on, our Triton
+    kernel (under the CPU interpreter) and its PyTorch emulation give the same loss and gradients bit for bit, with
+    each fix, under bf16 autocast: the options change what reaches the attention, not how it rounds. The QK-norm gains' gradients are sums over the
     batch whose order follows the layout each attention returns dq and dk in: equal to float32's last bits."""
     import model as model_module
     x, y = batch(2, 64)
-    for fix in ("off", "on"):
+    for fix in ("off", "on", "paper"):
         results = []
         for impl in ("kernel", "emulate"):
             monkeypatch.setattr(model_module, "implementation", lambda attn, device_type, impl=impl: impl)
