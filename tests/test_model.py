@@ -194,10 +194,11 @@ def test_rope_replaces_the_position_table_and_turns_q_and_k():
 @pytest.mark.skipif(not kernels.INTERPRET, reason="bitwise equality holds under the interpreter")
 @pytest.mark.parametrize("options", [dict(), dict(pos="rope"), dict(qk_norm=True), dict(pos="rope", qk_norm=True)])
 def test_each_block_kernel_equals_its_emulation(options, monkeypatch):
-    """In GPT-2's block (q, k and v views of one projection) and with rotary positions and QK-norm on, our Triton
-    kernel (under the CPU interpreter) and its PyTorch emulation give the same loss and gradients bit for bit, with
-    each fix, under bf16 autocast: the options change what reaches the attention, not how it rounds. The QK-norm gains' gradients are sums over the
-    batch whose order follows the layout each attention returns dq and dk in: equal to float32's last bits."""
+    """In GPT-2's block (q, k and v views of one projection) and with rotary positions and QK-norm on, our Triton kernel
+    (under the CPU interpreter) and its PyTorch emulation give the same loss and gradients bit for bit, with each
+    fix, under bf16 autocast: the options change what reaches the attention, not how it rounds. The QK-norm gains'
+    gradients are sums over the batch whose order follows the layout each attention returns dq and dk in: equal to
+    float32's last bits."""
     import model as model_module
     x, y = batch(2, 64)
     for fix in ("off", "on", "paper"):
