@@ -34,7 +34,7 @@ from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS, TIE_TOL   # the ru
 from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp.plots import arm_hues, family, plot_grid, run_styles, save, step_axis
 from nanolp.runs import find_runs, load_runs, study_rows, study_runs, write_csv
-from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, Parser, arm_flags, as_shipped
+from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, Parser, arm_flags, as_shipped, with_preset
 from train import PRESETS, TINY_NOTE
 
 # -----------------------------------------------------------------------------
@@ -44,8 +44,8 @@ def arm(run):
     """The run's flags (nanolp.runconfig.arm_flags): "--fix off", "--fix on --lr 0.003", "--attn sdpa". A setting an
     older run did not record reads as its default, but for the exponent (nanolp.runconfig.BEFORE_OPTION): such a run
     of our kernel ran neither form, and reads "(before --exponent)"."""
-    attn = {**PRESETS.get(run.setting("preset"), PRESETS["default"]), **run.settings}["attn"]   # as arm_flags reads it
-    return " ".join([arm_flags(run.settings, PRESETS), *before_options({**run.config, **run.summary}, attn in OURS)])
+    ours = with_preset(run.settings, PRESETS)["attn"] in OURS
+    return " ".join([arm_flags(run.settings, PRESETS), *before_options({**run.config, **run.summary}, ours)])
 
 
 def before_options(recorded, ours):

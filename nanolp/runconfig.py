@@ -191,15 +191,22 @@ def arm_flags(recorded, presets):
     where they are not the default, --fix for our attention, then the settings of ARM that differ from the preset
     (changed_settings), less the kernel's options for the torch attentions, which ignore them. A setting the run did
     not record reads as its preset's."""
-    preset = recorded.get("preset") or "default"
-    settings = {**presets.get(preset, presets["default"]), **{k: v for k, v in recorded.items() if v is not None},
-                "preset": preset}
+    settings = with_preset(recorded, presets)
+    preset = settings["preset"]
     ours = settings["attn"] in OURS
     flags = ([] if preset == "default" else [f"--preset {preset}"]) + (
         [] if settings["attn"] == presets["default"]["attn"] else [f"--attn {settings['attn']}"]) + (
         [f"--fix {settings.get('fix') or 'off'}"] if ours else [])
     changed = changed_settings(settings, presets)
     return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS])
+
+
+def with_preset(recorded, presets):
+    """A run's settings (recorded: summary.json's over config.json's) over its preset's (presets: train.PRESETS; a
+    preset gone since, the default's): a setting the run did not record reads as its preset's."""
+    preset = recorded.get("preset") or "default"
+    return {**presets.get(preset, presets["default"]), **{k: v for k, v in recorded.items() if v is not None},
+            "preset": preset}
 
 
 def flag_text(key, value):
