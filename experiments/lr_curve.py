@@ -73,7 +73,8 @@ def markdown(points):
     """The curve as a small markdown table: a row per lr, a column per arm. A cell of one run: the collapse step, or
     the steps run without one, and where layer 0's max logit first passed PAST (or that its log is not kept). A cell of
     several runs (seeds): how many collapsed and the span of their collapse steps, the span of the others' steps
-    without one, and the span of the steps past PAST with how many of the runs whose logs are kept passed it."""
+    without one, and the span of the steps past PAST with how many of the runs whose logs are kept passed it (none
+    passed: how many have no log, if any)."""
     def span(values):
         low, high = min(values), max(values)
         return f"{low:,}" if low == high else f"{low:,}-{high:,}"
@@ -94,7 +95,8 @@ def markdown(points):
         logged = sum(p["log_kept"] for p in runs)   # (a run without its log: not known whether it passed)
         of = f"{logged}" if logged == len(runs) else f"the {logged} with logs"
         return f"{len(runs)} runs: " + ", ".join(parts) + (
-            f"; past {PAST:g} at {span(past)} ({len(past)} of {of})" if past else "")
+            f"; past {PAST:g} at {span(past)} ({len(past)} of {of})" if past else "; no log" if not logged else
+            f"; {len(runs) - logged} of {len(runs)} without a log" if logged < len(runs) else "")
 
     lines = ["| lr | " + " | ".join(f"`{arm}`" for arm in ARMS) + " |", "|---|" + "---|" * len(ARMS)]
     for lr in sorted({p["lr"] for p in points}):

@@ -155,22 +155,27 @@ def test_kernel_md_memory_is_the_runs():
 
 def test_kernel_md_gpu_tests_are_their_file():
     """docs/kernel.md's count of the kernel tests on the GPU is the latest whole run's in results/speed/gpu_tests.txt,
-    the CUDA-graphs step after it (`-k cuda_graphs`) passed, and a run of a few since (`-k`, deselecting the rest) is
-    named with its count, where the file has one."""
+    the CUDA-graphs step after it (`-k cuda_graphs`) passed, README names that run's commit, and a run of a few since
+    (`-k`, deselecting the rest) is named with its count, where the file has one."""
     root = Path(analyze.__file__).parent
-    text = (root / "results/speed/gpu_tests.txt").read_text()
-    runs = re.findall(r"^(?=\d+ (?:failed|passed))(?:(\d+) failed)?(?:, )?(?:(\d+) passed)?(?:, \d+ skipped)?"
-                      r"(, \d+ deselected)?", text, re.M)   # pytest's last line: "[N failed, ][N passed][, ...]"
-    whole = next(i for i, (_, _, deselected) in enumerate(runs) if not deselected)
+    blocks = (root / "results/speed/gpu_tests.txt").read_text().split("# earlier:")   # the latest first
+    summaries = lambda block: re.findall(r"^(?=\d+ (?:failed|passed))(?:(\d+) failed)?(?:, )?(?:(\d+) passed)?"
+                                         r"(?:, \d+ skipped)?(, \d+ deselected)?", block, re.M)   # pytest's last line
+    whole = next(i for i, block in enumerate(blocks) if not summaries(block)[0][2])
+    (failed, passed, _), *after = summaries(blocks[whole])
     kernel_md = " ".join((root / "docs/kernel.md").read_text().split())
-    failed, passed, _ = runs[whole]
     counts = f"{passed} passed and {failed} failed" if failed else f"{passed} passed, none failed"
     assert f"at the commit it names, {counts} (`results/speed/gpu_tests.txt`" in kernel_md
-    # the whole run's own CUDA-graphs step comes next in the file: a run of one deselecting the rest, none failed
-    assert whole + 1 < len(runs) and runs[whole + 1][2] and not runs[whole + 1][0] and "-k cuda_graphs" in text
+    # the whole run's own CUDA-graphs step, next in its block: one test, the rest deselected, passed
+    assert "# then python -m pytest -q tests/test_train.py -k cuda_graphs" in blocks[whole]
+    assert [(step_failed, step_passed, bool(deselected)) for step_failed, step_passed, deselected in after] == \
+        [("", "1", True)]
     assert "and the compiled training step under CUDA graphs passed" in kernel_md
+    commit = re.search(r"^# one .*, at ([0-9a-f]{7}),", blocks[whole], re.M)[1]   # README names the run's commit
+    assert f"the GPU kernel tests passed on an H100 at {commit} (`results/speed/gpu_tests.txt`" in \
+        " ".join((root / "README.md").read_text().split())
     if whole:
-        failed, passed, _ = runs[0]
+        failed, passed, _ = summaries(blocks[0])[0]
         assert not failed and f"({passed} passed, none failed)" in kernel_md
 
 

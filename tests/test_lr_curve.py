@@ -78,7 +78,7 @@ def test_a_kept_log_that_is_gone_or_damaged_is_one_line(tmp_path, capsys):
         for f in run.iterdir():
             (copy / "runs" / run.name / f.name).write_bytes(f.read_bytes())
     log = next((copy / "runs" / "off-lr3e-3-s0").glob("log.csv*"))
-    log.write_bytes(b"step,max_logit_L0\n1000,")   # cut short
+    log.write_bytes(log.read_bytes()[:-100])   # cut short
     assert refusal([str(copy / "runs.csv"), *out], capsys).startswith(
         f"python -m experiments.lr_curve: error: {log} cannot be read (")
 
@@ -108,3 +108,31 @@ def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
                                   point("--fix on", 1e-3, False, 150_000, None, log=False)])
     assert unlogged[2] == "| 1e-3 | 2 runs: **2 collapsed, at 45,960-75,010**; past 100 at 30,000 (1 of the 1 with " \
                           "logs) | no collapse in 150,000; no log | - | - | - |"
+    none_past = lambda *logs: lr_curve.markdown([point("--fix on", 1e-3, False, 1_000, None, seed, log)
+                                                 for seed, log in enumerate(logs)])[2]
+    assert [none_past(False, False), none_past(True, False), none_past(True, True)] == [
+        "| 1e-3 | - | 2 runs: no collapse in 1,000; no log | - | - | - |",
+        "| 1e-3 | - | 2 runs: no collapse in 1,000; 1 of 2 without a log | - | - | - |",
+        "| 1e-3 | - | 2 runs: no collapse in 1,000 | - | - | - |"]
+
+
+def test_a_run_whose_log_is_not_kept_is_a_point_without_a_step_past_100(tmp_path, capsys):
+    """A runs.csv row that says its log is not kept is a point all the same: log_kept False and no step past 100 in
+    lr_curve.csv, and "no log" in main's line for it, never a step or "-" (never past)."""
+    study = Path(__file__).resolve().parent.parent / "results" / "lr_sweep"
+    copy = tmp_path / "lr_sweep"
+    lines = (study / "runs.csv").read_text().splitlines()
+    gone = next(i for i, line in enumerate(lines) if line.startswith("off-lr3e-3-s0,"))
+    assert lines[gone].endswith(",True")
+    lines[gone] = lines[gone][:-len("True")] + "False"
+    for run in (study / "runs").iterdir():
+        if run.name != "off-lr3e-3-s0":
+            (copy / "runs" / run.name).mkdir(parents=True)
+            for f in run.iterdir():
+                (copy / "runs" / run.name / f.name).write_bytes(f.read_bytes())
+    (copy / "runs.csv").write_text("\n".join(lines) + "\n")
+    lr_curve.main([str(copy / "runs.csv"), "--out", str(tmp_path / "out")])
+    said = [line for line in capsys.readouterr().out.splitlines() if " off-lr3e-3-s0 " in line]
+    assert len(said) == 1 and said[0].endswith("layer 0 past 100: no log")
+    row = next(r for r in read_table(tmp_path / "out" / "lr_curve.csv") if r["name"] == "off-lr3e-3-s0")
+    assert row["log_kept"] is False and row["past_100_step"] is None and row["collapse_step"] == 34_300
