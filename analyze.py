@@ -493,14 +493,9 @@ def table_rows(tables):
         fail(str(e))
 
 
-def kept(row):
-    """The folder of a row's run (table_rows), where its log is kept."""
-    return row["folder"] / "runs" / row["name"]
-
-
 def kept_peaks(group):
     """Layer 0's peak max logit in each run of the group (table_rows) whose log is kept."""
-    return [peak_logit(run) for run in load_runs(kept(row) for row in group if row.get("log_kept"))]
+    return [peak_logit(run) for run in load_runs(row["run_dir"] for row in group if row.get("log_kept"))]
 
 
 def shipped_commands(rows):
@@ -614,7 +609,7 @@ def loss_table(rows):
     lines = ["| run | collapsed at step | lowest train loss | lowest val loss (its step) | layer whose max logit "
              "peaked highest (peak) |", "|---|---|---|---|---|"]
     for row in rows:
-        if not row.get("log_kept") or not (runs := load_runs([kept(row)])):   # a damaged run: named by load_runs
+        if not row.get("log_kept") or not (runs := load_runs([row["run_dir"]])):   # a damaged run: named by load_runs
             continue
         run = runs[0]
         train, val = run.series("train_loss"), run.series("val_loss")

@@ -53,14 +53,14 @@ def points(tables):
 
 
 def curve_points(rows):
-    """points of studies' runs.csv rows, each with its study's `folder` (where the kept logs are: folder/runs/NAME)."""
+    """points of studies' runs.csv rows (nanolp.runs.study_rows: each with its study's `folder` and its `run_dir`)."""
     points = []
     for row in rows:
         arm = base_flags(row["flags"])
         if arm not in ARMS or not as_shipped(row) or row.get("variant"):
             continue
         try:
-            run = load_run(row["folder"] / "runs" / row["name"]) if row["log_kept"] else None
+            run = load_run(row["run_dir"]) if row["log_kept"] else None
         except RunError as e:   # (a damaged log: study_rows has seen that there is one)
             raise ValueError(str(e)) from None   # (DamagedFile's line names the file)
         points.append(dict(arm=arm, lr=row["lr"], seed=row["seed"], name=row["name"], study=row["folder"].name,

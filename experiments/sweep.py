@@ -22,7 +22,7 @@ results/STUDY/runs/:
     resumable a checkpoint in OUT's ckpt/                                        -> train.py --resume
     stale     a log.csv but no checkpoint (stopped before its first one)         -> moved to OUT/.stale/, started again
     new       nothing yet                                                        -> started
-    damaged   a config.json or summary.json that cannot be parsed                -> left out, named
+    damaged   a config.json or summary.json (or a resumable run's log) unreadable -> left out, named
 A run folder whose config.json contradicts its arm's flags (the study was edited) is an error, not reused.
 
 Runs start in this order: the resumable ones, then seed by seed across the arms (every arm's first seed before
@@ -261,8 +261,8 @@ def plan(study, out, results):
     for run in runs:
         try:
             run["state"] = run_state(run["dir"], run["min_steps"])
-            if run["state"] == "resumable":
-                load_run(run["dir"])   # (its log tells the minutes it resumes from, trained_minutes: read it now)
+            if run["state"] == "resumable":   # (from its log: one that cannot be read makes the run damaged)
+                run["trained_minutes"] = trained_minutes(run["dir"])
             if run["state"] in ("new", "stale") and finished(run["kept"], run["min_steps"]):
                 run["state"] = "collected"
             for folder in [run["dir"]] + ([run["kept"]] if run["state"] == "collected" else []):
@@ -292,7 +292,7 @@ def train_command(run, minutes_left, margin=MARGIN):
     if run["state"] == "resumable":
         cmd.append("--resume")
     if minutes_left is not None:
-        already = trained_minutes(run["dir"]) if run["state"] == "resumable" else 0.0
+        already = run["trained_minutes"] if run["state"] == "resumable" else 0.0
         cmd += ["--minutes", f"{already + minutes_left - margin:.3f}"]
     elif run["state"] == "resumable" and read_json(run["dir"] / "config.json").get("minutes") is not None:
         cmd += ["--minutes", f"{NO_LIMIT:g}"]   # (an earlier budget's limit, which the run would keep)

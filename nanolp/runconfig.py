@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import shlex
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def arm_flags(recorded, presets):
     ours = settings["attn"] in OURS
     flags = ([] if preset == "default" else [f"--preset {preset}"]) + (
         [] if settings["attn"] == presets["default"]["attn"] else [f"--attn {settings['attn']}"]) + (
-        [f"--fix {settings.get('fix') or 'off'}"] if ours else [])
+        [f"--fix {settings['fix']}"] if ours else [])
     changed = changed_settings(settings, presets)
     return " ".join(flags + [flag_text(k, v) for k, v in changed.items() if ours or k not in NUMERICS])
 
@@ -210,11 +211,11 @@ def with_preset(recorded, presets):
 
 
 def flag_text(key, value):
-    """A setting as its train.py flag: --lr 0.003, --pos rope, --qk-norm."""
+    """A setting as its train.py flag, a shell's words: --lr 0.003, --pos rope, --qk-norm, --data 'my text.txt'."""
     name = "--" + key.replace("_", "-")
     if isinstance(value, bool):   # a switch (--qk-norm): on where it differs from the preset, which has it off
         return name
-    return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+    return f"{name} {value:g}" if isinstance(value, float) else f"{name} {shlex.quote(str(value))}"
 
 
 def numerics(c):

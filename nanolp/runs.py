@@ -634,9 +634,10 @@ STUDY_COLUMNS = ("name", "arm", "flags", "seed", "lr", "steps", "collapsed", "co
 
 
 def study_rows(tables):
-    """The rows of studies' runs.csv (read_table), in order, each with its study's `folder`, where the runs whose
-    logs are kept are (folder/runs/NAME). ValueError in one line for a table given twice, one that cannot be read or
-    lacks a column of STUDY_COLUMNS, or one that says a run's log is kept where there is none."""
+    """The rows of studies' runs.csv (read_table), in order, each with its study's `folder` and its `run_dir`
+    (folder/runs/NAME, where a run whose log is kept has it). ValueError in one line for a table given twice, one
+    that cannot be read or lacks a column of STUDY_COLUMNS, a row without a name, or one that says a run's log is
+    kept where there is none."""
     paths = [Path(table) for table in tables]
     twice = sorted({str(p) for p in paths if [q.resolve() for q in paths].count(p.resolve()) > 1})
     if twice:
@@ -650,18 +651,25 @@ def study_rows(tables):
         missing = [column for column in STUDY_COLUMNS if table and column not in table[0]]
         if missing:
             raise ValueError(f"{path} is not a study's runs.csv: no column {', '.join(missing)}")
-        gone = [str(path.parent / "runs" / row["name"]) for row in table
-                if row["log_kept"] and not log_path(path.parent / "runs" / row["name"]).exists()]
+        unnamed = [i + 2 for i, row in enumerate(table) if not row["name"]]   # (its line: the header is line 1)
+        if unnamed:
+            raise ValueError(f"{path}, line {unnamed[0]}: a run without a name")
+        table = [dict(row, folder=path.parent, run_dir=path.parent / "runs" / row["name"]) for row in table]
+        gone = [str(row["run_dir"]) for row in table if row["log_kept"] and not log_path(row["run_dir"]).exists()]
         if gone:
             raise ValueError(f"{path} says these runs' logs are kept, but there is none in {', '.join(gone)}")
-        rows += [dict(row, folder=path.parent) for row in table]
+        rows += table
     return rows
 
 
+TEXT_COLUMNS = ("name", "arm", "flags")   # read as written: a run named "0" or "1e3" is no number
+
+
 def read_table(path):
-    """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell), the settings in
-    today's spellings (as_current); ValueError, naming the file and line, for a row that is not whole (read_rows)."""
-    return [as_current({k: from_cell(v) for k, v in row.items()}) for row in read_rows(path)]
+    """The rows of a CSV table (a study's runs.csv), each cell the value it spells (from_cell; TEXT_COLUMNS as
+    written), the settings in today's spellings (as_current); ValueError, naming the file and line, for a row that is not whole (read_rows)."""
+    return [as_current({k: v if k in TEXT_COLUMNS else from_cell(v) for k, v in row.items()})
+            for row in read_rows(path)]
 
 
 def read_rows(path):

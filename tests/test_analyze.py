@@ -408,7 +408,8 @@ def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
     assert "off-s0" in report and "on-s" not in report
     # the study's table: layer 0's peak from the kept logs that can be read
     rows = [dict(name=name, arm=name[:-3], flags="", seed=int(name[-1]), collapsed=False, collapse_step=None,
-                 collapse_minute=None, steps=390, tokens_per_s=None, max_logit=None, log_kept=True, folder=tmp_path)
+                 collapse_minute=None, steps=390, tokens_per_s=None, max_logit=None, log_kept=True, folder=tmp_path,
+                 run_dir=runs / name)
             for name in ("off-s0", "on-s0", "on-s1")]
     table = analyze.study_table(rows)
     assert not table[2].endswith("| - |") and table[3].endswith("| - |")

@@ -5,6 +5,7 @@ committed one among them; a study's table cut short refused."""
 import importlib
 import json
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -142,12 +143,20 @@ def test_a_study_run_that_cannot_be_read_counts_as_its_row(tmp_path):
 
 
 def test_study_rows_refuse_what_would_count_wrong_in_one_line(tmp_path):
-    """study_rows gives each row its study's folder, and refuses in one line (ValueError) a table given twice (its runs
-    counted twice), one without a study's columns, and one that says a log is kept where there is none."""
+    """study_rows gives each row its study's folder and its run's, the name as written, and refuses in one line
+    (ValueError) a table given twice (its runs counted twice), one without a study's columns, a row without a name,
+    and one that says a log is kept where there is none."""
     header = ",".join(runs.STUDY_COLUMNS)
     table = tmp_path / "runs.csv"
+    table.write_text(f"{header}\noff-s0,off,--fix off,0,0.001,100,True,90,False\n1e3,off,--fix off,0,0.001,100,True,"
+                     "90,False\n")
+    assert [(row["name"], row["folder"], row["run_dir"]) for row in runs.study_rows([table])] == [
+        ("off-s0", tmp_path, tmp_path / "runs" / "off-s0"), ("1e3", tmp_path, tmp_path / "runs" / "1e3")]
+    table.write_text(f"{header}\noff-s0,off,--fix off,0,0.001,100,True,90,False\n,off,--fix off,1,0.001,100,True,90,"
+                     "True\n")
+    with pytest.raises(ValueError, match=r"runs.csv, line 3: a run without a name$"):
+        runs.study_rows([table])
     table.write_text(f"{header}\noff-s0,off,--fix off,0,0.001,100,True,90,False\n")
-    assert [(row["name"], row["folder"]) for row in runs.study_rows([table])] == [("off-s0", tmp_path)]
     with pytest.raises(ValueError, match="^a table given twice would count its runs twice: "):
         runs.study_rows([table, tmp_path / "." / "runs.csv"])
     (tmp_path / "bench.csv").write_text("name,arm,flags,seed\nx,y,,0\n")
@@ -170,3 +179,15 @@ def test_every_command_refuses_a_malformed_flag_in_one_line(command, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{prog}: error: ") and err.count("\n") == 1 and "--no-such-flag" in err
+
+
+def test_a_runs_flags_are_a_shell_command_that_gives_its_settings():
+    """arm_flags: the flags that set a run apart from its preset, quoted where a value needs it, so that train.py's
+    parser given them (as a shell splits them) gives back the run's settings."""
+    from train import CHOICES, PRESETS
+    recorded = dict(preset="corpus", attn="kernel", fix="on", lr=0.003, pos="rope", qk_norm=True,
+                    data="/texts/my text's/input.txt")
+    flags = runconfig.arm_flags(recorded, PRESETS)
+    assert flags == "--preset corpus --fix on --pos rope --qk-norm --lr 0.003 --data '/texts/my text'\"'\"'s/input.txt'"
+    settings = runconfig.resolve_config(runconfig.parse_args(shlex.split(flags), PRESETS, CHOICES), PRESETS)
+    assert {k: settings[k] for k in recorded} == recorded

@@ -241,7 +241,7 @@ def test_run_state_and_resume_minutes(tmp_path):
         (cut / "ckpt" / f"step_{step:07d}.pt").write_bytes(b"")
     assert sweep.run_state(cut, 100) == "resumable"
     assert sweep.trained_minutes(cut) == pytest.approx(24 / 60)  # elapsed_s at the step-20 checkpoint
-    run = dict(dir=cut, seed=1, state="resumable", flags=["--fix", "off", "--steps", "100"])
+    run = dict(dir=cut, seed=1, state="resumable", flags=["--fix", "off", "--steps", "100"], trained_minutes=24 / 60)
     assert sweep.train_command(run, 10.0, 0.5)[1:] == [
         str(sweep.TRAIN), "--fix", "off", "--steps", "100", "--out", str(tmp_path), "--name", "cut", "--seed", "1",
         "--resume", "--minutes", f"{24 / 60 + 9.5:.3f}"]

@@ -142,7 +142,9 @@ def test_each_setting_of_the_attention_reaches_it(run):
             "stochastic-delta": ["--delta", "stochastic-o"], "stochastic-o": ["--stochastic-o", "forward"],
             "bits": ["--mantissa-bits", "3"], "vo": ["--mantissa-bits", "3", "--amplify", "vo"],
             "autocast": ["--precision", "autocast"]}
-    assert {name: losses(name, *flags) != plain for name, flags in arms.items()} == dict.fromkeys(arms, True)
+    trained = {name: losses(name, *flags) for name, flags in arms.items()}
+    assert {name: trained[name] != plain for name in arms} == dict.fromkeys(arms, True)
+    assert trained["vo"] != trained["bits"]   # (--amplify itself, not only the bits it comes with)
 
 
 def test_summary_holds_the_arm(run):
