@@ -45,7 +45,7 @@ def arm(run):
     older run did not record reads as its default, but for the exponent (nanolp.runconfig.BEFORE_OPTION): such a run
     of our kernel ran neither form, and reads "(before --exponent)"."""
     ours = with_preset(run.settings, PRESETS)["attn"] in OURS
-    return " ".join([arm_flags(run.settings, PRESETS), *before_options({**run.config, **run.summary}, ours)])
+    return " ".join([arm_flags(run.settings, PRESETS), *before_options(run.settings, ours)])
 
 
 def before_options(recorded, ours):
