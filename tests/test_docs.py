@@ -155,7 +155,7 @@ def test_kernel_md_memory_is_the_runs():
 
 def test_kernel_md_gpu_tests_are_their_file():
     """docs/kernel.md's count of the kernel tests on the GPU is the latest whole run's in results/speed/gpu_tests.txt,
-    the CUDA-graphs step after it (`-k cuda_graphs`) passed, README names that run's commit, and a run of a few since
+    the CUDA-graphs step after it (`-k cuda_graphs`) passed, README points to that run's commit, and a run of a few since
     (`-k`, deselecting the rest) is named with its count, where the file has one."""
     root = Path(analyze.__file__).parent
     blocks = (root / "results/speed/gpu_tests.txt").read_text().split("# earlier:")   # the latest first
@@ -171,8 +171,8 @@ def test_kernel_md_gpu_tests_are_their_file():
     assert [(step_failed, step_passed, bool(deselected)) for step_failed, step_passed, deselected in after] == \
         [("", "1", True)]
     assert "and the compiled training step under CUDA graphs passed" in kernel_md
-    commit = re.search(r"^# one .*, at ([0-9a-f]{7}),", blocks[whole], re.M)[1]   # README names the run's commit
-    assert f"the GPU kernel tests passed on an H100 at {commit} (`results/speed/gpu_tests.txt`" in \
+    assert re.search(r"^# one .*, at [0-9a-f]{7},", blocks[whole], re.M)   # the commit README points to
+    assert "the GPU kernel tests passed on an H100 at the commit `results/speed/gpu_tests.txt` names" in \
         " ".join((root / "README.md").read_text().split())
     if whole:
         failed, passed, _ = summaries(blocks[0])[0]
