@@ -951,7 +951,7 @@ def test_findings_memorisation_numbers_are_the_logs():
     assert on is not None and not on["collapsed"] and on["steps"] >= 1.5 * steps[0]
     on_run = load_run(root / "results/memorisation/runs/on-s0")
     floor = lambda runs: np.floor(min(np.nanmin(run.series("train_loss")[1]) for run in runs) * 100) / 100
-    on_runs = [load_run(root / "results/memorisation/runs" / f"on-s{seed}") for seed in (0, 1)]
+    on_runs = [load_run(root / "results/memorisation/runs" / f"on-s{seed}") for seed in (0, 1, 2)]
     assert f"The fix off's train loss never fell below {floor(runs):.2f} (the fix on's, over their longer runs, " \
            f"{floor(on_runs):.2f})." in text
     layer = lambda run, i: run.series(f"max_logit_L{i}")
@@ -974,17 +974,18 @@ def test_findings_memorisation_numbers_are_the_logs():
     assert "In seeds 1 and 2 the logits ran away in layer 0, as on TinyShakespeare; in seed 0 in layer 1." in text
     # the fix on, seed 0: no collapse in 1.5x its fix off's steps, layer 1 slowed below 100 where the fix off's ran away
     fixed = {row["seed"]: row for row in corpus if row["arm"] == "on"}   # the fix on, each seed to 1.5x its collapse
-    assert sorted(fixed) == [0, 1] and not any(row["collapsed"] for row in fixed.values())
+    assert sorted(fixed) == [0, 1, 2] and not any(row["collapsed"] for row in fixed.values())
     assert all(row["steps"] >= 1.5 * steps[seed] for seed, row in fixed.items())
-    runaway = [(1, on_runs[0], s0), (0, on_runs[1], s1)]   # (the layer that ran away with the fix off, its runs)
-    assert [np.argmax(peaks(off_run)) for _, _, off_run in runaway] == [1, 0]
+    runaway = [(1, on_runs[0], s0), (0, on_runs[1], s1), (0, on_runs[2], s2)]   # (the fix off's runaway layer, runs)
+    assert [np.argmax(peaks(off_run)) for _, _, off_run in runaway] == [1, 0, 0]
     assert all(layer(on_run, i)[1].max() < 100 for i, on_run, _ in runaway)
     shown = [f"{layer(on_run, i)[1].max():.1f}, the fix off's {sci(layer(off_run, i)[1].max(), 1)}"
              for i, on_run, off_run in runaway]
-    assert f"With the fix on, seeds 0 and 1 did not collapse in {fixed[0]['steps']:,} and {fixed[1]['steps']:,} " \
-           f"steps, 1.5x their fix off's collapses, and the layer whose logits ran away with the fix off stayed below " \
-           f"100 with it (seed 0's layer 1 at most {shown[0]}; seed 1's layer 0 at most {shown[1]})" in text
-    assert "fp32 attention and rotary positions on seed 0 and the fix on with seed 2 have not run yet" in text \
+    assert f"With the fix on, none of the three collapsed in {fixed[0]['steps']:,}, {fixed[1]['steps']:,} and " \
+           f"{fixed[2]['steps']:,} steps, 1.5x their fix off's collapses, and the layer whose logits ran away with the " \
+           f"fix off stayed below 100 with it (seed 0's layer 1 at most {shown[0]}; seed 1's layer 0 at most " \
+           f"{shown[1]}; seed 2's layer 0 at most {shown[2]})" in text
+    assert "fp32 attention and rotary positions on seed 0 have not run yet" in text \
         and not any(row["arm"] in ("attn-fp32", "rope") for row in corpus)
     on_l1, off_l1, val = layer(on_run, 1), layer(s0, 1), on_run.series("val_loss")
     end = val[1][val[0] >= val[0][-1] - 20_000]   # its last 20,000 steps
@@ -1010,6 +1011,19 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"fix off's {at(s1.series('val_loss'), 62_000):.2f}), at its lowest {best1[1]:.3f} at step " \
            f"{best1[0]:,}" in text
     assert layer(on1, 0)[1].max() < 100 and max(layer(on1, i)[1].max() for i in range(6)) < 1_000
+    # the fix on, seed 2: layer 0, the fix off's runaway, stayed flat; layer 1, past 100 early with the fix off, below
+    on2 = on_runs[2]
+    on2_l1, val2 = layer(on2, 1), on2.series("val_loss")
+    best2 = (int(val2[0][np.argmin(val2[1])]), float(val2[1].min()))
+    assert f"On seed 2 (`on-s2`) the fix on's layer 0 stayed at most {layer(on2, 0)[1].max():.1f} (the fix off's " \
+           f"passed 100 at step {past(layer(s2, 0)):,}), and its layer 1, past 100 at step {past(layer(s2, 1)):,} " \
+           f"with the fix off and at most {layer(s2, 1)[1].max():.0f}, stayed below 100: at most " \
+           f"{on2_l1[1].max():.1f} (step {int(on2_l1[0][np.argmax(on2_l1[1])]):,}), {on2_l1[1][-1]:.1f} at the end; " \
+           f"layer 2 at most {layer(on2, 2)[1].max():.1f} (the fix off's {layer(s2, 2)[1].max():.0f}). Its val loss " \
+           f"did not rise: {at(val2, lowest[2][0]):.3f} at step {lowest[2][0]:,} (the fix off's lowest, " \
+           f"{lowest[2][1]:.3f}) and {at(val2, 85_000):.3f} at 85,000 (the fix off's " \
+           f"{at(s2.series('val_loss'), 85_000):.2f}), at its lowest {best2[1]:.3f} at step {best2[0]:,}." in text
+    assert on2_l1[1].max() < 100 < layer(s2, 1)[1].max() and max(layer(on2, i)[1].max() for i in range(6)) < 100
     ours = {f"results/memorisation/runs/{row['name']}" for row in off}
     probe = {(row["run"].split("/")[-1], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_runs.csv")
@@ -1026,16 +1040,18 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"memorise (three runs)" in text
     probed = lambda name: [row for row in read_table(root / "results/delta_probe/probe_runs.csv")
                            if row["run"] == f"results/memorisation/runs/{name}" and row["probe_batches"] == "train"]
-    fixed, fixed1 = ({row["term"]: row for row in probed(name)} for name in ("on-s0", "on-s1"))
-    fixed1_row = next(row for row in corpus if row["name"] == "on-s1")
+    fixed, fixed1, fixed2 = ({row["term"]: row for row in probed(name)} for name in ("on-s0", "on-s1", "on-s2"))
+    fixed1_row, fixed2_row = (next(row for row in corpus if row["name"] == name) for name in ("on-s1", "on-s2"))
     # one phase, the whole run (layer 0 never doubled), positive in each
-    assert all({row["phase"] for row in probed(name)} == {1} for name in ("on-s0", "on-s1"))
-    assert fixed["total"]["last_step"] == on["steps"] and fixed1["total"]["last_step"] == fixed1_row["steps"]
-    assert fixed["total"]["t"] > 2 and fixed1["total"]["t"] > 2
+    assert all({row["phase"] for row in probed(name)} == {1} for name in ("on-s0", "on-s1", "on-s2"))
+    assert fixed["total"]["last_step"] == on["steps"] and fixed1["total"]["last_step"] == fixed1_row["steps"] and \
+        fixed2["total"]["last_step"] == fixed2_row["steps"]
+    assert fixed["total"]["t"] > 2 and fixed1["total"]["t"] > 2 and fixed2["total"]["t"] > 2
     assert f"the probe reads it positive over the whole run, in `on-s0` (t {fixed['total']['t']:+.1f}; " \
-           f"{fixed['total']['mean']:.1e} against the curvature term's {fixed['curv']['mean']:.1e}) and in `on-s1` " \
+           f"{fixed['total']['mean']:.1e} against the curvature term's {fixed['curv']['mean']:.1e}), in `on-s1` " \
            f"(t {fixed1['total']['t']:+.1f}; {fixed1['total']['mean']:.1e} against " \
-           f"{fixed1['curv']['mean']:.1e})" in text
+           f"{fixed1['curv']['mean']:.1e}) and in `on-s2` (t {fixed2['total']['t']:+.1f}; " \
+           f"{fixed2['total']['mean']:.1e} against {fixed2['curv']['mean']:.1e})" in text
     claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same
     three = lambda values: f"{values[0]}, {values[1]} and {values[2]}"
     floors = [f"{np.nanmin(run.series('train_loss')[1]):.3f}" for run in runs]
@@ -1057,8 +1073,13 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{on1_l1[1].max():.1f} ({on1_l1[1][-1]:.1f} at the end), val loss {at(val1, 62_000):.3f} at step 62,000 " \
            f"(the fix off's {at(s1.series('val_loss'), 62_000):.2f}); its probe total " \
            f"{fixed1['total']['mean']:+.1e} (t {fixed1['total']['t']:+.1f}) against curv " \
-           f"{fixed1['curv']['mean']:+.1e}. fp32 attention and rotary positions on seed 0, and the fix on seed 2, still " \
-           f"to run |" in claims
+           f"{fixed1['curv']['mean']:+.1e}. With the fix on, seed 2 (`on-s2`): no collapse in {fixed2_row['steps']:,} " \
+           f"steps, layer 0 at most {layer(on2, 0)[1].max():.1f} (the fix off's past 100 at step " \
+           f"{past(layer(s2, 0)):,}), layer 1 at most {on2_l1[1].max():.1f} (the fix off's " \
+           f"{layer(s2, 1)[1].max():.0f}), val loss {at(val2, 85_000):.3f} at step 85,000 (the fix off's " \
+           f"{at(s2.series('val_loss'), 85_000):.2f}); its probe total {fixed2['total']['mean']:+.1e} " \
+           f"(t {fixed2['total']['t']:+.1f}) against curv {fixed2['curv']['mean']:+.1e}. fp32 attention and rotary " \
+           f"positions on seed 0 still to run |" in claims
     assert all(abs(probe[name, "total"]["mean"] - probe[name, "curv"]["mean"]) < 2 * probe[name, "total"]["se"]
                and probe[name, "total"]["t"] > 2 and abs(probe[name, "lin"]["t"]) < 2
                for name in ("off-s0", "off-s1", "off-s2"))
@@ -1104,9 +1125,9 @@ def test_readme_memorisation_sentence_is_its_runs():
            f"seeds run, at {off[0]['collapse_step']:,}, {off[1]['collapse_step']:,} and " \
            f"{off[2]['collapse_step']:,} steps" in readme
     on = {row["seed"]: row for row in read_table(root / "results/memorisation/runs.csv") if row["arm"] == "on"}
-    fixed = [on[seed] for seed in (0, 1)]
-    assert not any(row["collapsed"] for row in fixed) and f"the fix on, on seeds 0 and 1, did not in " \
-        f"{fixed[0]['steps']:,} and {fixed[1]['steps']:,} steps (section 10)" in readme
+    assert sorted(on) == [0, 1, 2] and not any(row["collapsed"] for row in on.values())
+    assert f"with the fix on none did, in {on[0]['steps']:,}, {on[1]['steps']:,} and {on[2]['steps']:,} steps " \
+           "(section 10)" in readme
 
 
 def fix_cost(root):
