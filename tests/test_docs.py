@@ -998,9 +998,10 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{end.max():.3f} over its last 20,000 steps" in text
     assert on_l1[1].max() < 100 < at(off_l1, 60_000) and abs(at(val, lowest[0][0]) - lowest[0][1]) < 0.005
     # the fix on, seed 1: layer 0, the fix off's runaway, stayed flat; layer 1 passed 100 and did not run away
-    on1 = load_run(root / "results/memorisation/runs/on-s1")
+    on1, on2 = on_runs[1:]
     on1_l1, val1 = layer(on1, 1), on1.series("val_loss")
-    best1 = (int(val1[0][np.argmin(val1[1])]), float(val1[1].min()))
+    best = lambda val: (int(val[0][np.argmin(val[1])]), float(val[1].min()))   # a val loss's lowest: (step, loss)
+    best1 = best(val1)
     assert f"On seed 1 (`on-s1`), where the fix off's layer 0 ran away, the fix on's stayed at most " \
            f"{layer(on1, 0)[1].max():.1f} (the fix off's passed 100 at step {past(layer(s1, 0)):,}); its layer 1 " \
            f"was not slowed: past 100 at step {past(on1_l1):,} (the fix off's at {past(layer(s1, 1)):,}), at most " \
@@ -1012,9 +1013,8 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{best1[0]:,}" in text
     assert layer(on1, 0)[1].max() < 100 and max(layer(on1, i)[1].max() for i in range(6)) < 1_000
     # the fix on, seed 2: layer 0, the fix off's runaway, stayed flat; layer 1, past 100 early with the fix off, below
-    on2 = on_runs[2]
     on2_l1, val2 = layer(on2, 1), on2.series("val_loss")
-    best2 = (int(val2[0][np.argmin(val2[1])]), float(val2[1].min()))
+    best2 = best(val2)
     assert f"On seed 2 (`on-s2`) the fix on's layer 0 stayed at most {layer(on2, 0)[1].max():.1f} (the fix off's " \
            f"passed 100 at step {past(layer(s2, 0)):,}), and its layer 1, past 100 at step {past(layer(s2, 1)):,} " \
            f"with the fix off and at most {layer(s2, 1)[1].max():.0f}, stayed below 100: at most " \
