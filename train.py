@@ -138,7 +138,7 @@ def train(c, corpus, resume):
     # stop_at: --steps, brought in by --minutes, a loss spike (EXTRA_ROWS log intervals on) or a non-finite loss
     step, collapse, stop_at = state["step"], None, c["steps"]
     loss_sum, grad_sum, n_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
-    bad_step = torch.full((), -1, device=device)  # first step with a non-finite loss, tracked without a sync
+    bad_step = torch.full((), -1, device=device)  # first step (counted as the log counts) with a non-finite loss
     t_start = t_row = time.time()
     elapsed0 = state["elapsed"]
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
@@ -161,7 +161,7 @@ def train(c, corpus, resume):
 
             # bookkeeping, on the device: no host sync until the next log row
             loss = loss.detach()
-            bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step)
+            bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step + 1)   # (no host sync)
             state["ema"] = loss.clone() if state["ema"] is None else state["ema"].lerp(loss, 1 - EMA_BETA)
             loss_sum += loss
             grad_sum += grad_norm

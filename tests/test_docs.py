@@ -565,7 +565,8 @@ def test_findings_curvature_numbers_are_their_files():
     low = [float(np.nanmin(load_run(root / row["run"]).series("train_loss")[1]))
            for row in never]
     assert len(never) == 2 and min(low) > 0.5
-    assert "positive before layer 0's logits double in every run it read but the two in fp32 attention at lr 1e-2 " \
+    assert "positive while layer 0's logits stay below twice their value at step 10,000 (in the runs where they ran " \
+           "away: before they doubled) in every run it read but the two in fp32 attention at lr 1e-2 " \
            f"(where every layer passed 100 by step 1,000, their train loss at its lowest " \
            f"{listed([f'{x:.2f}' for x in low])}: t " \
            f"{listed([format(row['t'], '+.1f') for row in never])})" in text
@@ -1250,3 +1251,18 @@ def test_the_fused_exponents_residue_is_fp32s_spacing():
     assert f"nothing at ordinary logits (2^{np.log2(rho[10]):.0f} at ~10), {at_1e6}, {at_1e9};" in kernel_md
     assert f"nothing at logits ~10, {at_1e6}, {at_1e9}, and a one-hot row's" in doc_section("docs/findings.md", "## 5. ",
                                                                                            "## 6. ")
+
+
+def test_results_readme_names_the_collapses_counted_from_0():
+    """results/README.md's rows whose collapse_step counted the non-finite step from 0: every committed row whose
+    reason is a non-finite loss (train.py now counts it as the log does)."""
+    root = Path(analyze.__file__).parent
+    rows = [(table.parent.name, row["name"]) for table in sorted((root / "results").glob("*/*runs.csv"))
+            for row in read_table(table) if str(row.get("reason") or "").startswith("non-finite loss")]
+    assert sorted(rows) == sorted([("default_search", "lr3e-3-off-s0-run4"), ("seed_study", "off-s2")] + [
+        ("seed_study", f"{arm}-s{seed}-nolog") for arm, seed in (("off", 0), ("off", 1), ("off", 2), ("off", 5),
+                                                                   ("off", 7), ("paper", 1))])
+    text = " ".join((root / "results/README.md").read_text().split())
+    assert f"the {['', 'one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine'][len(rows)]} rows " \
+           "whose `reason` is a non-finite loss (`seed_study`'s `off-s2` and its six `-nolog` rows of that reason, " \
+           "`default_search`'s `lr3e-3-off-s0-run4`) come from a train.py that counted that step from 0" in text

@@ -394,14 +394,14 @@ def test_help_shows_the_chosen_presets_defaults(argv, capsys):
 
 
 def poison_step(monkeypatch, at):
-    """Make the training loss of step `at` NaN, and so the gradients and weights after it, as a bf16 blow-up does:
-    the batch train.py's loop draws for that step (get_batch with the run's seed, 0, and that step; the tiny preset's
-    evaluation draws seed 0's steps 0-3, the diagnostics step 0 and seed 10**6) goes through a GPT.forward whose
-    loss is multiplied by NaN."""
+    """Make the training loss of step `at` (counted as the log and the checkpoints count: the at-th step) NaN, and so
+    the gradients and weights after it, as a bf16 blow-up does: the batch train.py's loop draws for that step
+    (get_batch with the run's seed, 0, and at - 1, get_batch counting from 0; the tiny preset's evaluation draws seed
+    0's steps 0-3, the diagnostics step 0 and seed 10**6) goes through a GPT.forward whose loss is multiplied by NaN."""
     poisoned, original = [], data.get_batch
     def get_batch(tokens, batch_size, block_size, seed, step):
         x, y = original(tokens, batch_size, block_size, seed, step)
-        if (seed, step) == (0, at):
+        if (seed, step) == (0, at - 1):
             poisoned.append(x)
         return x, y
     forward = model.GPT.forward
@@ -453,7 +453,7 @@ def test_a_non_finite_gradient_of_a_finite_loss_is_not_checkpointed(run, monkeyp
     row = read_log(run_dir)[1]
     assert row["step"] == "20" and row["grad_norm"] == "inf" and row["val_loss"] == row["max_logit_L0"] == ""
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["collapse_step"] == 20 and summary["reason"] == "non-finite loss at step 20"
+    assert summary["collapse_step"] == 21 and summary["reason"] == "non-finite loss at step 21"   # the next step
 
 
 def test_a_non_finite_gradient_in_the_last_row_is_a_collapse(run, monkeypatch):
