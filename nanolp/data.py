@@ -5,6 +5,7 @@ data/<name>/. Batches are sampled on the device, from a generator seeded by (see
 """
 
 import hashlib
+import http.client
 import itertools
 import json
 import os
@@ -22,6 +23,7 @@ DEFAULT_TEXT = DATA_DIR / "tinyshakespeare" / "input.txt"
 # 1,000,003 steps draws them as its own (get_batch's generator is seeded seed * 1,000,003 + step)
 PROBE_SEED = 10**6
 DEFAULT_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DEFAULT_SHA1 = "04486597058d11dcc2c556b1d0433891eb639d2e"   # TinyShakespeare's (data/README.md)
 
 HOW_TO_GIVE_TEXT = (
     "Copy TinyShakespeare's input.txt to {default} (the default run, under its own name), "
@@ -38,17 +40,6 @@ class Dataset:
     @property
     def vocab_size(self):
         return len(self.itos)
-
-    @property
-    def stoi(self):
-        return {ch: i for i, ch in enumerate(self.itos)}
-
-    def encode(self, text):
-        stoi = self.stoi
-        return [stoi[ch] for ch in text]
-
-    def decode(self, ids):
-        return "".join(self.itos[i] for i in ids)
 
 
 class TextError(ValueError):
@@ -81,10 +72,14 @@ def find_text(path=None):
         try:
             with urllib.request.urlopen(DEFAULT_URL, timeout=30) as response:
                 text = response.read()
-        except OSError as e:  # URLError and timeouts are OSErrors
+        except (OSError, http.client.HTTPException) as e:  # URLError, timeouts; a body cut short (IncompleteRead)
             raise TextError(
                 f"no text at {DEFAULT_TEXT} and the download from {DEFAULT_URL} failed "
-                f"({getattr(e, 'reason', e)}). " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)) from e
+                f"({getattr(e, 'reason', e)}). " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)) from None
+        if hashlib.sha1(text).hexdigest() != DEFAULT_SHA1:   # (a proxy's login page, a changed file: not kept)
+            raise TextError(f"no text at {DEFAULT_TEXT} and what {DEFAULT_URL} sent is not TinyShakespeare "
+                            f"({len(text):,} bytes, sha1 {hashlib.sha1(text).hexdigest()}, not {DEFAULT_SHA1}). "
+                            + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
         DEFAULT_TEXT.parent.mkdir(parents=True, exist_ok=True)
         partial = DEFAULT_TEXT.with_suffix(".part")  # rename at the end, so a broken download never looks done
         partial.write_bytes(text)
@@ -100,7 +95,7 @@ def split_point(n):
 def cache_name(text):
     """The name of a text's token cache, and of the text in a run's name: char-rnn data sets come as
     <name>/input.txt; any other file is named by itself, less its extension."""
-    text = Path(text)
+    text = Path(text).resolve()   # (a relative input.txt is named by the folder it is in too)
     return text.parent.name if text.stem == "input" else text.stem
 
 
@@ -119,18 +114,14 @@ def prepare(path=None, data_dir=None, block_size=None):
         raise TextError(f"{text_path} would share its path with its token cache (a text without an extension in "
                         f"{cache.parent}): rename it, as {text_path.name}.txt, or move it elsewhere")
     meta_path = cache / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError):   # none yet, or cut short as it was written: the cache is made again
-        meta = {}
-    # the cache is used if it holds this text's tokens whole: each token file as long as meta.json recorded (one
-    # cut short, or a cache written before meta.json recorded the lengths, is made again)
     files = [cache / f"{split}.bin" for split in ("train", "val")]
-    sizes = [file.stat().st_size if file.is_file() else None for file in files]
-    if meta.get("sha1") == key and sizes == [2 * n for n in meta.get("tokens", [])]:   # (2 bytes a uint16 token)
-        itos = meta["itos"]
-        train, val = (np.fromfile(file, dtype=np.uint16) for file in files)
+    cached = read_cache(meta_path, files)
+    if cached is not None and cached[0] == key:
+        _, itos, train, val = cached
     else:
+        if b"\0" in raw:   # (valid UTF-8, but no text: a UTF-16 file, or a binary one)
+            raise TextError(f"{text_path} holds NUL bytes (byte {raw.index(0)}): not a UTF-8 text (convert a UTF-16 "
+                            "file with iconv -f utf-16 -t utf-8)")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -146,11 +137,11 @@ def prepare(path=None, data_dir=None, block_size=None):
         ids = token[codepoints]
         n = split_point(len(ids))
         train, val = ids[:n], ids[n:]
-        cache.mkdir(parents=True, exist_ok=True)
-        train.tofile(files[0])
-        val.tofile(files[1])
-        meta_path.write_text(json.dumps({"sha1": key, "source": str(text_path), "itos": itos,  # meta last
-                                         "tokens": [len(train), len(val)]}))
+        try:
+            write_cache(meta_path, files, dict(sha1=key, source=str(text_path), itos=itos), train, val)
+        except OSError as e:
+            raise TextError(f"cannot write {text_path}'s token cache at {cache} ({e.strerror or e}): make room for it, "
+                            f"or move what is at {e.filename or cache} away") from None
     for split, tokens in (("training", train), ("validation", val)):
         if block_size is not None and len(tokens) < block_size + 1:
             need = next(n for n in itertools.count(block_size + 1)
@@ -159,6 +150,38 @@ def prepare(path=None, data_dir=None, block_size=None):
                             f"has {len(tokens)}, and one example takes block_size + 1 = {block_size + 1}; give a "
                             f"text of at least {need} characters, or a smaller --block-size")
     return Dataset(torch.from_numpy(train), torch.from_numpy(val), itos)
+
+
+def read_cache(meta_path, files):
+    """(the text's sha1, itos, train, val) from a token cache that holds them whole, else None (none yet, or a
+    meta.json or token file cut short, damaged or left by another text's write: the cache is made again). meta.json
+    records the token files' sha1, so whatever they hold, they are read only as the tokens meta.json describes."""
+    try:
+        meta = json.loads(meta_path.read_text())
+        raw = [file.read_bytes() for file in files]
+    except (OSError, ValueError):
+        return None
+    fields = dict(sha1=str, itos=str, tokens_sha1=str)
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), kind) for k, kind in fields.items()):
+        return None
+    if hashlib.sha1(b"".join(raw)).hexdigest() != meta["tokens_sha1"] or any(len(r) % 2 for r in raw):
+        return None
+    train, val = (np.frombuffer(r, dtype=np.uint16).copy() for r in raw)
+    return meta["sha1"], meta["itos"], train, val
+
+
+def write_cache(meta_path, files, meta, train, val):
+    """Write a token cache: each file under a name of its own, then renamed (no reader sees it half written), and
+    meta.json last, with the token files' sha1 (read_cache takes no other files for them)."""
+    meta_path.parent.mkdir(parents=True, exist_ok=True)
+    for file, tokens in zip(files, (train, val)):
+        part = file.with_name(f"{file.name}.{os.getpid()}.part")
+        tokens.tofile(part)
+        os.replace(part, file)
+    tokens_sha1 = hashlib.sha1(train.tobytes() + val.tobytes()).hexdigest()
+    part = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.part")
+    part.write_text(json.dumps({**meta, "tokens": [len(train), len(val)], "tokens_sha1": tokens_sha1}))
+    os.replace(part, meta_path)
 
 
 def get_batch(tokens, batch_size, block_size, seed, step):

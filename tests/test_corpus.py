@@ -5,6 +5,7 @@ import io
 import tarfile
 import urllib.error
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +199,10 @@ def test_train_corpus_preset_reads_the_text_this_builds():
     assert corpus.ROOT / train.PRESETS["corpus"]["data"] == corpus.DEFAULT_OUT
     assert {k: v for k, v in train.PRESETS["corpus"].items() if k != "data"} == \
            {k: v for k, v in train.DEFAULT.items() if k != "data"}   # the default run but for its text
+
+
+def test_data_readme_counts_the_packages():
+    """data/README.md's count of the packages the text is built from: SOURCES's."""
+    readme = " ".join((Path(corpus.__file__).parent.parent / "data/README.md").read_text().split())
+    words = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    assert f"It is English from {words[len(corpus.SOURCES)]} packages of three registries" in readme

@@ -1,5 +1,8 @@
 """nanolp/data.py: tokenizing, the token cache, a clear error for every text that cannot be trained on, batches as a
 function of (seed, step)."""
+import http.client
+import io
+import json
 import re
 from pathlib import Path
 
@@ -7,6 +10,11 @@ import pytest
 import torch
 
 from nanolp import data
+
+
+def decode(ds, tokens):
+    """The text of token ids, as the vocabulary maps them."""
+    return "".join(ds.itos[i] for i in tokens.tolist())
 
 
 @pytest.fixture
@@ -23,8 +31,7 @@ def test_prepare_round_trip(text_file, tmp_path):
     assert ds.itos == "".join(sorted(set(text)))  # any UTF-8 text: one token per character
     assert ds.train.dtype == ds.val.dtype == torch.uint16
     assert len(ds.train) == int(0.9 * len(text)) and len(ds.train) + len(ds.val) == len(text)
-    assert ds.decode(torch.cat([ds.train, ds.val]).tolist()) == text
-    assert ds.encode("to be") == [ds.stoi[ch] for ch in "to be"]
+    assert decode(ds, torch.cat([ds.train, ds.val])) == text
     assert (tmp_path / "cache" / "tiny" / "train.bin").is_file()
 
 
@@ -40,7 +47,7 @@ def test_cache_reused_and_invalidated(text_file, tmp_path, monkeypatch):
     monkeypatch.undo()
     text_file.write_text("a different text, same file name\n" * 20, encoding="utf-8")
     changed = data.prepare(text_file, data_dir=cache)
-    assert changed.decode(changed.train.tolist()) != first.decode(first.train.tolist())
+    assert decode(changed, changed.train) != decode(first, first.train)
     assert "?" not in changed.itos and "d" in changed.itos
 
 
@@ -56,6 +63,38 @@ def test_a_token_file_cut_short_is_made_again(text_file, tmp_path):
         assert torch.equal(again.train, whole.train) and torch.equal(again.val, whole.val), split
     (cache / "tiny" / "meta.json").write_text('{"sha1": "')   # cut short as it was written: made again too
     assert torch.equal(data.prepare(text_file, data_dir=cache).train, whole.train)
+    meta = json.loads((cache / "tiny" / "meta.json").read_text())
+    for damaged in ([], None, "x", {**meta, "itos": 7}, {**meta, "tokens_sha1": None}):   # JSON, not a cache's
+        (cache / "tiny" / "meta.json").write_text(json.dumps(damaged))
+        assert torch.equal(data.prepare(text_file, data_dir=cache).val, whole.val), damaged
+
+
+def test_token_files_are_read_only_as_the_tokens_their_meta_describes(text_file, tmp_path, monkeypatch):
+    """Token files of the right length but other content (damaged, or another text's of the same name and length
+    written over them) are not taken for the text's; nor are those a write cut short left behind."""
+    cache = tmp_path / "cache"
+    whole = data.prepare(text_file, data_dir=cache)
+    text = text_file.read_text(encoding="utf-8")
+    train = cache / "tiny" / "train.bin"
+    train.write_bytes(b"\x60\xea" * (train.stat().st_size // 2))   # token 60000, as long as before
+    assert decode(data.prepare(text_file, data_dir=cache), whole.train) == text[:len(whole.train)]
+    # another text of the same name and length, its write stopped before its meta.json: this text's again, whole
+    other = tmp_path / "other" / "tiny.txt"
+    other.parent.mkdir()
+    other.write_text(text[::-1], encoding="utf-8")
+    replace = data.os.replace
+    def stopped(part, file):
+        if Path(file).name == "meta.json":
+            raise KeyboardInterrupt
+        replace(part, file)
+    monkeypatch.setattr(data.os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare(other, data_dir=cache)
+    monkeypatch.undo()
+    again = data.prepare(text_file, data_dir=cache)
+    assert decode(again, torch.cat([again.train, again.val])) == text
+    mixed = data.prepare(other, data_dir=cache)   # and the other text's own, after this one's
+    assert decode(mixed, torch.cat([mixed.train, mixed.val])) == text[::-1]
 
 
 def test_a_folder_or_a_device_is_no_text_file(tmp_path):
@@ -80,6 +119,30 @@ def test_a_relative_path_in_the_checkout_works_from_any_directory(tmp_path, monk
     (tmp_path / "nanolp").mkdir()
     (tmp_path / "nanolp" / "data.py").write_text("xyz")
     assert data.find_text("nanolp/data.py") == Path("nanolp/data.py")
+
+
+def test_a_relative_input_txt_is_named_by_its_folder(tmp_path, monkeypatch):
+    """char-rnn's <name>/input.txt, given from inside <name>/: its cache is still data/<name>/, not the data folder."""
+    (tmp_path / "poems").mkdir()
+    monkeypatch.chdir(tmp_path / "poems")
+    assert data.cache_name("input.txt") == data.cache_name(tmp_path / "poems" / "input.txt") == "poems"
+
+
+def test_a_download_that_is_not_tinyshakespeare_is_not_kept(tmp_path, monkeypatch):
+    """A proxy's page sent with status 200, or a body cut short: one line, and nothing saved as TinyShakespeare."""
+    monkeypatch.delenv("NANOLP_DATA", raising=False)
+    monkeypatch.setattr(data, "DEFAULT_TEXT", tmp_path / "tinyshakespeare" / "input.txt")
+    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"<html>log in</html>"))
+    with pytest.raises(data.TextError, match=r"^no text at \S+input.txt and what \S+ sent is not TinyShakespeare "
+                                             r"\(19 bytes, sha1 [0-9a-f]{40}, not 04486597058d11dcc2c556b1d0433891eb639d2e\)"
+                                             r"\. Copy TinyShakespeare's input.txt to "):
+        data.find_text()
+    def cut_short(url, timeout):
+        raise http.client.IncompleteRead(b"First Citizen", 1113894)
+    monkeypatch.setattr(data.urllib.request, "urlopen", cut_short)
+    with pytest.raises(data.TextError, match=r"^no text at \S+input.txt and the download from \S+ failed \("):
+        data.find_text()
+    assert not (tmp_path / "tinyshakespeare").exists()
 
 
 def test_missing_file_says_how_to_give_one(tmp_path, monkeypatch):
@@ -132,6 +195,15 @@ def test_texts_that_cannot_be_trained_on(tmp_path, monkeypatch):
     ds = data.prepare(tmp_path / "text.txt", data_dir=tmp_path / "cache", block_size=64)
     assert (len(ds.train), len(ds.val)) == (576, 65)
     data.get_batch(ds.val.long(), 4, 64, seed=0, step=0)   # the shortest split still gives a batch
+    # valid UTF-8 with NUL bytes: a UTF-16 file (or a binary one), not a text
+    assert "holds NUL bytes (byte 1): not a UTF-8 text (convert a UTF-16 file with iconv -f utf-16 -t utf-8)" in \
+        error("to be or not to be\n".encode("utf-16-le") * 50)
+    (tmp_path / "cache" / "blocked").write_text("a file where the text's token cache goes")
+    blocked = tmp_path / "blocked.txt"
+    blocked.write_text("to be or not to be\n" * 100)
+    with pytest.raises(data.TextError, match=r"^cannot write \S+blocked.txt's token cache at \S+cache/blocked \(.+\): "
+                                             r"make room for it, or move what is at \S+ away$"):
+        data.prepare(blocked, data_dir=tmp_path / "cache")
     bare = tmp_path / "cache" / "words"   # a text without an extension where the caches are: its cache's own path
     bare.write_text("to be or not to be\n" * 100)
     with pytest.raises(data.TextError, match=r"would share its path with its token cache .* as words\.txt"):
