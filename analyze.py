@@ -391,8 +391,8 @@ def analyze_runs(runs, out):
         lines += [f"{', '.join(tiny)}: {TINY_NOTE}.", ""]
     for table in tables:   # a study's runs: results/README.md's table, the rows of runs whose logs were not kept too
         lines += [f"All runs of `{table}`, by arm (`python analyze.py --table {table}` writes it into the docs whose "
-                  "table marker names that file):", ""] + study_table(rows[table]) + ["", "The runs with logs:", ""]
-    lines += run_table(runs) + ["", "### Per arm", ""]
+                  "table marker names that file):", ""] + study_table(rows[table]) + [""]
+    lines += (["The runs with logs:", ""] if tables else []) + run_table(runs) + ["", "### Per arm", ""]
     lines += ["Medians over each arm's runs (max logit: over all layers), minutes to collapse over its collapsed runs "
               "only; a run ended by itself in a collapse or at its --steps or --minutes. Also in rates.csv.",
               ""] + rate_table(rates)
@@ -704,7 +704,8 @@ def fail(message):
 
 def main(argv=None):
     parser = Parser(prog="analyze.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("runs", nargs="*", help="run folders, or folders of them (default: runs/)")
+    parser.add_argument("runs", nargs="*",
+                        help=f"run folders, or folders of them (default: {PRESETS['default']['out']}/)")
     parser.add_argument("--out", type=Path, help="where figures and report.md go (default: <runs root>/figures)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--probe", action="store_true", help="the delta probe's columns of the runs")
@@ -717,7 +718,7 @@ def main(argv=None):
         parser.error(f"--{'mechanism' if args.mechanism else 'table'} reads no runs")
     if args.table and args.out:
         parser.error("--table writes the docs' tables in place: no --out")
-    given = args.table if args.table else [] if args.mechanism else args.runs or ["runs"]
+    given = args.table if args.table else [] if args.mechanism else args.runs or [PRESETS["default"]["out"]]
     missing = [str(path) for path in given if not Path(path).exists()]
     if missing:   # one line, not a traceback
         fail(f"no such file or folder: {', '.join(missing)}")
@@ -730,7 +731,7 @@ def main(argv=None):
     paths = [] if args.mechanism else find_runs(given)
     if not args.mechanism and not paths:
         fail(f"no run folders (with a log.csv or log.csv.gz) in {', '.join(given)}")
-    root = Path(os.path.commonpath([p.parent.absolute() for p in paths])) if paths else Path("runs")
+    root = Path(os.path.commonpath([p.parent.absolute() for p in paths])) if paths else Path(PRESETS["default"]["out"])
     out = args.out or root / "figures"
     runs = load_runs(paths)   # (one with a damaged file: left out, in one line)
     if paths and not runs:

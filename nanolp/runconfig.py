@@ -75,6 +75,11 @@ RECORDED = dict(preset=str, name=str, device=str, compile=str, data_sha1=str, vo
 # The settings that the presets leave None (not given), with the type they have when given
 OPTIONAL = dict(minutes=float, data=str)
 JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+# A run's outcome as summary.json records it (runs.write_summary), each with its type, or null (no collapse; a loss
+# that went non-finite; a run on the CPU)
+OUTCOME = dict(collapsed=bool, collapse_step=int, collapse_minute=float, reason=str, steps=int, minutes=float,
+               final_val_loss=float, final_train_loss=float, max_logit=float, tokens_per_s=float, mfu=float,
+               peak_mem_gb=float)
 
 
 def as_shipped(settings):
@@ -457,7 +462,22 @@ def read_json(path):
         raise DamagedFile(f"{path} cannot be read ({e.strerror})") from None
     if not isinstance(value, dict):   # (train.py writes an object)
         raise DamagedFile(f"{path} holds JSON but not an object")
+    if path.name == "summary.json" and (problems := summary_problems(value)):
+        raise DamagedFile(f"{path}: " + "; ".join(problems))
     return as_current(value)
+
+
+def summary_problems(summary):
+    """What in a summary.json no train.py wrote, as an edit by hand leaves it: an outcome of another type than
+    OUTCOME's ("steps": "150000"), a collapse without its step, a setting that is not one value ("fix": ["on"])."""
+    problems = [f'"{key}" is {json.dumps(summary.get(key))}, not {JSON_TYPES[kind]}' for key, kind in OUTCOME.items()
+                if not (summary.get(key) is None or type(summary[key]) is kind
+                        or (kind is float and type(summary[key]) is int))]
+    if summary.get("collapsed") is True and summary.get("collapse_step") is None:
+        problems.append('"collapsed" is true without a "collapse_step"')
+    problems += [f'"{key}" is {json.dumps(summary[key])}, not one value' for key in ARM
+                 if isinstance(summary.get(key), (list, dict))]
+    return problems
 
 
 def as_current(settings):

@@ -753,11 +753,12 @@ def write_csv(path, rows, columns):
 
 
 def find_runs(paths):
-    """Run folders among `paths`: each is a run folder (it has a log.csv) or a folder of them."""
+    """Run folders among `paths`: each is a run folder (it has a log.csv) or a folder of them. A run given twice
+    (itself and its folder) is found once, where it first comes."""
     found = []
     for path in map(Path, paths):
         if log_path(path).exists():
             found.append(path)
         elif path.is_dir():
             found.extend(sorted({p.parent for pattern in ("*/log.csv", "*/log.csv.gz") for p in path.glob(pattern)}))
-    return found
+    return list({path.resolve(): path for path in reversed(found)}.values())[::-1]

@@ -391,6 +391,27 @@ def test_runs_report_and_figures(tmp_path):
     assert (out / "rates.csv").stat().st_size > 0
 
 
+def test_two_studies_report_their_tables_then_the_runs_with_logs(tmp_path, capsys):
+    """Each study's table of every run (its runs.csv), then one table of the runs with logs; a run named twice (its
+    folder and the folder of runs it is in) is one run."""
+    rng = np.random.default_rng(0)
+    for study in ("a", "b"):
+        write_run(tmp_path / study / "runs", "off-s0", 0, True, rng)
+        row = dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma",
+                   collapsed=True, collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=5e8,
+                   tokens_per_s=5000.0, log_kept=True, variant="", lr=1e-3)
+        write_csv(tmp_path / study / "runs.csv", [row], list(row))
+    given = [tmp_path / "a" / "runs", tmp_path / "a" / "runs" / "off-s0", tmp_path / "b" / "runs"]
+    assert find_runs(given) == [tmp_path / "a" / "runs" / "off-s0", tmp_path / "b" / "runs" / "off-s0"]
+    analyze.main([*map(str, given), "--out", str(tmp_path / "figures")])
+    report = (tmp_path / "figures" / "report.md").read_text().splitlines()
+    heads = [i for i, line in enumerate(report) if line.startswith(("All runs of", "The runs with logs:"))]
+    assert [report[i].split(" `")[0].rstrip(":") for i in heads] == ["All runs of", "All runs of", "The runs with logs"]
+    runs_table = report[heads[2]:report.index("### Per arm")]
+    assert [line.split(" | ")[0] for line in runs_table if line.endswith("| 5,000 |")] == [
+        f"| `{tmp_path / study / 'runs' / 'off-s0'}`" for study in ("a", "b")]   # off-s0 of a given twice: once
+
+
 def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
     """A summary.json or config.json that cannot be parsed (a disk that filled, a run killed as it wrote it): the run
     is named in one line and left out of the figures, the report and the study's table; the others are drawn."""
@@ -400,10 +421,14 @@ def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
     for name, damaged in (("on-s0", "summary.json"), ("on-s1", "config.json")):
         write_run(runs, name, 0, False, rng, fix="on")
         (runs / name / damaged).write_text('{"fix": "on", "seed')
+    write_run(runs, "on-s2", 0, False, rng, fix="on")   # and one edited by hand: its steps as text
+    edited = runs / "on-s2" / "summary.json"
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "steps": "390"}))
     analyze.main([str(runs)])
     assert [line for line in capsys.readouterr().out.splitlines() if "left out" in line] == [
         f"{runs / name}: left out, {runs / name / damaged} cannot be parsed as JSON (Unterminated string starting "
-        f"at: line 1 column 15 (char 14))" for name, damaged in (("on-s0", "summary.json"), ("on-s1", "config.json"))]
+        f"at: line 1 column 15 (char 14))" for name, damaged in (("on-s0", "summary.json"), ("on-s1", "config.json"))
+    ] + [f'{runs / "on-s2"}: left out, {edited}: "steps" is "390", not an integer']
     report = (runs / "figures" / "report.md").read_text()
     assert "off-s0" in report and "on-s" not in report
     # the study's table: layer 0's peak from the kept logs that can be read

@@ -298,6 +298,25 @@ def test_a_damaged_config_or_summary_is_named_in_one_line(text, copy, capsys, na
     assert path.read_bytes() == damage
 
 
+EDITS = {"steps as text": ({"steps": "150000"}, '"steps" is "150000", not an integer'),
+         "a list for a setting": ({"fix": ["on"]}, '"fix" is ["on"], not one value'),
+         "a collapse without its step": ({"collapsed": True, "collapse_step": None},
+                                         '"collapsed" is true without a "collapse_step"')}
+
+
+@pytest.mark.parametrize("edit, problem", EDITS.values(), ids=EDITS)
+def test_a_summary_edited_by_hand_is_named_in_one_line(text, copy, capsys, edit, problem):
+    """JSON that train.py did not write (another type, a setting as a list): the run is refused in one line naming the
+    file and the key, not a traceback or a report that reads it otherwise; the file is left as it is."""
+    path = copy / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    damage = path.read_bytes()
+    for flags in (["--resume"], []):
+        assert refusal(capsys, lambda: train.main(command(text, copy, *flags))) == \
+            f"train.py: error: {path}: {problem}\n"
+    assert path.read_bytes() == damage
+
+
 def test_resume_never_cuts_back_the_steps_a_run_recorded(text, copy, capsys):
     """--resume with a --steps below the steps the run has recorded (its summary.json's, or, killed before its
     summary, its log's) is refused before anything changes: with its last checkpoint damaged, it would continue

@@ -859,6 +859,15 @@ def compile_launches(*argv):
                           env=env, capture_output=True, text=True, timeout=1200)
 
 
+def test_the_compile_check_under_the_interpreter_is_one_line():
+    """TRITON_INTERPRET exported (as the CPU tests run): the compile check says to unset it, in one line."""
+    done = subprocess.run([sys.executable, "-m", "nanolp.compile_sm90", "--arch", "86"], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          timeout=300)
+    assert done.returncode == 1 and done.stderr == "nanolp.compile_sm90: run it without TRITON_INTERPRET (unset it): " \
+        "it compiles the kernels, the interpreter runs them\n"
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests compile what they run")
 def test_every_specialization_compiles_for_sm90():
     """The interpreter runs code Triton's compiler rejects (a loop-carried value changing dtype passes every test

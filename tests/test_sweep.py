@@ -46,7 +46,8 @@ with open(run / "log.csv", "w") as f:
     for step in range(10, end + 1, 10):
         diag = "2.5,9.0" if step % 100 == 0 else ","
         f.write(f"{step},{step / 100},{1 / step},{diag}\n")
-summary = dict(collapsed=a.collapse_at is not None, steps=end, name=a.name, seed=a.seed, fix=a.fix)
+summary = dict(collapsed=a.collapse_at is not None, collapse_step=a.collapse_at, steps=end, name=a.name, seed=a.seed,
+               fix=a.fix)
 (run / "summary.json").write_text(json.dumps(summary))
 (run / "device.txt").write_text(f"{os.environ.get('CUDA_VISIBLE_DEVICES')} {start} {time.time()}")
 '''
@@ -233,7 +234,7 @@ def test_run_state_and_resume_minutes(tmp_path):
     done = write_run(tmp_path, "done", {}, dict(steps=100, collapsed=False), rows)
     assert sweep.run_state(done, 100) == "finished"
     assert sweep.run_state(done, 200) == "stale"  # a longer target, but nothing to resume from
-    crashed = write_run(tmp_path, "crashed", {}, dict(steps=30, collapsed=True), rows)
+    crashed = write_run(tmp_path, "crashed", {}, dict(steps=30, collapsed=True, collapse_step=30), rows)
     assert sweep.run_state(crashed, 200) == "finished"
     cut = write_run(tmp_path, "cut", {}, dict(steps=30, collapsed=False), rows)  # stopped by --minutes
     (cut / "ckpt").mkdir()
@@ -267,7 +268,7 @@ def test_plan(tmp_path):
     out, results = tmp_path / "out", tmp_path / "results"
     rows = [dict(step=s, elapsed_s=s / 10) for s in (10, 20)]
     write_run(out, "a-s0", dict(fix="off"), dict(steps=100), rows)                   # reached min_steps
-    write_run(out, "a-s1", dict(fix="off"), dict(steps=20, collapsed=True), rows)    # collapsed
+    write_run(out, "a-s1", dict(fix="off"), dict(steps=20, collapsed=True, collapse_step=20), rows)    # collapsed
     write_run(out, "b-s1", dict(fix="on"), None, rows)                               # killed, no checkpoint
     (write_run(out, "a-s2", dict(fix="off"), None, rows) / "ckpt").mkdir()
     (out / "a-s2" / "ckpt" / "step_0000020.pt").write_bytes(b"")                    # killed after a checkpoint
