@@ -180,10 +180,15 @@ def delta_probe(model, batches, ctx, seed=0):
             terms["indep"].append((dO * (stochastic_round(o32, generator).float() - o32)).sum(-1))
     out = {}
     for term, values in terms.items():
-        values = torch.cat([t.flatten() for t in values]).double()
-        out[f"probe_{term}_L{layer}"] = values.mean().float()
-        out[f"probe_{term}_se_L{layer}"] = (values.std() / math.sqrt(values.numel())).float()
+        out[f"probe_{term}_L{layer}"], out[f"probe_{term}_se_L{layer}"] = mean_and_se(values)
     return out
+
+
+def mean_and_se(values):
+    """The mean of every element of the tensors `values` and its standard error (the sample's standard deviation
+    over the square root of its size), in float32."""
+    values = torch.cat([t.flatten() for t in values]).double()
+    return values.mean().float(), (values.std() / math.sqrt(values.numel())).float()
 
 
 def diagnose(model, x, y, ctx, probe=None, seed=0):

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, reference_attention
+from nanolp import diagnostics
 from nanolp.diagnostics import (PROBE_LAYER, _probe_pass, attention_stats, delta_probe, diag_columns, diagnose,
-                                fp32_output, probe_columns)
+                                fp32_output, mean_and_se, probe_columns)
+from nanolp.emulate import causal_scores
 
 SMALL = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)
 BF16 = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -190,3 +192,50 @@ def test_delta_push_is_the_norm_growth_of_the_gradient_error():
     assert push_q.abs().min() > 1e-4  # the rounding does move the gradients' norms: the check has a size
     assert delta_push.double().tolist() == pytest.approx(push_q.tolist(), rel=1e-3)
     assert delta_push.double().tolist() == pytest.approx(push_k.tolist(), rel=1e-3)
+
+
+def test_max_logit_is_the_largest_scaled_score_of_every_row_head_and_batch():
+    """One key of one head of the second batch element scores 7.5 (q.k = 64 x 0.9375 = 60, over sqrt(64)); every
+    other score is 0."""
+    q = torch.ones(2, 2, 16, 64, dtype=torch.bfloat16)
+    k = torch.zeros_like(q)
+    k[1, 1, 3] = 0.9375
+    v = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    O = reference_attention(q, k, v)
+    assert attention_stats(q, k, v, O, torch.ones_like(O))[0].item() == 7.5
+
+
+def test_delta_err_is_what_delta_reads_over_the_exact_o():
+    """O read 0.25 above the exact P V in every channel, dO all ones: delta reads 64 x 0.25 = +16 more than the
+    exact delta in every row, so delta_err is +16 per head, and its push that times each row's expected logit."""
+    q, k, v = qkv(T=16, D=64)
+    S = causal_scores(q, k)
+    P = S.softmax(dim=-1)
+    O = P @ v.float() + 0.25
+    _, _, _, err, push = attention_stats(q, k, v, O, torch.ones_like(O))
+    assert err.tolist() == pytest.approx([16.0, 16.0], abs=1e-4)
+    expected_logit = (P * S.nan_to_num(neginf=0.0)).sum(dim=-1)
+    assert push.tolist() == pytest.approx((16 * expected_logit).mean(dim=(0, 2)).tolist(), rel=1e-4)
+
+
+def test_the_probe_reads_the_error_of_o_it_is_given(monkeypatch):
+    """An fp32 O 0.25 below the O the layer computed: e = +0.25 in every channel, so total is 0.25 x the rows' sum of
+    dO and lin 0.25 x the sum of dO with that fp32 O fed downstream (each computed here from the probe's passes), and
+    each term's standard error is the sample's (mean_and_se)."""
+    model = tiny()
+    x, y = batches(1)[0]
+    (q, k, v, O), dO = _probe_pass(model, x, y, BF16, PROBE_LAYER)
+    below = O.float() - 0.25
+    monkeypatch.setattr(diagnostics, "fp32_output", lambda q, k, v, config: below)
+    _, dO_clean = _probe_pass(model, x, y, BF16, PROBE_LAYER, replace=below.clone())
+    out = delta_probe(model, [(x, y)], BF16)
+    total, lin = (mean_and_se([0.25 * g.sum(-1)]) for g in (dO, dO_clean))
+    assert out[f"probe_total_L{PROBE_LAYER}"].item() == pytest.approx(total[0].item(), rel=1e-3)
+    assert out[f"probe_lin_L{PROBE_LAYER}"].item() == pytest.approx(lin[0].item(), rel=1e-3)
+    assert out[f"probe_total_se_L{PROBE_LAYER}"].item() == pytest.approx(total[1].item(), rel=1e-3)
+    assert abs(total[0] - lin[0]) > 0.1 * abs(lin[0])   # the two passes' dO differ: lin is not total
+
+
+def test_mean_and_se_is_the_samples():
+    mean, se = mean_and_se([torch.tensor([1.0, 2.0]), torch.tensor([[3.0, 4.0]])])
+    assert mean.item() == 2.5 and se.item() == pytest.approx(math.sqrt(5 / 3) / 2, rel=1e-6)
