@@ -21,7 +21,7 @@ import torch
 from model import GPT, GPTConfig
 from nanolp import emulate
 from nanolp.emulate import causal_scores
-from nanolp.data import get_batch, prepare
+from nanolp.data import DEFAULT_TEXT, get_batch, prepare
 from nanolp.diagnostics import attention_stats, capture_attention
 from nanolp.runconfig import Parser
 from nanolp.runs import latest_checkpoint
@@ -43,7 +43,7 @@ def pushes(q, k, v, dO):
 
 def main(run_dir, batches=40):
     c = json.loads((Path(run_dir) / "config.json").read_text())
-    data = prepare(c["data"])
+    data = prepare(c["data"] or DEFAULT_TEXT)   # (none recorded: TinyShakespeare, whatever $NANOLP_DATA says now)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=c["block_size"], n_layer=c["n_layer"],
                           n_head=c["n_head"], n_embd=c["n_embd"], pos=c.get("pos", "learned"),
                           qk_norm=c.get("qk_norm", False), attn="sdpa", fix="off"))
