@@ -139,9 +139,10 @@ def median_line(group, column):
 def survival(group):
     """(steps, share of runs not yet collapsed) of an arm, the Kaplan-Meier estimate over its runs: at each
     collapse the share falls by 1/(runs still training there); a run that ended without collapsing (or stopped)
-    leaves the count where it ended. The curve runs from step 0 to the arm's last step."""
-    ends = sorted((run.collapse_step if run.collapse_step is not None else run.outcome["steps"],
-                   run.collapse_step is not None) for run in group)
+    leaves the count where it ended, after any collapse at that step (it trained that far). The curve runs from
+    step 0 to the arm's last step."""
+    ends = sorted(((run.collapse_step if run.collapse_step is not None else run.outcome["steps"],
+                    run.collapse_step is not None) for run in group), key=lambda end: (end[0], not end[1]))
     steps, share, alive = [0], [1.0], 1.0
     for i, (step, collapsed) in enumerate(ends):
         if collapsed:

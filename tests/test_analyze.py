@@ -153,6 +153,9 @@ def test_survival_falls_at_each_collapse_among_the_runs_still_training():
     assert share.tolist() == [1.0, 0.75, 0.375, 0.375]
     steps, share = analyze.survival([ended_run("b-s0", 500), ended_run("b-s1", 600)])
     assert steps.tolist() == [0, 600] and share.tolist() == [1.0, 1.0]   # none collapsed: flat at all
+    # a run that ended without a collapse at the step where another collapsed was still training there: 1 of 2 fell
+    steps, share = analyze.survival([ended_run("c-s0", 500), ended_run("c-s1", 500, 500)])
+    assert steps.tolist() == [0, 500, 500] and share.tolist() == [1.0, 0.5, 0.5]
 
 
 def headline(runs, study, monkeypatch):
