@@ -103,7 +103,10 @@ def prepare(path=None, data_dir=None, block_size=None):
     """Tokenize the text (or reuse the cached tokens of the very same text) and return a Dataset. With block_size,
     each split must hold at least one example (block_size + 1 tokens: a block and its next-token targets)."""
     text_path = find_text(path)
-    raw = text_path.read_bytes()
+    try:
+        raw = text_path.read_bytes()
+    except OSError as e:   # (no permission to read it)
+        raise TextError(f"{text_path} cannot be read ({e.strerror}): give a text this user can read") from None
     if not raw:   # (TinyShakespeare's place emptied: copy it back; a text given: give another)
         raise TextError(f"{text_path} is empty. " + (HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)
                         if text_path == DEFAULT_TEXT else "Give a text with something in it (--data PATH or "

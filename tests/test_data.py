@@ -195,6 +195,13 @@ def test_texts_that_cannot_be_trained_on(tmp_path, monkeypatch):
     ds = data.prepare(tmp_path / "text.txt", data_dir=tmp_path / "cache", block_size=64)
     assert (len(ds.train), len(ds.val)) == (576, 65)
     data.get_batch(ds.val.long(), 4, 64, seed=0, step=0)   # the shortest split still gives a batch
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied")
+    with monkeypatch.context() as denied:   # (as root every file can be read: the refusal is simulated)
+        denied.setattr(Path, "read_bytes", unreadable)
+        with pytest.raises(data.TextError, match=r"^\S+text.txt cannot be read \(Permission denied\): give a text "
+                                                 r"this user can read$"):
+            data.prepare(tmp_path / "text.txt", data_dir=tmp_path / "cache")
     # valid UTF-8 with NUL bytes: a UTF-16 file (or a binary one), not a text
     assert "holds NUL bytes (byte 1): not a UTF-8 text (convert a UTF-16 file with iconv -f utf-16 -t utf-8)" in \
         error("to be or not to be\n".encode("utf-16-le") * 50)
