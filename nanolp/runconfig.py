@@ -216,11 +216,19 @@ def with_preset(recorded, presets):
 
 
 def flag_text(key, value):
-    """A setting as its train.py flag, a shell's words: --lr 0.003, --pos rope, --qk-norm, --data 'my text.txt'."""
+    """A setting as its train.py flag, a shell's words: --lr 3e-3, --pos rope, --qk-norm, --data 'my text.txt'."""
     name = "--" + key.replace("_", "-")
     if isinstance(value, bool):   # a switch (--qk-norm): on where it differs from the preset, which has it off
         return name
-    return f"{name} {value:g}" if isinstance(value, float) else f"{name} {shlex.quote(str(value))}"
+    return f"{name} {number_text(value)}" if isinstance(value, float) else f"{name} {shlex.quote(str(value))}"
+
+
+def number_text(value):
+    """A float as the studies write it in their flags: 3e-3, 1e-2, 2.5e-3, 0.95, 100 (below 0.1 in a power of ten's
+    form where that is no longer)."""
+    mantissa, exponent = f"{value:e}".split("e")
+    powered = f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return powered if abs(value) < 0.1 and len(powered) <= len(f"{value:g}") else f"{value:g}"
 
 
 def numerics(c):

@@ -92,7 +92,7 @@ def test_runs_before_the_exponent_option_are_named_so():
 
 @pytest.mark.parametrize("config, expected", [
     (dict(fix="off", seed=3, steps=60000, minutes=12.0, diag_interval=250, name="x", out="y"), "--fix off"),
-    (dict(fix="on", lr=3e-3), "--fix on --lr 0.003"),
+    (dict(fix="on", lr=3e-3), "--fix on --lr 3e-3"),
     (dict(fix="paper", delta="fp32-o"), "--fix paper --delta fp32-o"),
     (dict(fix="off", stochastic_o="forward"), "--fix off --stochastic-o forward"),
     (dict(fix="off", mantissa_bits=3, amplify="p"), "--fix off --mantissa-bits 3"),

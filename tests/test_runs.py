@@ -188,6 +188,18 @@ def test_a_runs_flags_are_a_shell_command_that_gives_its_settings():
     recorded = dict(preset="corpus", attn="kernel", fix="on", lr=0.003, pos="rope", qk_norm=True,
                     data="/texts/my text's/input.txt")
     flags = runconfig.arm_flags(recorded, PRESETS)
-    assert flags == "--preset corpus --fix on --pos rope --qk-norm --lr 0.003 --data '/texts/my text'\"'\"'s/input.txt'"
+    assert flags == "--preset corpus --fix on --pos rope --qk-norm --lr 3e-3 --data '/texts/my text'\"'\"'s/input.txt'"
     settings = runconfig.resolve_config(runconfig.parse_args(shlex.split(flags), PRESETS, CHOICES), PRESETS)
     assert {k: settings[k] for k in recorded} == recorded
+
+
+def test_a_runs_numbers_are_spelt_as_the_studies_declare_them():
+    """A float flag as results/studies.toml writes it (--lr 3e-3, not 0.003), so that one arm has one spelling
+    whether its runs.csv row comes from the study's declaration or from its run's settings; the same number back."""
+    cases = {3e-3: "3e-3", 1e-2: "1e-2", 3e-4: "3e-4", 2.5e-3: "2.5e-3", 0.95: "0.95", 1.0: "1", 100.0: "100", 0.0: "0"}
+    assert {value: runconfig.number_text(value) for value in cases} == cases
+    assert all(float(text) == value for value, text in cases.items())
+    from experiments.sweep import STUDIES, load_study
+    study = load_study(STUDIES, "lr_sweep")   # its rates, as declared
+    rates = {flags[flags.index("--lr") + 1] for flags, _ in study.arms.values() if "--lr" in flags}
+    assert rates == {"3e-4", "3e-3", "1e-2"} and all(runconfig.number_text(float(rate)) == rate for rate in rates)
