@@ -513,6 +513,8 @@ class Numerics:
 def stochastic_round(x, generator=None):
     """Round fp32 x to bfloat16 stochastically, unbiased (E[result] = x): 16 random bits added below bf16's
     mantissa, then truncated. For the stochastic-rounding experiments only."""
+    if x.dtype != torch.float32:   # (its bits are read as int32)
+        raise TypeError(f"stochastic_round rounds float32 to bfloat16, got {x.dtype}")
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     bits = (x.view(torch.int32) + noise) & -(1 << 16)    # sign-magnitude: |x| rounded up or down, to bf16
     rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
@@ -522,7 +524,8 @@ def stochastic_round(x, generator=None):
 def round_mantissa(x, bits):
     """Round values to `bits` explicit mantissa bits (ties to even) on their float32 bit pattern, keeping
     float32's exponent range; returned as float32. bits=7 is bfloat16, 3 the mantissa of FP8 e4m3."""
-    assert 0 <= bits <= 23
+    if not (isinstance(bits, int) and 0 <= bits <= 23):
+        raise ValueError(f"bits must be float32's explicit mantissa bits kept, an integer 0-23, got {bits!r}")
     drop = 23 - bits
     if drop == 0:
         return x.float()
@@ -631,6 +634,8 @@ def check_inputs(q, k, v, causal, fix, numerics):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
         if t.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
         if t.dim() != 4:
@@ -872,4 +877,7 @@ def flash_attention(q, k, v, causal=True, fix="on", numerics=None):
     if fix == "on" and numerics.delta == "o" and not (torch.is_grad_enabled() and
                                                       any(getattr(t, "requires_grad", True) for t in (q, k, v))):
         fix = "off"
-    return forward(q, k, amplified_v(v, numerics.o_bits), causal=causal, fix=fix, numerics=numerics).o
+    if numerics.o_bits:   # the "vo" amplifier rounds V before attention reads it: V checked before that
+        check_inputs(q, k, v, causal, fix, numerics)
+        v = amplified_v(v, numerics.o_bits)
+    return forward(q, k, v, causal=causal, fix=fix, numerics=numerics).o

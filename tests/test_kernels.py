@@ -778,6 +778,10 @@ def test_bad_input():
             kernels.flash_attention(q.half(), q.half(), q.half(), fix="off", numerics=numerics)
     with pytest.raises(TypeError, match="torch.Tensor"):
         kernels.flash_attention(q.tolist(), q, q)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor, got list"):   # before the "vo" amplifier reads v
+        kernels.flash_attention(q, q, q.tolist(), numerics=Numerics(mantissa_bits=3, amplify="vo"))
+    with pytest.raises(TypeError, match=re.escape("q must be a dense (strided) tensor, got torch.sparse_coo")):
+        kernels.flash_attention(*(q.to_sparse(),) * 3)
     for attention in (kernels.flash_attention, lambda *a, **kw: emulate.emulate_attention(*a, fix="on", **kw)):
         with pytest.raises(ValueError, match=re.escape("causal must be True or False (there is no mask argument), "
                                                        "got 'no'")):

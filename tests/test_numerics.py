@@ -1,9 +1,11 @@
 """kernels.py's experiments' switches (Numerics) refuse what they do not take, and the host-side roundings round
 as they say."""
+import re
+
 import pytest
 import torch
 
-from kernels import Numerics, round_mantissa
+from kernels import Numerics, round_mantissa, stochastic_round
 
 
 def test_bad_numerics_refused():
@@ -44,7 +46,17 @@ def test_round_mantissa_is_bf16_at_seven_bits():
     finite = torch.isfinite(x)
     assert torch.equal(round_mantissa(x, 7)[finite], x[finite].bfloat16().float())
     assert torch.equal(round_mantissa(x, 7)[~finite].view(torch.int32), x[~finite].view(torch.int32))   # bit for bit
+    for bits in (-1, 24, 3.0):   # one line, not a shift by a negative count or bits silently wrong
+        with pytest.raises(ValueError, match=re.escape(f"an integer 0-23, got {bits!r}")):
+            round_mantissa(x, bits)
     y = torch.linspace(1, 2, 1001, dtype=torch.float32)
     r = round_mantissa(y, 3)
     assert torch.equal(r * 8, (r * 8).round())                      # 1 <= y <= 2: a multiple of 1/8
     assert ((r - y).abs() <= 1 / 16).all()
+
+
+def test_stochastic_round_takes_float32_alone():
+    """Its bits are read as int32: a bf16 or fp16 tensor is refused in one line, not a shape error."""
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(TypeError, match=f"stochastic_round rounds float32 to bfloat16, got {dtype}"):
+            stochastic_round(torch.ones(2, 64, dtype=dtype))
