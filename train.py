@@ -137,6 +137,8 @@ def train(c, corpus, resume):
     train_model = model if c["compile"] == "off" else torch.compile(model, mode=c["compile"])
     # stop_at: --steps, brought in by --minutes, a loss spike (EXTRA_ROWS log intervals on) or a non-finite loss
     step, collapse, stop_at = state["step"], None, c["steps"]
+    if c["minutes"] is not None and state["elapsed"] >= 60 * c["minutes"]:   # (resumed after its last checkpoint and
+        stop_at = step                                                       # before its summary: no step to train)
     loss_sum, grad_sum, n_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
     bad_step = torch.full((), -1, device=device)  # first step (counted as the log counts) with a non-finite loss
     t_start = t_row = time.time()
@@ -144,6 +146,7 @@ def train(c, corpus, resume):
     pbar = tqdm(total=c["steps"], initial=step, dynamic_ncols=True)
     logit = None   # LOGIT at the last diagnostics, for the progress bar
     summary = None
+    row = None   # a log row found, not yet written (a collapse's, should Ctrl-C come during its diagnostics)
     try:
         while step < stop_at:
             # the step: its batch (a pure function of seed and step), forward, backward, clip, update
@@ -211,11 +214,14 @@ def train(c, corpus, resume):
                         row.update(diagnose(model, diag_x, diag_y, ctx, probe, seed=step))  # a fresh probe draw
                         logit = row[LOGIT]
             runs.write_rows(run_dir / "log.csv", [row], columns)
+            row = None
+            if collapse is not None:   # recorded with its row: a kill during the rows after it cannot lose it
+                runs.write_summary(run_dir, c, collapse)
             pbar.set_postfix({"loss": f"{train_loss:.4f}", LOGIT: "-" if logit is None else f"{logit:.4g}"})
 
             # a checkpoint: only finite, pre-collapse state is saved; also at the end, so that --resume continues
             if collapse is None and not poisoned and (step % c["ckpt_interval"] == 0 or step >= stop_at):
-                state.update(step=step, elapsed=elapsed)
+                state.update(step=step, elapsed=elapsed0 + time.time() - t_start)   # (this row's eval counted)
                 runs.save_checkpoint(run_dir, model, optimizer, state)
             loss_sum.zero_(), grad_sum.zero_()   # the next row's sums and clock, from here: its tokens/s counts
                                                  # the training steps, not this row's eval, diagnostics, checkpoint
@@ -224,8 +230,10 @@ def train(c, corpus, resume):
         summary = runs.write_summary(run_dir, c, collapse)
         print_outcome(run_dir, c, summary)
     except KeyboardInterrupt:   # Ctrl-C: what the run wrote is whole (a log row, a checkpoint: save_checkpoint;
-        pbar.close()            # summary.json: write_json). A collapse found is the run's result: its summary is
-        if summary is None and collapse is not None:   # written now (the rows after it cut short), as the run ended
+        pbar.close()            # summary.json: write_json). A collapse found is the run's result: its row and its
+        if summary is None and collapse is not None:   # summary are written now (the rows after it cut short)
+            if row is not None:
+                runs.write_rows(run_dir / "log.csv", [row], columns)
             summary = runs.write_summary(run_dir, c, collapse)
         raise runs.Stopped(run_dir, c, step, summary) from None
     return summary

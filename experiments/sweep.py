@@ -60,8 +60,8 @@ import numpy as np
 
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, RunError,
                               arm_flags, as_current, parse_args, read_json, resolve_config)
-from nanolp.runs import (LOCK, find_runs, latest_checkpoint, load_run, load_runs, lock_holder, log_outcome, log_path,
-                         read_rows, thin_log, write_csv)
+from nanolp.runs import (LOCK, checkpoint_step, find_runs, latest_checkpoint, load_run, load_runs, lock_holder,
+                         log_outcome, log_path, read_rows, thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -279,7 +279,7 @@ def plan(study, out, results):
 def trained_minutes(run_dir):
     """Training minutes a resume starts from: the elapsed_s that log.csv recorded at the latest checkpoint's step
     (train.py saves exactly that elapsed time in the checkpoint)."""
-    step = int(latest_checkpoint(run_dir).stem.split("_")[1])
+    step = checkpoint_step(latest_checkpoint(run_dir))
     log = load_run(run_dir).log
     at = np.flatnonzero(log.get("step", np.array([])) == step)
     return float(log["elapsed_s"][at[-1]]) / 60 if len(at) else 0.0

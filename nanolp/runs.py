@@ -178,7 +178,12 @@ def checkpoints(run_dir):
     """The run's checkpoints, oldest first (not those in ckpt/damaged/): by step, which the names' 7 digits order
     only below 10,000,000."""
     found = [path for path in (Path(run_dir) / "ckpt").glob("step_*.pt") if path.stem[len("step_"):].isdigit()]
-    return sorted(found, key=lambda path: int(path.stem[len("step_"):]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path):
+    """The step a checkpoint (ckpt/step_NNNNNNN.pt) was saved at."""
+    return int(Path(path).stem[len("step_"):])
 
 
 def latest_checkpoint(run_dir):
@@ -253,11 +258,19 @@ def resume(run_dir, c, model, optimizer, columns):
     summary.json's or its log's), which would cut them back and write over its summary; or if the run has reached
     its --steps or --minutes already (a run killed after its last checkpoint but before its summary resumes to
     write that summary)."""
-    rows = log_rows(run_dir)
-    recorded = max([int(row["step"]) for row in rows] + [read_json(run_dir / "summary.json").get("steps", 0)])
+    rows, summary = log_rows(run_dir), read_json(run_dir / "summary.json")
+    logged, ckpt = max(int(row["step"]) for row in rows), latest_checkpoint(run_dir)
+    if ckpt is not None and checkpoint_step(ckpt) > logged:   # (a checkpoint follows its step's row)
+        raise DamagedFile(f"--resume: {run_dir / 'log.csv'} ends at step {logged:,}, before the checkpoint of step "
+                          f"{checkpoint_step(ckpt):,}: the rows between are lost (the file cut short); nothing changed")
+    recorded = max([logged, summary.get("steps") or 0])
     if c["steps"] < recorded:   # (before a damaged checkpoint is set aside: nothing changes)
         raise RunError(f"--resume: {run_dir} has recorded {recorded:,} steps: --steps {c['steps']:,} would cut it "
                        f"back; give --steps {recorded:,} or more; nothing changed")
+    finished = summary and limits_reached(c, summary.get("steps") or 0, summary.get("minutes") or 0)
+    if finished:   # (whichever checkpoint would load: an earlier one, the last damaged, would train it again)
+        raise RunError(f"--resume: {run_dir}: {done(summary['steps'])}; give a larger "
+                       f"{' and a larger '.join(finished)} to train it further")
     state = load_checkpoint(run_dir, model, optimizer, torch.device(c["device"]))
     reached = limits_reached(c, state["step"], state["elapsed"] / 60)
     if (run_dir / "summary.json").exists() and reached:
@@ -274,7 +287,7 @@ def log_rows(run_dir):
     has logged its steps up to it, and would lose them."""
     path = run_dir / "log.csv"
     try:
-        rows = read_rows(path)
+        rows = read_rows(path, appended=True)
     except FileNotFoundError:
         raise RunError(f"--resume: {path} is missing: the run's log cannot be continued; nothing changed") from None
     except ValueError as e:
@@ -408,7 +421,7 @@ def claim_folder(run_dir, c, resume, presets):
         ran = as_ran(saved, presets)
         differ = [f"{k} {c[k]!r} (the run: {ran.get(k)!r})" for k in ARM if c[k] != ran.get(k)]
         afresh = f"or delete {run_dir} to start it afresh"
-        finished = summary and ckpt and limits_reached(c, int(ckpt.stem.split("_")[1]), summary.get("minutes", 0))
+        finished = summary and ckpt and limits_reached(c, checkpoint_step(ckpt), summary.get("minutes", 0))
         advice = (f"this command differs in {', '.join(differ)}: give it another --name (--resume would refuse), "
                   f"{afresh}" if differ else f"{collapse}: give a new run another --name, {afresh}" if collapse else
                   f"{done(summary.get('steps', 0))}: --resume with a larger {' and a larger '.join(finished)} trains it "
@@ -571,7 +584,7 @@ def read_log(path):
         return {}
     try:
         with opener(path, "rt", newline="") as f:
-            header, rows = csv_rows(f, path, "train.py")
+            header, rows = csv_rows(f, path, "train.py", appended=True)
     except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
         raise DamagedFile(f"{path} cannot be read ({e})") from None
     except ValueError as e:   # (a row not whole, or not CSV: csv_rows's line)
@@ -672,24 +685,30 @@ def read_table(path):
             for row in read_rows(path)]
 
 
-def read_rows(path):
+def read_rows(path, appended=False):
     """A CSV file's rows, each a dict of its header's columns and their cells (as csv.DictReader gives them, blank
     lines skipped). ValueError in one line naming the file for text that is not UTF-8 or not CSV, or naming the
     line for a row with more or fewer cells than the header (as a file cut short leaves its last): never a row
-    read with cells missing, which would read as empty and so give a wrong number rather than none."""
+    read with cells missing, which would read as empty and so give a wrong number rather than none. appended: the
+    file is one a run appends rows to (csv_rows)."""
     with open(path, newline="") as f:
         try:
-            header, rows = csv_rows(f, path, "its writer")
+            header, rows = csv_rows(f, path, "its writer", appended)
         except UnicodeDecodeError as e:
             raise ValueError(f"{path} is not UTF-8 text ({e.reason})") from None
     return [dict(zip(header, cells)) for cells in rows]
 
 
-def csv_rows(f, path, writer):
+def csv_rows(f, path, writer, appended=False):
     """The header and the rows (lists of cells) of an open CSV file, blank lines skipped; ValueError naming path's
     line for a row with more or fewer cells than the header (a file cut short within its last row, or a line its
-    writer did not write) or text that is not CSV."""
-    reader = csv.reader(f)
+    writer did not write) or text that is not CSV. appended (a log a run appends to): a last line without its line
+    end is a row still being written, or cut short as it was (a kill), and is left out, whatever it holds: cut
+    within its last cell it would read as a whole row with a wrong number."""
+    text = f.read()
+    if appended and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    reader = csv.reader(io.StringIO(text))
     try:
         header, rows = next(reader, []), []
         for cells in filter(None, reader):

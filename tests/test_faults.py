@@ -234,7 +234,13 @@ def test_a_damaged_checkpoint_is_moved_aside_and_the_run_resumes_from_the_one_be
     changed = bytearray((ckpt / "step_0000050.pt").read_bytes())
     changed[len(changed) // 2] ^= 0xFF   # torch would load this one without complaint: its checksum tells
     (ckpt / "step_0000050.pt").write_bytes(changed)
-    capsys.readouterr()
+    # finished (its summary.json): nothing to train, whichever checkpoint would load; the damage is left as found
+    before = files(copy)
+    assert refusal(capsys, lambda: train.main(command(text, copy, "--resume"))) == (
+        f"train.py: error: --resume: {copy}: it is finished: no collapse in 60 steps (summary.json); give a larger "
+        f"--steps to train it further\n")
+    assert files(copy) == before
+    (copy / "summary.json").unlink()   # as a run killed after its last checkpoint, before its summary, leaves it
     train.main(command(text, copy, "--resume"))
     out = capsys.readouterr().out.splitlines()
     at = re.escape(str(ckpt))
@@ -252,7 +258,7 @@ def test_with_no_good_checkpoint_resume_says_how_to_start_afresh(text, copy, who
     ckpt = copy / "ckpt"
     for step in (40, 50, 60):
         cut_short(ckpt / f"step_{step:07d}.pt")
-    err = refusal(capsys, lambda: train.main(command(text, copy, "--resume")))
+    err = refusal(capsys, lambda: train.main(command(text, copy, "--resume", "--steps", "80")))   # to train it on
     assert err == (f"train.py: error: --resume: no good checkpoint in {ckpt} (the damaged ones are in "
                    f"{ckpt}/damaged): start it afresh under another --name\n")   # its summary.json is a result
     assert files(copy) == ["damaged"]
@@ -336,7 +342,8 @@ def test_resume_never_cuts_back_the_steps_a_run_recorded(text, copy, capsys):
 LOGS = {"missing": (None, " is missing: the run's log cannot be continued"),
         "not text": (lambda log: log + b"\xff\xfe\n", " is not UTF-8 text (invalid start byte)"),
         "a stray line": (lambda log: log + b"garbage,row\n", ", line 8: 2 cells where the header has"),
-        "cut short": (lambda log: log[:-60], ", line 7: "),   # (not within its last cell: no cell lost)
+        "cut short": (lambda log: log[:-60], " ends at step 50, before the checkpoint of step 60: the rows between "
+                                             "are lost"),   # (the last row, without its line end, left out)
         "a step not a number": (lambda log: log.replace(b"\n30,", b"\nthirty,"), " is damaged: a row's step is "
                                                                                  "'thirty', not a whole number"),
         "header only": (lambda log: log.split(b"\n")[0] + b"\n", " holds no rows, though the run has a checkpoint"),

@@ -203,3 +203,20 @@ def test_a_runs_numbers_are_spelt_as_the_studies_declare_them():
     study = load_study(STUDIES, "lr_sweep")   # its rates, as declared
     rates = {flags[flags.index("--lr") + 1] for flags, _ in study.arms.values() if "--lr" in flags}
     assert rates == {"3e-4", "3e-3", "1e-2"} and all(runconfig.number_text(float(rate)) == rate for rate in rates)
+
+
+def test_a_log_rows_last_line_without_its_end_is_left_out(tmp_path):
+    """A run killed as it appended a row leaves the row without its line end: cut within its last cell it would read
+    as a whole row with a wrong number (5.1e-09 as 5.1), cut sooner it would refuse the whole log. Left out, either
+    way; a row with too few cells elsewhere is still refused."""
+    from nanolp.runs import read_log
+    log = tmp_path / "log.csv"
+    whole = "step,train_loss,probe\r\n10,2.5,5.1e-09\r\n20,2.4,5.2e-09\r\n"
+    for cut in (len(whole) - 5, len(whole) - 12):   # within the last cell; within the row
+        log.write_text(whole[:cut])
+        assert read_log(log)["step"].tolist() == [10.0] and read_log(log)["probe"].tolist() == [5.1e-09]
+    log.write_text(whole)
+    assert read_log(log)["step"].tolist() == [10.0, 20.0]
+    log.write_text("step,train_loss,probe\r\n10,2.5\r\n20,2.4,5.2e-09\r\n")
+    with pytest.raises(runs.DamagedFile, match="line 2: 2 cells where the header has 3"):
+        read_log(log)

@@ -226,6 +226,25 @@ def test_resume_reproduces_an_uninterrupted_run(run, capsys):
     assert all(torch.equal(a["model"][k], b["model"][k]) and torch.equal(a["model"][k], c["model"][k])
                for k in a["model"])  # bitwise
     assert torch.equal(a["state"]["ema"], b["state"]["ema"]) and torch.equal(a["state"]["ema"], c["state"]["ema"])
+    assert a["state"]["loss_min"] == b["state"]["loss_min"] == c["state"]["loss_min"] < math.inf   # the spike test's
+    # the clock a checkpoint keeps counts its row's evaluation and diagnostics, as the uninterrupted run's next row
+    assert a["state"]["elapsed"] > float(read_log(whole)[-1]["elapsed_s"]) > 0
+
+
+def test_a_run_resumed_at_its_minutes_trains_no_step(run, monkeypatch, tmp_path):
+    """Killed after its last checkpoint but before its summary, a run that had reached its --minutes resumes to
+    write that summary, training no step more than it had."""
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed")
+    with monkeypatch.context() as patched:
+        patched.setattr(runs, "write_summary", killed)
+        with pytest.raises(RuntimeError, match="killed"):
+            run("timed", "--steps", "1000", "--minutes", "1e-6")   # (ends after its first step)
+    run_dir = tmp_path / "runs" / "timed"
+    steps = [row["step"] for row in read_log(run_dir)]
+    run("timed", "--steps", "1000", "--minutes", "1e-6", "--resume")
+    assert steps == ["1"] and [row["step"] for row in read_log(run_dir)] == steps
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
 
 
 # a flag of each kind that decides a run's numbers, with a value other than the tiny run's
@@ -720,6 +739,41 @@ def test_an_attempt_that_stopped_before_its_first_checkpoint_is_replaced(run, tm
             f"where the filesystem allows hard links; give another --out\n")
     assert [int(r["step"]) for r in read_log(run_dir)] == [10, 20, 30, 40, 50]
     assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt", "config.json", "log.csv", "summary.json"]
+
+
+def test_a_collapse_is_recorded_with_its_row(run, monkeypatch, capsys, tmp_path):
+    """A run killed in the rows after its loss spike (no Ctrl-C: nothing of train.py runs) has its summary.json
+    already: --resume, which would cut the log back to the last checkpoint and might train through, refuses."""
+    monkeypatch.setattr(train, "SPIKE_NATS", -1.0)   # every row after the warmup reads as a spike
+    run_dir, append = tmp_path / "runs" / "killed", runs.write_rows
+    def killed_after_the_collapse(path, rows, columns, mode="a"):
+        if rows and (run_dir / "summary.json").exists():
+            raise RuntimeError("killed")
+        append(path, rows, columns, mode)
+    with monkeypatch.context() as patched:
+        patched.setattr(runs, "write_rows", killed_after_the_collapse)
+        with pytest.raises(RuntimeError, match="killed"):
+            run("killed", "--steps", "300")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["collapsed"] and read_log(run_dir)[-1]["step"] == str(summary["collapse_step"]) == "30"
+    assert "kept as it ended: it collapsed at step 30 (loss spike" in refusal(
+        capsys, lambda: run("killed", "--steps", "300", "--resume"))
+
+
+def test_ctrl_c_in_a_collapse_rows_diagnostics_keeps_the_row(run, monkeypatch, tmp_path):
+    """Ctrl-C while the row that found the collapse evaluates: the row is written (without what it had not
+    computed) before the summary, which so never names a step past the log's end."""
+    monkeypatch.setattr(train, "SPIKE_NATS", -1.0)
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "evaluate", interrupted)
+    with pytest.raises(SystemExit):
+        run("interrupted", "--steps", "300", "--eval-interval", "30")   # (the first spike: at row 30)
+    run_dir = tmp_path / "runs" / "interrupted"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = read_log(run_dir)[-1]
+    assert summary["collapsed"] and last["step"] == str(summary["collapse_step"]) == str(summary["steps"]) == "30"
+    assert last["val_loss"] == "" and last["train_loss"] != ""
 
 
 def test_a_collapsed_run_stays_collapsed(run, monkeypatch, capsys, tmp_path):
