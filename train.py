@@ -20,7 +20,6 @@ that continues from it; before the first checkpoint, that there is nothing to re
 has ended (its summary written).
 """
 
-import hashlib
 import math
 import os
 import time
@@ -291,11 +290,10 @@ def main(argv=None):
         runconfig.check_machine(c, args, PRESETS)
         run_dir = Path(c["out"]) / c["name"]
         text = data.find_text(c["data"])
-        sha1 = hashlib.sha1(text.read_bytes()).hexdigest()
-        if c.setdefault("data_sha1", sha1) != sha1:   # (only a resumed run has one already)
-            raise runconfig.RunError(f"--resume {run_dir}: the text {text} has changed since the run started "
-                                     f"(sha1 {c['data_sha1'][:12]}, now {sha1[:12]})")
         corpus = data.prepare(text, block_size=c["block_size"])
+        if c.setdefault("data_sha1", corpus.sha1) != corpus.sha1:   # (only a resumed run has one already)
+            raise runconfig.RunError(f"--resume {run_dir}: the text {text} has changed since the run started "
+                                     f"(sha1 {c['data_sha1'][:12]}, now {corpus.sha1[:12]})")
         with runs.locked(run_dir):   # no other run writes the folder while this one does
             runs.claim_folder(run_dir, c, args.resume, PRESETS)
             return train(c, corpus, args.resume)

@@ -36,6 +36,7 @@ class Dataset:
     train: torch.Tensor  # uint16 token ids, the first 90% of the text
     val: torch.Tensor    # uint16 token ids, the last 10%
     itos: str            # itos[i] is the character of token i
+    sha1: str            # the text's, of the very bytes tokenized
 
     @property
     def vocab_size(self):
@@ -152,7 +153,7 @@ def prepare(path=None, data_dir=None, block_size=None):
             raise TextError(f"{text_path} is too short: {len(train) + len(val)} characters, so its {split} split "
                             f"has {len(tokens)}, and one example takes block_size + 1 = {block_size + 1}; give a "
                             f"text of at least {need} characters, or a smaller --block-size")
-    return Dataset(torch.from_numpy(train), torch.from_numpy(val), itos)
+    return Dataset(torch.from_numpy(train), torch.from_numpy(val), itos, key)
 
 
 def read_cache(meta_path, files):

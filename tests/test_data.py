@@ -1,5 +1,6 @@
 """nanolp/data.py: tokenizing, the token cache, a clear error for every text that cannot be trained on, batches as a
 function of (seed, step)."""
+import hashlib
 import http.client
 import io
 import json
@@ -32,6 +33,7 @@ def test_prepare_round_trip(text_file, tmp_path):
     assert ds.train.dtype == ds.val.dtype == torch.uint16
     assert len(ds.train) == int(0.9 * len(text)) and len(ds.train) + len(ds.val) == len(text)
     assert decode(ds, torch.cat([ds.train, ds.val])) == text
+    assert ds.sha1 == hashlib.sha1(text_file.read_bytes()).hexdigest()   # (a run records it: data_sha1)
     assert (tmp_path / "cache" / "tiny" / "train.bin").is_file()
 
 
@@ -42,7 +44,7 @@ def test_cache_reused_and_invalidated(text_file, tmp_path, monkeypatch):
     written = [(file, file.stat().st_mtime_ns) for file in (cache / "tiny").iterdir()]
     monkeypatch.setattr(data.np, "bincount", lambda *a, **k: pytest.fail("tokenized again"))
     again = data.prepare(text_file, data_dir=cache)
-    assert torch.equal(first.train, again.train) and first.itos == again.itos
+    assert torch.equal(first.train, again.train) and first.itos == again.itos and first.sha1 == again.sha1
     assert [(file, file.stat().st_mtime_ns) for file in (cache / "tiny").iterdir()] == written
     monkeypatch.undo()
     text_file.write_text("a different text, same file name\n" * 20, encoding="utf-8")
