@@ -80,6 +80,7 @@ TINY_NOTE = ("the tiny preset checks the pipeline: at this size no collapse is e
 SPIKE_NATS = 1.0   # collapse when the smoothed loss is this far above its minimum
 EMA_BETA = 0.95    # smoothing of the training loss for the spike test: an average over ~1/(1-0.95) = 20 steps
 EXTRA_ROWS = 3     # log intervals still run after a spike, to see where it goes
+ROW_INTERVALS = ("log_interval", "eval_interval", "diag_interval", "ckpt_interval")   # a log row at each of these
 DIAG_ROWS = 16     # diagnostic batch rows: the diagnostics hold fp32 (rows, heads, T, T) scores per layer
 BASE_COLUMNS = ["step", "elapsed_s", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "mfu"]
 # the model's options that the flags --attn and --pos choose from (model.py's; nanolp never imports model.py)
@@ -173,8 +174,7 @@ def train(c, corpus, resume):
             elapsed = elapsed0 + time.time() - t_start
             if c["minutes"] is not None and elapsed >= 60 * c["minutes"]:
                 stop_at = step
-            intervals = ("log_interval", "eval_interval", "diag_interval", "ckpt_interval")
-            if not (step >= stop_at or any(step % c[k] == 0 for k in intervals)):
+            if not (step >= stop_at or any(step % c[k] == 0 for k in ROW_INTERVALS)):
                 continue
 
             # a log row: the losses, the collapse test, an evaluation and diagnostics when due
@@ -245,9 +245,10 @@ def get_lr(step, c):
 
 def loss_spike(state, step, c):
     """The loss-spike half of the collapse criterion (above SPIKE_NATS): None, or why it fired. Updates
-    state["loss_min"], the smoothed loss's minimum after the warmup."""
+    state["loss_min"], the smoothed loss's minimum after the warmup, at the rows of ROW_INTERVALS: not at a run's
+    last row off them (--steps 157), which a run resumed from it would count and an uninterrupted one not."""
     smoothed = state["ema"].item()
-    if step > c["warmup"]:
+    if step > c["warmup"] and any(step % c[k] == 0 for k in ROW_INTERVALS):
         state["loss_min"] = min(state["loss_min"], smoothed)
     if smoothed > state["loss_min"] + SPIKE_NATS:
         return (f"loss spike: smoothed loss {smoothed:.2f} is {smoothed - state['loss_min']:.2f} nats "

@@ -508,13 +508,18 @@ def test_a_gradient_norm_that_overflows_over_finite_gradients_poisons_nothing(ru
 
 def test_loss_spike_criterion():
     state = {"ema": torch.tensor(2.0), "loss_min": float("inf")}
-    c = {"warmup": 100}
+    c = dict(warmup=100, log_interval=10, eval_interval=20, diag_interval=20, ckpt_interval=20)
     assert train.loss_spike(state, 50, c) is None and state["loss_min"] == float("inf")  # warmup: not tracked
     assert train.loss_spike(state, 150, c) is None and state["loss_min"] == 2.0
     state["ema"] = torch.tensor(2.9)
     assert train.loss_spike(state, 160, c) is None  # within SPIKE_NATS of the minimum
     state["ema"] = torch.tensor(3.1)
     assert "1.10 nats above its minimum 2.00" in train.loss_spike(state, 170, c)
+    # a run's last row off its intervals (--steps 157) is tested, not counted in the minimum: resumed from it, a run
+    # tests its later rows against the uninterrupted run's minimum
+    state = {"ema": torch.tensor(1.5), "loss_min": 2.0}
+    assert train.loss_spike(state, 157, c) is None and state["loss_min"] == 2.0
+    assert train.loss_spike(state, 160, c) is None and state["loss_min"] == 1.5
 
 
 def test_minutes_budget_stops_the_run(run):
