@@ -278,7 +278,7 @@ def plan(study, out, results):
 
 def trained_minutes(run_dir):
     """Training minutes a resume starts from: the elapsed_s that log.csv recorded at the latest checkpoint's step
-    (train.py saves exactly that elapsed time in the checkpoint)."""
+    (the checkpoint's own clock, saved after that row's evaluation and diagnostics, is a little more)."""
     step = checkpoint_step(latest_checkpoint(run_dir))
     log = load_run(run_dir).log
     at = np.flatnonzero(log.get("step", np.array([])) == step)

@@ -77,9 +77,9 @@ def find_text(path=None):
             raise TextError(
                 f"no text at {DEFAULT_TEXT} and the download from {DEFAULT_URL} failed "
                 f"({getattr(e, 'reason', e)}). " + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT)) from None
-        if hashlib.sha1(text).hexdigest() != DEFAULT_SHA1:   # (a proxy's login page, a changed file: not kept)
+        if (got := hashlib.sha1(text).hexdigest()) != DEFAULT_SHA1:   # (a proxy's login page, a changed file)
             raise TextError(f"no text at {DEFAULT_TEXT} and what {DEFAULT_URL} sent is not TinyShakespeare "
-                            f"({len(text):,} bytes, sha1 {hashlib.sha1(text).hexdigest()}, not {DEFAULT_SHA1}). "
+                            f"({len(text):,} bytes, sha1 {got}, not {DEFAULT_SHA1}). "
                             + HOW_TO_GIVE_TEXT.format(default=DEFAULT_TEXT))
         DEFAULT_TEXT.parent.mkdir(parents=True, exist_ok=True)
         partial = DEFAULT_TEXT.with_suffix(".part")  # rename at the end, so a broken download never looks done
@@ -168,7 +168,7 @@ def read_cache(meta_path, files):
     fields = dict(sha1=str, itos=str, tokens_sha1=str)
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), kind) for k, kind in fields.items()):
         return None
-    if hashlib.sha1(b"".join(raw)).hexdigest() != meta["tokens_sha1"] or any(len(r) % 2 for r in raw):
+    if hashlib.sha1(b"".join(raw)).hexdigest() != meta["tokens_sha1"]:   # (as write_cache wrote them, or not)
         return None
     train, val = (np.frombuffer(r, dtype=np.uint16).copy() for r in raw)
     return meta["sha1"], meta["itos"], train, val
