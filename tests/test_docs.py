@@ -986,8 +986,7 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{fixed[2]['steps']:,} steps, 1.5x their fix off's collapses, and the layer whose logits ran away with the " \
            f"fix off stayed below 100 with it (seed 0's layer 1 at most {shown[0]}; seed 1's layer 0 at most " \
            f"{shown[1]}; seed 2's layer 0 at most {shown[2]})" in text
-    assert "fp32 attention and rotary positions on seed 0 have not run yet" in text \
-        and not any(row["arm"] in ("attn-fp32", "rope") for row in corpus)
+    assert "Rotary positions on seed 0 have not run yet." in text and not any(row["arm"] == "rope" for row in corpus)
     on_l1, off_l1, val = layer(on_run, 1), layer(s0, 1), on_run.series("val_loss")
     end = val[1][val[0] >= val[0][-1] - 20_000]   # its last 20,000 steps
     assert f"layer 1 grew, slower, and stayed below 100: {at(on_l1, 60_000):.1f} at step 60,000 and " \
@@ -1025,6 +1024,25 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{lowest[2][1]:.3f}) and {at(val2, 85_000):.3f} at 85,000 (the fix off's " \
            f"{at(s2.series('val_loss'), 85_000):.2f}), at its lowest {best2[1]:.3f} at step {best2[0]:,}." in text
     assert on2_l1[1].max() < 100 < layer(s2, 1)[1].max() and max(layer(on2, i)[1].max() for i in range(6)) < 100
+    # the control, fp32 attention on seed 0: no collapse where the fix off collapsed; its layer 1 the slowest of three
+    control_row = next(row for row in corpus if row["name"] == "attn-fp32-s0")
+    control = load_run(root / "results/memorisation/runs/attn-fp32-s0")
+    c_l1, c_val, seed0 = layer(control, 1), control.series("val_loss"), (s0, on_run, control)
+    assert not control_row["collapsed"] and control_row["steps"] >= 1.5 * steps[0]
+    assert all(past(layer(run, 2)) <= 3_000 and layer(run, 2)[1].max() < 1_000 for run in seed0)
+    assert c_l1[1].max() < on_l1[1].max() < 100 and f"fp32 attention on seed 0, the control, did not collapse in " \
+        f"{control_row['steps']:,} steps either, its layer 1 at most {c_l1[1].max():.1f}.**" in text
+    assert f"did not collapse in {control_row['steps']:,} steps. Its layer 1, at {at(c_l1, 10_000):.1f} at step " \
+           f"10,000 as in both bf16 arms (the fix off's {at(off_l1, 10_000):.1f}, the fix on's " \
+           f"{at(on_l1, 10_000):.1f}), stayed below 100: {at(c_l1, 60_000):.1f} at step 60,000 and " \
+           f"{at(c_l1, 65_000):.1f} at 65,000 (the fix off's {at(off_l1, 60_000):.0f} and {at(off_l1, 65_000):.0f}, " \
+           f"the fix on's {at(on_l1, 60_000):.1f} and {at(on_l1, 65_000):.1f}), at most {c_l1[1].max():.1f} (step " \
+           f"{int(c_l1[0][np.argmax(c_l1[1])]):,}); layer 0 at most {layer(control, 0)[1].max():.1f}. Layer 2 passed " \
+           f"100 by step 3,000 in all three arms of seed 0 and ran away in none (at most " \
+           f"{layer(control, 2)[1].max():.0f}; the fix off's {layer(s0, 2)[1].max():.0f}, the fix on's " \
+           f"{layer(on_run, 2)[1].max():.0f}). Its val loss was {at(c_val, lowest[0][0]):.3f} at step " \
+           f"{lowest[0][0]:,} (the fix off's lowest, {lowest[0][1]:.3f}), at its lowest {best(c_val)[1]:.3f} at step " \
+           f"{best(c_val)[0]:,} (the fix on's {best(val)[1]:.3f} at {best(val)[0]:,})" in text
     ours = {f"results/memorisation/runs/{row['name']}" for row in off}
     probe = {(row["run"].split("/")[-1], row["term"]): row
              for row in read_table(root / "results/delta_probe/probe_runs.csv")
@@ -1053,6 +1071,12 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"(t {fixed1['total']['t']:+.1f}; {fixed1['total']['mean']:.1e} against " \
            f"{fixed1['curv']['mean']:.1e}) and in `on-s2` (t {fixed2['total']['t']:+.1f}; " \
            f"{fixed2['total']['mean']:.1e} against {fixed2['curv']['mean']:.1e})" in text
+    control_probe = {row["term"]: row for row in probed("attn-fp32-s0")}
+    assert {row["phase"] for row in probed("attn-fp32-s0")} == {1} and control_probe["total"]["t"] > 2 \
+        and control_probe["total"]["last_step"] == control_row["steps"]
+    assert f"its probe reads the same error positive over the whole run (`attn-fp32-s0`, t " \
+           f"{control_probe['total']['t']:+.1f}; {control_probe['total']['mean']:.1e} against " \
+           f"{control_probe['curv']['mean']:.1e}), and nothing reads it" in text
     claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same
     three = lambda values: f"{values[0]}, {values[1]} and {values[2]}"
     floors = [f"{np.nanmin(run.series('train_loss')[1]):.3f}" for run in runs]
@@ -1079,7 +1103,12 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{past(layer(s2, 0)):,}), layer 1 at most {on2_l1[1].max():.1f} (the fix off's " \
            f"{layer(s2, 1)[1].max():.0f}), val loss {at(val2, 85_000):.3f} at step 85,000 (the fix off's " \
            f"{at(s2.series('val_loss'), 85_000):.2f}); its probe total {fixed2['total']['mean']:+.1e} " \
-           f"(t {fixed2['total']['t']:+.1f}) against curv {fixed2['curv']['mean']:+.1e}. fp32 attention and rotary " \
+           f"(t {fixed2['total']['t']:+.1f}) against curv {fixed2['curv']['mean']:+.1e}. fp32 attention, seed 0 " \
+           f"(`attn-fp32-s0`): no collapse in {control_row['steps']:,} steps, layer 1 at most {c_l1[1].max():.1f} " \
+           f"(the fix off's {at(off_l1, 60_000):.0f} at step 60,000, {at(off_l1, 65_000):.0f} at 65,000), layer 0 at " \
+           f"most {layer(control, 0)[1].max():.1f}, val loss {at(c_val, lowest[0][0]):.3f} at step {lowest[0][0]:,} " \
+           f"(the fix off's {lowest[0][1]:.3f}); its probe total {control_probe['total']['mean']:+.1e} " \
+           f"(t {control_probe['total']['t']:+.1f}) against curv {control_probe['curv']['mean']:+.1e}. Rotary " \
            f"positions on seed 0 still to run |" in claims
     assert all(abs(probe[name, "total"]["mean"] - probe[name, "curv"]["mean"]) < 2 * probe[name, "total"]["se"]
                and probe[name, "total"]["t"] > 2 and abs(probe[name, "lin"]["t"]) < 2
@@ -1122,13 +1151,15 @@ def test_readme_memorisation_sentence_is_its_runs():
     lowest = [int(s[np.argmin(v)]) for s, v in (run.series("val_loss") for run in runs)]
     assert len(off) == 3 and all(row["collapsed"] for row in off)
     assert f"(`--preset corpus`; the fix off's train loss never below {np.floor(floor * 100) / 100:.2f}, its val " \
-           f"loss lowest at steps {lowest[0]:,}, {lowest[1]:,} and {lowest[2]:,}) fix off collapsed on all three " \
-           f"seeds run, at {off[0]['collapse_step']:,}, {off[1]['collapse_step']:,} and " \
-           f"{off[2]['collapse_step']:,} steps" in readme
-    on = {row["seed"]: row for row in read_table(root / "results/memorisation/runs.csv") if row["arm"] == "on"}
+           f"loss lowest at steps {min(lowest):,}-{max(lowest):,}) fix off collapsed on seeds 0-2, at " \
+           f"{off[0]['collapse_step']:,}, {off[1]['collapse_step']:,} and {off[2]['collapse_step']:,} steps" in readme
+    rows = read_table(root / "results/memorisation/runs.csv")
+    on = {row["seed"]: row for row in rows if row["arm"] == "on"}
+    fp32 = {row["seed"]: row for row in rows if row["arm"] == "attn-fp32"}
     assert sorted(on) == [0, 1, 2] and not any(row["collapsed"] for row in on.values())
-    assert f"with the fix on none did, in {on[0]['steps']:,}, {on[1]['steps']:,} and {on[2]['steps']:,} steps " \
-           "(section 10)" in readme
+    assert sorted(fp32) == [0] and not fp32[0]["collapsed"]
+    assert f"none with the fix on ({on[0]['steps']:,}, {on[1]['steps']:,} and {on[2]['steps']:,} steps), nor with " \
+           "fp32 attention (seed 0; section 10)" in readme
 
 
 def fix_cost(root):
