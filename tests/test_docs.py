@@ -84,6 +84,22 @@ def test_readme_numbers_are_their_files():
     at_10k = [float(np.interp(10_000, *run.series(analyze.LOGIT))) for run in off]
     assert len(off) >= 2 and f"sits at {min(at_10k):.0f}-{max(at_10k):.0f}" in readme   # at step 10,000, as findings
     assert all(1e8 <= analyze.peak_logit(run) <= 1e9 for run in off) and "on to 1e8-1e9" in readme
+    # the loss as the model memorises (the median run's lowest, to 0.01), and a uniform guess's over the vocabulary
+    fixed = [load_run(root / "results/cure/runs" / row["name"]) for row in cure if row["log_kept"]]
+    floor = lambda runs: np.median([np.nanmin(run.series("train_loss")[1]) for run in runs])
+    assert f"The loss falls to ~{floor(off):.2f} as the model memorises" in readme
+    assert f"`max_logit_L0` stays in the tens (the table's last column) and the loss at ~{floor(fixed):.2f}" in readme
+    (vocab,) = {run.config["vocab_size"] for run in off + fixed}
+    assert f"(uniform: ln {vocab} = {np.log(vocab):.2f})" in readme
+    # the cure's runs on an H100 (its runs.csv's gpu column)
+    named = re.search(r"`--fix on`'s seeds ([\d, and-]+) on an H100", readme)[1]
+    seeds = [n for part in re.split(r", | and ", named)
+             for n in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
+    assert seeds == [row["seed"] for row in cure if "H100" in row["gpu"]]
+    # the kernel's head_dims (its tunings') and the GPUs whose shared memory each launch was compiled against
+    assert f"head_dim {'/'.join(map(str, kernels.FWD_TUNING))}, any sequence length" in readme
+    ampere_ada = [arch for arch in shared_limit(root) if arch < 90]
+    assert f"(sm_{min(ampere_ada)}-{max(ampere_ada)}), untested there" in readme
     # the modern block: rotary positions and QK-norm against GPT-2's block on the same seeds
     learned = {row["seed"]: row for row in rows if row["name"].startswith("off-fma-s")}
     for runs in modern_block_runs(root).values():   # (their peaks: README's table)
@@ -1202,6 +1218,15 @@ def test_kernel_md_speed_numbers_are_their_files():
     over_off = lambda impl, column: ratio(h100[impl, D, N][column] / h100["ours", D, N][column] for D, N in shapes)
     assert f"the forward of `fix=\"paper\"` is {over_off('ours_paper', 'fwd_ms')} fix off's in the same file, the " \
            f"fix's {over_off('ours_fix', 'fwd_ms')}" in text
+    # bench_before_epilogue.csv: the one-pass backward (dQ by atomics) over the two-pass, fix off and the fix then
+    epilogue = {(row["impl"], row["head_dim"], row["seq"]): row["bwd_ms"]
+                for row in read_table(speed / "bench_before_epilogue.csv")}
+    one_pass = lambda impl, at_16k: [epilogue[impl, D, N] / epilogue[f"{impl}_1pass", D, N]
+                                     for name, D, N in epilogue if name == impl and (N == 16384) == at_16k]
+    assert {N for _, _, N in epilogue} == {1024, 4096, 16384}
+    assert f"ran the backward {ratio(one_pass('ours', True))} as fast at seq 16k without the fix and " \
+           f"{ratio(one_pass('ours_fix', True))} with the fix as it then was (the shift and the fp32 O), at most " \
+           f"{max(one_pass('ours', False) + one_pass('ours_fix', False)):.2f}x at seq 1k-4k" in text
     # train_speed.txt: two tables (the H200's, then the H100's), arm, steps, tokens/s
     tables = [{" ".join(line.split()[:-2]): (int(line.split()[-2]), float(line.split()[-1]))
                for line in block.splitlines() if line.startswith("--")}
@@ -1248,14 +1273,35 @@ def test_kernel_md_speed_numbers_are_their_files():
            f"launcher {analyze.between(launches, '.0f')} us of it per launch, four a step)" in text
 
 
+def test_kernel_md_correctness_table_names_tests_that_exist():
+    """docs/kernel.md's table of correctness tests: each test it names is defined in the file its row names
+    (`tests/FILE.py`: before the names), else in tests/test_kernels.py; a row naming a file alone names one that is."""
+    root = Path(analyze.__file__).parent
+    header = "| test (`tests/test_kernels.py` unless named) | checks |"
+    table = (root / "docs/kernel.md").read_text().split(header)[1].split("\n\n")[0]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    assert len(rows) >= 15
+    for cell in rows:
+        for part in cell.split(";"):
+            file = re.match(r"\s*`(tests/\w+\.py)`", part)
+            names = re.findall(r"`(test_\w+)`", part)
+            assert names or file, part
+            source = (root / (file[1] if file else "tests/test_kernels.py")).read_text()
+            assert all(f"\ndef {name}(" in source for name in names), part
+
+
+def shared_limit(root):
+    """compile_sm90.py's SHARED_LIMIT, read from its source: the module refuses to import under the interpreter."""
+    limits = re.search(r"^SHARED_LIMIT = \{(.*)\}$", (root / "nanolp/compile_sm90.py").read_text(), re.M)[1]
+    return {int(arch): int(kb) * 1024 for arch, kb in re.findall(r"(\d+): (\d+) \* 1024", limits)}
+
+
 def test_kernel_md_correctness_numbers_are_their_code():
     """docs/kernel.md's "Correctness evidence": the shared memory a block may have per GPU (nanolp/compile_sm90.py),
     the head_dim-128 forward's stages on the smaller ones (kernels.py), the bitwise tests' shapes."""
     import kernels
     root = Path(analyze.__file__).parent
-    # compile_sm90.py's SHARED_LIMIT, read from its source: the module refuses to import under the interpreter
-    limits = re.search(r"^SHARED_LIMIT = \{(.*)\}$", (root / "nanolp/compile_sm90.py").read_text(), re.M)[1]
-    SHARED_LIMIT = {int(arch): int(kb) * 1024 for arch, kb in re.findall(r"(\d+): (\d+) \* 1024", limits)}
+    SHARED_LIMIT = shared_limit(root)
     text = doc_section("docs/kernel.md", "## Correctness evidence", "## Speed")
     assert f"fits the {SHARED_LIMIT[90] // 1024} KB of shared memory a block may have there" in text
     smaller = ", ".join(str(SHARED_LIMIT[arch] // 1024) for arch in (80, 86, 89))
