@@ -1290,6 +1290,25 @@ def test_kernel_md_correctness_table_names_tests_that_exist():
             assert all(f"\ndef {name}(" in source for name in names), part
 
 
+def test_findings_tie_bias_is_the_mechanism_report():
+    """findings 3 and results/README's claims row: the paper's rule against O's tie bias at two tied maxima (fa2), as
+    results/mechanism/report.md's table of O's mean signed error gives it, over the rows it names."""
+    root = Path(analyze.__file__).parent
+    report = (root / "results/mechanism/report.md").read_text()
+    rows = int(re.search(r"^(\d+) independent rows per k", report, re.M)[1])
+    table = report.split("Mean signed error of O:")[1].split("\n\n")[1].splitlines()
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    two = [cell.strip() for cell in next(line for line in table if line.startswith("| 2 |")).strip("|").split("|")]
+    cell = lambda flags: two[header.index(f"`{flags} --precision fa2`")].split()   # ["+3.84e-04", "(9.7e-07)"]
+    short = lambda text: (lambda m, e: f"{m}e{int(e)}")(*text.split("e"))   # +3.84e-04 -> +3.84e-4
+    (off, _), (paper, se) = cell("--fix off"), cell("--fix paper")
+    findings = doc_section("docs/findings.md", "## 3. ", "## 4. ")
+    assert f"over {rows:,} rows, `results/mechanism/report.md`, from {short(off)} to {short(paper)})" in findings
+    t = float(paper) / float(se.strip("()"))
+    claims = " ".join((root / "results/README.md").read_text().split())
+    assert f"(fa2: O's mean error {short(off)} to {short(paper)}, t {t:.1f})" in claims
+
+
 def shared_limit(root):
     """compile_sm90.py's SHARED_LIMIT, read from its source: the module refuses to import under the interpreter."""
     limits = re.search(r"^SHARED_LIMIT = \{(.*)\}$", (root / "nanolp/compile_sm90.py").read_text(), re.M)[1]
