@@ -342,19 +342,24 @@ def analyze_runs(runs, out):
     """The headline and the per-layer figures into `out`; returns the report section as markdown lines. A study's
     runs (STUDY/runs/NAME, beside STUDY/runs.csv) come with the study's other runs, those whose logs were not kept,
     for the counts that the table makes (the headline's survival panel and legend)."""
-    tables = sorted({t for t in (run.path.parent.parent / "runs.csv" for run in runs) if t.exists()})
+    where = lambda run: run.path.resolve()   # a run or a table given in two spellings (relative, absolute) is one
+    tables = {}
+    for table in sorted(run.path.parent.parent / "runs.csv" for run in runs):
+        if table.exists():
+            tables.setdefault(table.resolve(), table)
+    tables = list(tables.values())
     rows = {table: table_rows([table]) for table in tables}   # (before study_runs: refused in a line, if at all)
-    logged = {run.path: run for run in runs}
-    study = [logged.get(run.path, run) for table in tables for run in study_runs(table)]
-    in_study = {run.path for run in study}
-    study += [run for run in runs if run.path not in in_study]
+    logged = {where(run): run for run in runs}
+    study = [logged.get(where(run), run) for table in tables for run in study_runs(table)]
+    in_study = {where(run) for run in study}
+    study += [run for run in runs if where(run) not in in_study]
     styles = run_styles(runs, {run.path: arm(run) for run in runs})
     # the headline: the kernel as it ships, README's table; the earlier kernels' runs in a figure of their own
-    shipped = {run.path for run in study if as_shipped({**run.config, **run.summary})}
-    figures = [plot_headline([run for run in runs if run.path in keep], [run for run in study if run.path in keep],
+    shipped = {where(run) for run in study if as_shipped({**run.config, **run.summary})}
+    figures = [plot_headline([run for run in runs if where(run) in keep], [run for run in study if where(run) in keep],
                              out / name, title)
                for keep, name, title in ((shipped, "headline.png", "the kernel as it ships"),
-                                         ({run.path for run in study} - shipped, "headline_earlier_kernels.png",
+                                         ({where(run) for run in study} - shipped, "headline_earlier_kernels.png",
                                           "the earlier kernels, whose exponent the compiler fused in part"))
                if keep]
     figures.append(plot_grid(   # (a val loss that rises while the train loss falls: the text memorised)
@@ -644,21 +649,25 @@ def update_docs(root, tables):
     """Replace the lines between each marker of these runs.csv in DOCS (<!-- KIND: python analyze.py --table
     CSV [CSV ...] --> ... <!-- end of KIND -->, KIND a key of BLOCKS) with that block, regenerated from their rows:
     one table of several studies' runs where a marker names several."""
-    rows, found, named = table_rows(tables), [], " ".join(map(str, tables))
-    for doc in map(root.joinpath, DOCS):
+    rows, found, named = table_rows(tables), {}, " ".join(map(str, tables))
+    for doc in map(root.joinpath, DOCS):   # every doc's blocks made before any is written: all or none
         text = doc.read_text() if doc.exists() else ""
         for kind, block in BLOCKS.items():
             begin, end = f"<!-- {kind}: python analyze.py --table {named} -->", f"<!-- end of {kind} -->"
             if begin in text:
-                lines = "\n".join(block(rows))
                 parts = text.split(begin)
+                for part in parts[1:]:   # its end marker must be the next marker: else the text between would go
+                    if part.find("<!--") != part.find(end) or end not in part:
+                        fail(f"{doc.relative_to(root)}: the block {begin} has no {end} before the next marker: add "
+                             f"it where the block's table ends")
+                lines = "\n".join(block(rows))
                 text = parts[0] + "".join(begin + "\n" + lines + "\n" + end + part.split(end, 1)[1]
                                           for part in parts[1:])
-                found.append(doc)
-        if doc in found:
-            changed = text != doc.read_text()
-            doc.write_text(text)
-            print(f"{doc.relative_to(root)}: the blocks of {named} {'rewritten' if changed else 'regenerated, no change'}")
+                found[doc] = text
+    for doc, text in found.items():
+        changed = text != doc.read_text()
+        doc.write_text(text)
+        print(f"{doc.relative_to(root)}: the blocks of {named} {'rewritten' if changed else 'regenerated, no change'}")
     if not found:
         fail(f"no block of {named} in {', '.join(DOCS)}: add a line <!-- table: python analyze.py --table {named} "
              f"--> and <!-- end of table --> where it goes")

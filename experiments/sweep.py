@@ -61,7 +61,7 @@ import numpy as np
 from nanolp.runconfig import (BEFORE_OPTION, GPT2_BLOCK, NUMERICS, PLAIN_NUMERICS, DamagedFile, Parser, RunError,
                               arm_flags, as_current, parse_args, read_json, resolve_config)
 from nanolp.runs import (LOCK, checkpoint_step, find_runs, latest_checkpoint, load_run, load_runs, lock_holder,
-                         log_outcome, log_path, read_rows, thin_log, write_csv)
+                         log_outcome, log_path, outcome, read_rows, thin_log, write_csv)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -511,17 +511,24 @@ def collect(paths, csv_path):
     if not rows:
         raise StudyError(f"no readable run folders (with a log.csv or log.csv.gz) in {', '.join(map(str, paths))}; "
                          f"{csv_path} not written")
+    columns = COLUMNS
     if Path(csv_path).exists():   # a table may hold rows of runs whose folders are elsewhere, or gone: never lost
         try:
-            gone = [row.get("name") for row in read_rows(csv_path) if row.get("name") not in {r["name"] for r in rows}]
+            written = [as_current(row) for row in read_rows(csv_path)]
         except ValueError as e:
             raise StudyError(f"{e}; not rewritten") from None
+        gone = [row.get("name") for row in written if row.get("name") not in {r["name"] for r in rows}]
         if gone:
             shown = ", ".join(map(str, gone[:3]))   # (None: a row without a name)
             raise StudyError(f"{csv_path} has rows of {len(gone)} runs these folders do not hold ({shown}"
                              f"{', ...' if len(gone) > 3 else ''}): not rewritten; give a new file, or every folder "
                              f"(a study's runs.csv: python -m experiments.sweep STUDY --collect)")
-    write_csv(csv_path, rows, COLUMNS)
+        # its columns that no run folder tells (late_stage's forked_from, say) kept, each run's cell with it
+        extra = [column for column in (written[0] if written else {}) if column not in COLUMNS]
+        cells = {row["name"]: row for row in written}
+        rows = [{**{column: cells[row["name"]].get(column) for column in extra}, **row} for row in rows]
+        columns = COLUMNS + extra
+    write_csv(csv_path, rows, columns)
     return rows
 
 
@@ -546,12 +553,19 @@ def collect_study(study, out, results):
                 if logged < ran.summary.get("steps", 0):
                     raise DamagedFile(f"{src / 'log.csv'} ends at step {logged:,}, before the "
                                       f"{ran.summary['steps']:,} steps of its summary.json")
-                shutil.rmtree(dst, ignore_errors=True)
-                dst.mkdir(parents=True)
+                refused = replaces_less(ran, dst)
+                if refused:
+                    raise DamagedFile(f"{src} {refused}: the collected copy is kept (move one of them aside to "
+                                      f"collect the other)")
+                made = dst.with_name(dst.name + ".collecting")   # whole before the copy it replaces is removed
+                shutil.rmtree(made, ignore_errors=True)
+                made.mkdir(parents=True)
                 for name in ("config.json", "summary.json"):
                     if (src / name).exists():
-                        shutil.copy2(src / name, dst / name)
-                thin_log(src / "log.csv", dst / "log.csv.gz")
+                        shutil.copy2(src / name, made / name)
+                thin_log(src / "log.csv", made / "log.csv.gz")
+                shutil.rmtree(dst, ignore_errors=True)
+                made.rename(dst)
         except DamagedFile as e:
             print(f"{run['name']}: not collected, {e}")
         if log_path(dst).exists():
@@ -563,6 +577,22 @@ def collect_study(study, out, results):
     kept, columns = kept_rows(table, {row["name"] for row in rows}, Path(results) / "runs")
     write_csv(table, kept + rows, columns)
     return rows
+
+
+def replaces_less(ran, dst):
+    """Why the run `ran` (a run folder's, read) may not replace the copy collected at dst, or None: a collapse
+    there is a result, replaced only by the same summary.json (the same run collected again); any other copy only
+    by a log that reaches at least as far. A copy that cannot be read is replaced."""
+    try:
+        kept = load_run(dst) if log_path(dst).exists() else None
+    except DamagedFile:
+        return None
+    if kept is None or not kept.log:
+        return None
+    if kept.collapse_step is not None and ran.summary != kept.summary:
+        return f"is not the run collected at {dst}, which {outcome(kept.summary)}"
+    reached, steps = log_outcome(kept.log)["steps"], log_outcome(ran.log)["steps"]
+    return f"ends at step {steps:,}, before the collected copy's {reached:,}" if steps < reached else None
 
 
 def kept_rows(table, names, folder):
@@ -644,7 +674,7 @@ def main(argv=None):
         if slots:
             warm_data_cache([run["flags"] for run in todo])
             stage = "running"
-        outcome = sweep(todo, slots, args.minutes) if slots else {}
+        returns = sweep(todo, slots, args.minutes) if slots else {}
         stage = "collecting"
         rows = collect_study(study, out, results)
     except StudyError as e:
@@ -658,7 +688,7 @@ def main(argv=None):
               file=sys.stderr)
         return 130
     print(f"{len(rows)} runs -> {results / 'runs.csv'}, logs in {results / 'runs'}")
-    failed = {name: rc for name, rc in outcome.items() if isinstance(rc, int) and rc != 0}
+    failed = {name: rc for name, rc in returns.items() if isinstance(rc, int) and rc != 0}
     if failed:
         print(f"failed (see <run>/stdout.log): {failed}")
     return 1 if failed else 0

@@ -589,6 +589,11 @@ def read_log(path):
         raise DamagedFile(f"{path} cannot be read ({e})") from None
     except ValueError as e:   # (a row not whole, or not CSV: csv_rows's line)
         raise DamagedFile(str(e)) from None
+    if "step" in header:   # a row without its step (a header written again, say) would give the run's steps wrong
+        at = header.index("step")
+        if stray := next((cells for cells in rows if not cells[at].isdigit()), None):
+            raise DamagedFile(f"{path}: a row whose step is {stray[at]!r}, not a step number (a line train.py did "
+                              f"not write)")
     return {c: np.array([to_float(row[i]) for row in rows]) for i, c in enumerate(header)} if rows else {}
 
 
@@ -737,16 +742,24 @@ def from_cell(text):
 
 def thin_log(src, dst, every=100):
     """Copy a log.csv to dst (gzip), keeping every row with diagnostics or a val loss, every `every`-th of the
-    others and the last rows: what the figures need, at a size that can be committed."""
-    with open(src, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-    keep = [r for i, r in enumerate(rows)
-            if r.get("max_logit_L0") or r.get("val_loss") or i % every == 0 or i >= len(rows) - 5]
+    others and the last rows: what the figures need, at a size that can be committed. The rows as read_log reads
+    them (a last line still being written left out); DamagedFile, dst not written, for a log without a row."""
+    header, rows = [], []
+    if Path(src).stat().st_size:
+        with open(src, newline="") as f:
+            try:
+                header, rows = csv_rows(f, src, "train.py", appended=True)
+            except (UnicodeDecodeError, ValueError) as e:
+                raise DamagedFile(f"{src} cannot be read ({e})") from None
+    if not rows:
+        raise DamagedFile(f"{src} has no row yet")
+    at = {column: i for i, column in enumerate(header)}
+    cell = lambda cells, column: cells[at[column]] if column in at else ""
+    keep = [cells for i, cells in enumerate(rows) if cell(cells, "max_logit_L0") or cell(cells, "val_loss")
+            or i % every == 0 or i >= len(rows) - 5]
     with gzip.GzipFile(dst, "wb", mtime=0) as raw, io.TextIOWrapper(raw, newline="") as f:   # same rows, same bytes
-        writer = csv.DictWriter(f, fieldnames=reader.fieldnames)
-        writer.writeheader()
-        writer.writerows(keep)
+        writer = csv.writer(f, lineterminator="\r\n")
+        writer.writerows([header] + keep)
 
 
 def cell(value):
@@ -780,4 +793,7 @@ def find_runs(paths):
             found.append(path)
         elif path.is_dir():
             found.extend(sorted({p.parent for pattern in ("*/log.csv", "*/log.csv.gz") for p in path.glob(pattern)}))
-    return list({path.resolve(): path for path in reversed(found)}.values())[::-1]
+    unique = {}
+    for path in found:
+        unique.setdefault(path.resolve(), path)
+    return list(unique.values())

@@ -394,6 +394,22 @@ def test_runs_report_and_figures(tmp_path):
     assert (out / "rates.csv").stat().st_size > 0
 
 
+def test_a_study_given_in_two_spellings_is_one_study(tmp_path, monkeypatch):
+    """Runs of one study named by a relative and an absolute path: one table of the study, its runs counted once."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    rows = []
+    for seed in (0, 1):
+        write_run(tmp_path / "a" / "runs", f"off-s{seed}", seed, True, rng)
+        rows.append(dict(name=f"off-s{seed}", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off",
+                         exponent="fma", collapsed=True, collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390,
+                         max_logit=5e8, tokens_per_s=5000.0, log_kept=True, variant="", lr=1e-3))
+    write_csv(tmp_path / "a" / "runs.csv", rows, list(rows[0]))
+    analyze.main(["a/runs/off-s0", str(tmp_path / "a" / "runs" / "off-s1"), "--out", "figures"])
+    report = (tmp_path / "figures" / "report.md").read_text()
+    assert report.count("All runs of") == 1 and "| 2 (0, 1) |" in report
+
+
 def test_two_studies_report_their_tables_then_the_runs_with_logs(tmp_path, capsys):
     """Each study's table of every run (its runs.csv), then one table of the runs with logs; a run named twice (its
     folder and the folder of runs it is in) is one run."""
@@ -406,6 +422,7 @@ def test_two_studies_report_their_tables_then_the_runs_with_logs(tmp_path, capsy
         write_csv(tmp_path / study / "runs.csv", [row], list(row))
     given = [tmp_path / "a" / "runs", tmp_path / "a" / "runs" / "off-s0", tmp_path / "b" / "runs"]
     assert find_runs(given) == [tmp_path / "a" / "runs" / "off-s0", tmp_path / "b" / "runs" / "off-s0"]
+    assert find_runs(given[::-1]) == [tmp_path / "b" / "runs" / "off-s0", tmp_path / "a" / "runs" / "off-s0"]
     analyze.main([*map(str, given), "--out", str(tmp_path / "figures")])
     report = (tmp_path / "figures" / "report.md").read_text().splitlines()
     heads = [i for i, line in enumerate(report) if line.startswith(("All runs of", "The runs with logs:"))]
@@ -472,6 +489,28 @@ def test_one_table_of_two_studies(tmp_path, monkeypatch):
     assert [row.split(" | ")[0] for row in rows] == [f"| `python train.py {flags}`" for _, _, flags, _ in arms]
     assert [row.split(" | ")[-1] for row in rows] == [f"{p:.3g} |" for p in peaks] and peaks[0] != peaks[1]
     assert lines[-2] == "old"   # the block of base/runs.csv alone is not this command's
+
+
+def test_a_block_without_its_end_marker_is_refused_and_no_doc_written(tmp_path, monkeypatch, capsys):
+    """A block whose end marker is gone (or comes only after another block's marker) would take the text up to the
+    next end marker with it: --table refuses in one line, and writes no doc, the other docs' blocks included."""
+    monkeypatch.chdir(tmp_path)
+    write_run(tmp_path / "study" / "runs", "off-s0", 0, True, np.random.default_rng(0))
+    summary = json.loads((tmp_path / "study" / "runs" / "off-s0" / "summary.json").read_text())
+    write_csv(tmp_path / "study" / "runs.csv", [dict(summary, arm="off", flags="--fix off", log_kept=True, lr=1e-3)],
+              list(summary) + ["arm", "flags", "log_kept", "lr"])
+    marker = "<!-- table: python analyze.py --table study/runs.csv -->"
+    readme = f"{marker}\nold\n<!-- end of table -->\n"
+    unended = f"{marker}\nold\n## a section\n<!-- all runs: python analyze.py --table other.csv -->\nx\n" \
+              "<!-- end of all runs -->\nkept\n<!-- end of table -->\n"
+    for text in (unended, f"{marker}\nold\n"):
+        (tmp_path / "README.md").write_text(readme)
+        (tmp_path / "docs").mkdir(exist_ok=True)
+        (tmp_path / "docs/findings.md").write_text(text)
+        with pytest.raises(SystemExit):
+            analyze.update_docs(tmp_path, [Path("study/runs.csv")])
+        assert "docs/findings.md: the block <!-- table:" in capsys.readouterr().err
+        assert (tmp_path / "README.md").read_text() == readme and (tmp_path / "docs/findings.md").read_text() == text
 
 
 def test_loss_table_reads_each_runs_lowest_losses_and_runaway_layer(tmp_path):

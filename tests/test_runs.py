@@ -131,6 +131,15 @@ def test_a_log_row_of_the_wrong_length_is_a_damaged_file(tmp_path, capsys, damag
         runs.read_log(tmp_path / "log.csv")
 
 
+@pytest.mark.parametrize("stray", ["step,elapsed_s,train_loss", ",7,3.0", "2.5e3,7,3.0"])
+def test_a_log_row_without_a_step_number_is_a_damaged_file(tmp_path, stray):
+    """A row whose step is no step number (the header written again, an empty cell) would give the run's steps
+    wrong (or NaN, which no count takes): named in one line as a damaged file."""
+    (tmp_path / "log.csv").write_text(f"step,elapsed_s,train_loss\n10,6,3.0\n{stray}\n")
+    with pytest.raises(runconfig.DamagedFile, match=re.escape(f"{tmp_path / 'log.csv'}: a row whose step is ")):
+        runs.read_log(tmp_path / "log.csv")
+
+
 def test_a_study_run_that_cannot_be_read_counts_as_its_row(tmp_path):
     """study_runs gives a kept run whose files are damaged (or gone) as its runs.csv row alone, as for a run whose
     log was not kept: the study's counts keep it, and the figures, which need its log, leave it out."""

@@ -19,7 +19,7 @@ import torch
 from experiments import sweep
 from nanolp import data
 from nanolp.runconfig import as_current
-from nanolp.runs import LOCK, cell, load_run
+from nanolp.runs import LOCK, cell, load_run, write_csv
 
 # A stand-in for train.py: writes config.json (its flags), log.csv (a row every 10 steps, diagnostics every 100),
 # summary.json and device.txt (CUDA_VISIBLE_DEVICES, start and end time), after --sleep seconds.
@@ -627,6 +627,67 @@ def test_a_log_cut_short_of_its_summary_is_not_collected(tmp_path, capsys):
     assert (f"x-s0: not collected, {tmp_path / 'out' / 'x-s0' / 'log.csv'} ends at step 40, before the 100 steps "
             f"of its summary.json") in capsys.readouterr().out.splitlines()
     assert log.read_text() == whole and (row["steps"], row["minutes"]) == (100, 10 / 60)
+
+
+def test_a_collected_copy_is_replaced_only_by_as_much(tmp_path, capsys):
+    """A collected copy is a recorded result: a run in --out of the same name replaces it only where its log reaches
+    as far (a collapse there: only with the same summary.json), and never removes it before the new copy is whole."""
+    study = sweep.load_study(write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = ''\n"), "s")
+    out, results = tmp_path / "out", tmp_path / "results"
+    rows = [dict(step=step, elapsed_s=step / 10) for step in range(10, 101, 10)]
+    kept = write_run(results / "runs", "x-s0", {}, None, rows[:8])   # unfinished, at step 80
+    collected = (kept / "log.csv").read_text()
+    said = lambda: [line for line in capsys.readouterr().out.splitlines() if "not collected" in line]
+    for log in (rows[:3], []):   # a shorter attempt; one whose log has its header alone
+        shutil.rmtree(out, ignore_errors=True)
+        write_run(out, "x-s0", {}, None, log)
+        (row,) = sweep.collect_study(study, out, results)
+        assert row["steps"] == 80 and (kept / "log.csv").read_text() == collected
+        assert said() == [f"x-s0: not collected, {out / 'x-s0'} ends at step 30, before the collected copy's 80: the "
+                          f"collected copy is kept (move one of them aside to collect the other)"] if log else \
+            len(said()) == 1
+    (out / "x-s0" / "log.csv").write_text("")   # empty: no row, nothing to copy
+    (row,) = sweep.collect_study(study, out, results)
+    assert row["steps"] == 80 and len(said()) == 1 and not (results / "runs" / "x-s0.collecting").exists()
+    # a collapse collected: another collapse of that name is another sample, not collected over it
+    shutil.rmtree(out)
+    shutil.rmtree(results)
+    fell = dict(steps=90, collapsed=True, collapse_step=90, collapse_minute=0.2, reason="loss spike", minutes=0.2)
+    write_run(results / "runs", "x-s0", {}, fell, rows[:9])
+    write_run(out, "x-s0", {}, dict(fell, steps=50, collapse_step=50), rows[:5])
+    (row,) = sweep.collect_study(study, out, results)
+    assert row["collapse_step"] == 90 and said() == [
+        f"x-s0: not collected, {out / 'x-s0'} is not the run collected at {results / 'runs' / 'x-s0'}, which collapsed "
+        f"at step 90, after 0.2 training minutes: loss spike: the collected copy is kept (move one of them aside to "
+        f"collect the other)"]
+    (out / "x-s0" / "summary.json").write_text(json.dumps(fell))   # the same run again: collected as it was
+    write_run(out.with_name("same"), "x-s0", {}, None, rows[:9])
+    shutil.copy(out.with_name("same") / "x-s0" / "log.csv", out / "x-s0" / "log.csv")
+    (row,) = sweep.collect_study(study, out, results)
+    assert row["collapse_step"] == 90 and said() == []
+
+
+def test_a_half_written_last_line_is_not_collected(tmp_path):
+    """The thinned copy of a log a run is still writing leaves out its last line, cut within a cell, as every reader
+    does: else the row would read step 4 for step 40."""
+    study = sweep.load_study(write_studies(tmp_path, "[s]\nmin_steps = 100\nseeds = [0]\n[s.arms]\nx = ''\n"), "s")
+    log = write_run(tmp_path / "out", "x-s0", {}, None, [dict(step=10, elapsed_s=1.0), dict(step=20, elapsed_s=2.0)])
+    with open(log / "log.csv", "a") as f:
+        f.write("4")   # step 40 being written
+    (row,) = sweep.collect_study(study, tmp_path / "out", tmp_path / "results")
+    assert row["steps"] == 20
+
+
+def test_collect_into_a_table_keeps_its_columns(tmp_path):
+    """--collect DIR --csv FILE keeps the columns FILE has that no run folder tells (late_stage's forked_from), each
+    run's cell with it."""
+    runs, table = tmp_path / "runs", tmp_path / "runs.csv"
+    write_run(runs, "x-s0", {}, dict(steps=10), [dict(step=10)])
+    assert sweep.main(["--collect", str(runs), "--csv", str(table)]) == 0
+    rows = read_csv(table)
+    write_csv(table, [dict(rows[0], forked_from="base@5")], list(rows[0]) + ["forked_from"])
+    assert sweep.main(["--collect", str(runs), "--csv", str(table)]) == 0
+    assert [(row["name"], row["forked_from"]) for row in read_csv(table)] == [("x-s0", "base@5")]
 
 
 def test_collect_into_a_table_keeps_its_rows(tmp_path, capsys):
