@@ -18,6 +18,7 @@ SDPA backend on the H200).
 """
 import argparse
 import csv
+import math
 import os
 import statistics
 
@@ -76,12 +77,23 @@ TABLE_SEQS = (4096, 16384)
 
 
 def bench_rows(path, columns):
-    """The rows of a bench CSV (nanolp.runs.read_rows); ValueError, in one line naming the file, where it cannot be
-    read or lacks one of these columns."""
+    """The rows of a bench CSV (nanolp.runs.read_rows), each of these columns as its number (impl as its text);
+    ValueError, in one line naming the file, where it cannot be read, lacks one of these columns, or a cell of them
+    is no finite number (empty, or nan: an implementation not timed at that shape)."""
     rows = read_rows(path)
     missing = [c for c in columns if c not in rows[0]] if rows else []
     if missing:
         raise ValueError(f"{path} is not a bench CSV: no column {', '.join(missing)}")
+    for row in rows:
+        for column in (c for c in columns if c != "impl"):
+            try:
+                value = (int if column in ("head_dim", "seq") else float)(row[column])
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value):
+                raise ValueError(f"{path}: the row of {row.get('impl')} at head_dim {row.get('head_dim')}, seq "
+                                 f"{row.get('seq')} has no {column} ({row[column]!r})")
+            row[column] = value
     return rows
 
 
@@ -89,7 +101,7 @@ def speed_table(path):
     """The markdown lines of README's speed table, from a bench CSV: per head_dim, each implementation's range of
     fwd_bwd_vs_cudnn over the sequences from TABLE_SEQS's first to its last."""
     rows = [r for r in bench_rows(path, ("impl", "head_dim", "seq", "fwd_bwd_vs_cudnn"))
-            if TABLE_SEQS[0] <= int(r["seq"]) <= TABLE_SEQS[1]]
+            if TABLE_SEQS[0] <= r["seq"] <= TABLE_SEQS[1]]
     span = lambda v: f"{min(v):.2f}x" if f"{min(v):.2f}" == f"{max(v):.2f}" else f"{min(v):.2f}-{max(v):.2f}x"
     seqs = "-".join(f"{n // 1024}k" for n in TABLE_SEQS)
     at = "seq " + " to ".join(map(str, TABLE_SEQS))
@@ -97,8 +109,8 @@ def speed_table(path):
         raise ValueError(f"{path} has no rows at {at}")
     lines = ["| head_dim, seq: speed over cuDNN's | " + " | ".join(TABLE_IMPLS.values()) + " |",
              "|---" * (len(TABLE_IMPLS) + 1) + "|"]
-    for D in sorted({int(r["head_dim"]) for r in rows}):
-        ratios = {impl: [float(r["fwd_bwd_vs_cudnn"]) for r in rows if r["impl"] == impl and int(r["head_dim"]) == D]
+    for D in sorted({r["head_dim"] for r in rows}):
+        ratios = {impl: [r["fwd_bwd_vs_cudnn"] for r in rows if r["impl"] == impl and r["head_dim"] == D]
                   for impl in TABLE_IMPLS}
         missing = [impl for impl, v in ratios.items() if not v]
         if missing:
@@ -111,7 +123,7 @@ def fix_ratios(path, column="fwd_bwd_ms"):
     """{(head_dim, seq): fix "on"'s time over fix "off"'s in the same round of timings, the median over the rounds
     of --repeats (a CSV without them is one round)}, from a bench CSV; column: fwd_ms, bwd_ms or fwd_bwd_ms.
     ValueError where there is no fix "on" timing, or one has no fix "off" timing beside it."""
-    ms = {(r["impl"], int(r["head_dim"]), int(r["seq"]), int(r.get("repeat") or 0)): float(r[column])
+    ms = {(r["impl"], r["head_dim"], r["seq"], int(r.get("repeat") or 0)): r[column]
           for r in bench_rows(path, ("impl", "head_dim", "seq", column))}
     fix = [key[1:] for key in ms if key[0] == "ours_fix"]
     if not fix:
@@ -178,6 +190,8 @@ def main(argv=None):
         p.error("--repeats must be 1 or more")
     if min(args.seqs + args.head_dims) < 1:
         p.error("--seqs and --head-dims must be 1 or more")
+    if args.table and args.cost:
+        p.error("--table and --cost: give one of them (each prints its own table)")
     if args.table or args.cost:
         path = args.table or args.cost
         try:

@@ -20,7 +20,7 @@ import numpy as np
 
 from nanolp.diagnostics import LOGIT
 from nanolp.plots import PALETTE, save
-from nanolp.runconfig import Parser, RunError, as_shipped
+from nanolp.runconfig import Parser, RunError, as_shipped, number_text
 from nanolp.runs import load_run, study_rows, write_csv
 
 # flags -> nanolp.plots family (the second arm of a family is drawn in its second shade)
@@ -30,11 +30,23 @@ PAST = 100.0   # layer 0's max logit where the runaway has begun (fix off's runs
 COLUMNS = ["arm", "lr", "seed", "name", "study", "steps", "collapsed", "collapse_step", "log_kept", "past_100_step"]
 
 
-def base_flags(flags):
-    """A row's flags without --lr and its value: '--fix on --lr 3e-3' -> '--fix on'."""
-    words = shlex.split(flags or "")
-    keep = [w for i, w in enumerate(words) if w != "--lr" and (i == 0 or words[i - 1] != "--lr")]
-    return shlex.join(keep)
+def flag_items(flags):
+    """A command's flags as a set of (flag, value), in whatever order and spelling they come (--lr=1e-3 or --lr
+    1e-3): a switch's value None."""
+    words, items, i = shlex.split(flags or ""), set(), 0
+    while i < len(words):
+        name, _, value = words[i].partition("=")
+        if not value and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            i, value = i + 1, words[i + 1]
+        items.add((name, value or None))
+        i += 1
+    return items
+
+
+def arm_of(flags):
+    """The arm of ARMS whose flags a row's are, with or without --lr: '--lr 3e-3 --fix on' -> '--fix on'; None."""
+    items = {item for item in flag_items(flags) if item[0] != "--lr"}
+    return next((arm for arm in ARMS if flag_items(arm) == items), None)
 
 
 def first_past(run, value=PAST):
@@ -56,9 +68,11 @@ def curve_points(rows):
     """points of studies' runs.csv rows (nanolp.runs.study_rows: each with its study's `folder` and its `run_dir`)."""
     points = []
     for row in rows:
-        arm = base_flags(row["flags"])
-        if arm not in ARMS or not as_shipped(row) or row.get("variant"):
+        arm = arm_of(row["flags"])
+        if arm is None or not as_shipped(row) or row.get("variant"):
             continue
+        if row["lr"] is None:
+            raise ValueError(f"{row['folder'] / 'runs.csv'}: {row['name']} has no lr: the curve needs each run's")
         try:
             run = load_run(row["run_dir"]) if row["log_kept"] else None
         except RunError as e:   # (a damaged log: study_rows has seen that there is one)
@@ -104,7 +118,7 @@ def markdown(points):
         for arm in ARMS:
             runs = [p for p in points if (p["arm"], p["lr"]) == (arm, lr)]
             cells.append(one(runs[0]) if len(runs) == 1 else several(runs) if runs else "-")
-        lines.append(f"| {lr:.0e} | ".replace("e-0", "e-") + " | ".join(cells) + " |")   # 1e-3, not 0.001
+        lines.append(f"| {number_text(lr)} | " + " | ".join(cells) + " |")   # 1e-3, as the flags write it
     return lines
 
 
@@ -150,8 +164,9 @@ def plot(rows, path):
 def main(argv=None):
     p = Parser(prog="python -m experiments.lr_curve", description=__doc__.split("\n\n")[0])
     p.add_argument("tables", nargs="+", help="studies' runs.csv (the lr sweep's and the default lr's)")
-    p.add_argument("--out", type=Path, default=Path("results/lr_sweep"), help="where lr_curve.csv and figures/ go")
+    p.add_argument("--out", type=Path, help="where lr_curve.csv and figures/ go (default: the first table's folder)")
     args = p.parse_args(argv)
+    args.out = args.out or Path(args.tables[0]).parent
     missing = [t for t in args.tables if not Path(t).is_file()]
     if missing:
         p.error(f"no such file: {', '.join(missing)}")

@@ -63,6 +63,20 @@ def test_a_file_that_is_no_bench_csv_is_one_line(tmp_path, capsys):
         assert line in refused(argv, capsys)
 
 
+def test_a_cell_that_is_no_number_is_one_line_never_a_nan_in_the_table(tmp_path, capsys):
+    """A ratio of nan (timed without cuDNN) or a blank shape: one line naming the file and the row, not a table of
+    "nanx" (or, where the nan fell in the middle of a range, one that reads as whole); --table with --cost refused."""
+    header = "impl,head_dim,seq,fwd_bwd_ms,fwd_bwd_vs_cudnn\n"
+    rows = [f"{impl},64,{n},1.0,0.8\n" for impl in bench.TABLE_IMPLS for n in (4096, 8192, 16384)]
+    for cell, bad in ((("ours_fix,64,8192,1.0,0.8", "ours_fix,64,8192,1.0,nan"), "fwd_bwd_vs_cudnn ('nan')"),
+                      (("ours,64,4096,1.0,0.8", "ours,64,,1.0,0.8"), "seq ('')")):
+        path = tmp_path / "bench.csv"
+        path.write_text(header + "".join(rows).replace(*cell))
+        line = refused(["--table", str(path)], capsys)
+        assert line.endswith(bad) and f"{path}: the row of " in line
+    assert "give one of them" in refused(["--table", str(path), "--cost", str(path)], capsys)
+
+
 def test_timing_refuses_bad_shapes_no_gpu_and_no_rows_without_touching_out(tmp_path, capsys, monkeypatch):
     out = tmp_path / "bench.csv"
     out.write_text("a committed benchmark\n")

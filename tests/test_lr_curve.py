@@ -1,5 +1,6 @@
 """experiments/lr_curve.py: which runs are the curve's points, layer 0's step past 100, and the committed curve
 regenerated from its studies' files."""
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +10,13 @@ from experiments import lr_curve
 from nanolp.runs import Run, read_table
 
 
-def test_base_flags_drop_the_lr_and_keep_the_rest():
-    assert lr_curve.base_flags("--fix on --lr 3e-3") == "--fix on"
-    assert lr_curve.base_flags("--lr 1e-2 --attn fp32") == "--attn fp32"
-    assert lr_curve.base_flags("--fix off --pos rope") == "--fix off --pos rope"
-    assert lr_curve.base_flags(None) == ""
+def test_a_rows_arm_is_its_flags_less_the_lr_in_any_order_and_spelling():
+    assert lr_curve.arm_of("--fix on --lr 3e-3") == "--fix on"
+    assert lr_curve.arm_of("--lr 1e-2 --attn fp32") == "--attn fp32"
+    assert lr_curve.arm_of("--fix off --pos rope") == "--fix off --pos rope"
+    assert lr_curve.arm_of("--pos rope --fix off --lr=1e-3") == "--fix off --pos rope"
+    assert lr_curve.arm_of("--pos=rope --attn fp32") == "--attn fp32 --pos rope"
+    assert lr_curve.arm_of("--fix off --qk-norm") is None and lr_curve.arm_of(None) is None
 
 
 def test_first_past_is_the_first_logged_step_above_and_none_without_one():
@@ -114,6 +117,32 @@ def test_the_small_table_has_a_row_per_rate_and_a_cell_per_arm():
         "| 1e-3 | - | 2 runs: no collapse in 1,000; no log | - | - | - |",
         "| 1e-3 | - | 2 runs: no collapse in 1,000; 1 of 2 without a log | - | - | - |",
         "| 1e-3 | - | 2 runs: no collapse in 1,000 | - | - | - |"]
+
+
+def test_a_rates_row_is_named_as_the_flags_write_it():
+    """Each lr its own row, named as --lr writes it: 1.5e-3 and 2e-3 two rows, not two of "2e-3"."""
+    point = lambda lr: dict(arm="--fix off", lr=lr, seed=0, steps=100, collapsed=False, past_100_step=None,
+                            collapse_step=None, log_kept=True)
+    assert [line.split(" | ")[0] for line in lr_curve.markdown([point(1.5e-3), point(2e-3), point(1e-3)])[2:]] == \
+        ["| 1e-3", "| 1.5e-3", "| 2e-3"]
+
+
+def test_the_curve_goes_beside_its_first_table_and_a_run_without_an_lr_is_one_line(tmp_path, capsys):
+    """Without --out, lr_curve.csv and figures/ go to the first table's folder (never another study's committed
+    curve); a run of an arm whose lr cell is empty is refused in one line naming it."""
+    copy = tmp_path / "lr_sweep"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "results" / "lr_sweep" / "runs", copy / "runs")
+    lines = (Path(__file__).resolve().parent.parent / "results" / "lr_sweep" / "runs.csv").read_text().splitlines()
+    (copy / "runs.csv").write_text("\n".join(lines) + "\n")
+    assert lr_curve.main([str(copy / "runs.csv")]) is None
+    assert (copy / "lr_curve.csv").exists() and (copy / "figures" / "lr_curve.png").exists()
+    header = lines[0].split(",")
+    cells = lines[1].split(",")
+    cells[header.index("lr")] = ""
+    (copy / "runs.csv").write_text("\n".join([lines[0], ",".join(cells)] + lines[2:]) + "\n")
+    with pytest.raises(SystemExit):
+        lr_curve.main([str(copy / "runs.csv")])
+    assert f"{copy / 'runs.csv'}: {cells[0]} has no lr" in capsys.readouterr().err
 
 
 def test_a_run_whose_log_is_not_kept_is_a_point_without_a_step_past_100(tmp_path, capsys):
