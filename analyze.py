@@ -33,7 +33,7 @@ from nanolp import probe
 from nanolp.diagnostics import LOGIT, PROBE_LAYER, SHARP_EPS, TIE_TOL   # the runaway layer, its column; sharp, tied
 from nanolp.emulate import OURS   # the attentions that take --fix and the numerics (nanolp.runconfig.NUMERICS)
 from nanolp.plots import arm_hues, family, plot_grid, run_styles, save, step_axis
-from nanolp.runs import find_runs, load_runs, study_rows, study_runs, write_csv
+from nanolp.runs import STUDY_COLUMNS, find_runs, load_runs, study_rows, study_runs, write_csv
 from nanolp.runconfig import BEFORE_OPTION, GPT2_BLOCK, Parser, arm_flags, as_shipped, with_preset
 from train import PRESETS, TINY_NOTE
 
@@ -490,11 +490,14 @@ def kin_of(group, rows):
     return [row for row in rows if all(row.get(key) == group[0].get(key) for key in keys) and not row.get("variant")]
 
 
+TABLE_COLUMNS = STUDY_COLUMNS + ("minutes", "collapse_minute", "max_logit")   # what the tables read of each row
+
+
 def table_rows(tables):
     """The rows of one or more studies' runs.csv, each with its study's `folder` (nanolp.runs.study_rows); a table
-    that cannot be one of them is refused in one line."""
+    that cannot be one of them, or lacks a column the blocks read, is refused in one line."""
     try:
-        return study_rows(tables)
+        return study_rows(tables, TABLE_COLUMNS)
     except ValueError as e:
         fail(str(e))
 

@@ -651,11 +651,11 @@ def study_runs(table):
 STUDY_COLUMNS = ("name", "arm", "flags", "seed", "lr", "steps", "collapsed", "collapse_step", "log_kept")
 
 
-def study_rows(tables):
+def study_rows(tables, columns=STUDY_COLUMNS):
     """The rows of studies' runs.csv (read_table), in order, each with its study's `folder` and its `run_dir`
     (folder/runs/NAME, where a run whose log is kept has it). ValueError in one line for a table given twice, one
-    that cannot be read or lacks a column of STUDY_COLUMNS, a row without a name, or one that says a run's log is
-    kept where there is none."""
+    that cannot be read or lacks one of these columns (a reader's, STUDY_COLUMNS and those it reads besides), a row
+    without a name, or one that says a run's log is kept where there is none."""
     paths = [Path(table) for table in tables]
     twice = sorted({str(p) for p in paths if [q.resolve() for q in paths].count(p.resolve()) > 1})
     if twice:
@@ -666,7 +666,7 @@ def study_rows(tables):
             table = read_table(path)
         except OSError as e:   # (read_table's ValueError names the file, and line, as OSError's does)
             raise ValueError(str(e)) from None
-        missing = [column for column in STUDY_COLUMNS if table and column not in table[0]]
+        missing = [column for column in columns if table and column not in table[0]]
         if missing:
             raise ValueError(f"{path} is not a study's runs.csv: no column {', '.join(missing)}")
         unnamed = [i + 2 for i, row in enumerate(table) if not row["name"]]   # (its line: the header is line 1)

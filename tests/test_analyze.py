@@ -204,17 +204,18 @@ def test_headline_counts_every_run_of_the_study(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     write_run(study / "runs", "off-s0", 0, True, rng, preset="default", n_layer=6, n_head=6)   # the default's shape
     rows = [dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma", collapsed=True,
-                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=5e8, tokens_per_s=5000.0,
-                 log_kept=True, variant="", lr=1e-3)]
+                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, minutes=9.75, max_logit=5e8,
+                 tokens_per_s=5000.0, log_kept=True, variant="", lr=1e-3)]
     rows += [dict(name=f"off-s{seed}-nolog", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off", exponent="fma",
-                  collapsed=True, collapse_step=step, collapse_minute=step / 40, steps=step + 5, max_logit=1e9,
+                  collapsed=True, collapse_step=step, collapse_minute=step / 40, steps=step + 5, minutes=step / 40,
+                  max_logit=1e9,
                   tokens_per_s=5000.0, log_kept=False, variant="", lr=1e-3) for seed, step in ((1, 600), (2, 900))]
     rows += [dict(name="sdpa-s0-nolog", arm="sdpa", flags="--attn sdpa", seed=0, attn="sdpa", fix="off",
-                  collapsed=False, collapse_step="", collapse_minute="", steps=1000, max_logit=3e5,
+                  collapsed=False, collapse_step="", collapse_minute="", steps=1000, minutes=25.0, max_logit=3e5,
                   tokens_per_s=5000.0, log_kept=False, variant="", lr=1e-3),
              dict(name="patched-s0-nolog", arm="patched", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma",
-                  collapsed=True, collapse_step=50, collapse_minute=1.0, steps=55, max_logit=1e9, tokens_per_s=5000.0,
-                  log_kept=False, variant="a patched kernel", lr=1e-3)]
+                  collapsed=True, collapse_step=50, collapse_minute=1.0, steps=55, minutes=1.1, max_logit=1e9,
+                  tokens_per_s=5000.0, log_kept=False, variant="a patched kernel", lr=1e-3)]
     write_csv(study / "runs.csv", rows, list(rows[0]))
     runs = [load_run(study / "runs" / "off-s0")]
     everyone = study_runs(study / "runs.csv")
@@ -240,8 +241,8 @@ def test_a_row_without_a_log_does_not_rename_a_run_with_one(tmp_path, monkeypatc
     study = tmp_path / "study"
     write_run(study / "runs", "off-s0", 0, True, np.random.default_rng(0), preset="default", n_layer=6, n_head=6)
     rows = [dict(name=name, arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma", collapsed=True,
-                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=1e9, tokens_per_s=5000.0,
-                 log_kept=kept, variant="", lr=1e-3)
+                 collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, minutes=9.75, max_logit=1e9,
+                 tokens_per_s=5000.0, log_kept=kept, variant="", lr=1e-3)
             for name, kept in (("off-s0-nolog", False), ("off-s0", True))]
     write_csv(study / "runs.csv", rows, list(rows[0]))
     figures = []
@@ -403,7 +404,7 @@ def test_a_study_given_in_two_spellings_is_one_study(tmp_path, monkeypatch):
         write_run(tmp_path / "a" / "runs", f"off-s{seed}", seed, True, rng)
         rows.append(dict(name=f"off-s{seed}", arm="off", flags="--fix off", seed=seed, attn="kernel", fix="off",
                          exponent="fma", collapsed=True, collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390,
-                         max_logit=5e8, tokens_per_s=5000.0, log_kept=True, variant="", lr=1e-3))
+                         minutes=9.75, max_logit=5e8, tokens_per_s=5000.0, log_kept=True, variant="", lr=1e-3))
     write_csv(tmp_path / "a" / "runs.csv", rows, list(rows[0]))
     analyze.main(["a/runs/off-s0", str(tmp_path / "a" / "runs" / "off-s1"), "--out", "figures"])
     report = (tmp_path / "figures" / "report.md").read_text()
@@ -417,8 +418,8 @@ def test_two_studies_report_their_tables_then_the_runs_with_logs(tmp_path, capsy
     for study in ("a", "b"):
         write_run(tmp_path / study / "runs", "off-s0", 0, True, rng)
         row = dict(name="off-s0", arm="off", flags="--fix off", seed=0, attn="kernel", fix="off", exponent="fma",
-                   collapsed=True, collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, max_logit=5e8,
-                   tokens_per_s=5000.0, log_kept=True, variant="", lr=1e-3)
+                   collapsed=True, collapse_step=COLLAPSE_STEP, collapse_minute=7.5, steps=390, minutes=9.75,
+                   max_logit=5e8, tokens_per_s=5000.0, log_kept=True, variant="", lr=1e-3)
         write_csv(tmp_path / study / "runs.csv", [row], list(row))
     given = [tmp_path / "a" / "runs", tmp_path / "a" / "runs" / "off-s0", tmp_path / "b" / "runs"]
     assert find_runs(given) == [tmp_path / "a" / "runs" / "off-s0", tmp_path / "b" / "runs" / "off-s0"]
@@ -675,6 +676,10 @@ def test_a_table_that_cannot_be_read_or_misses_a_kept_log_is_one_line(tmp_path, 
     assert refused(["--table", "runs.csv"], capsys).startswith(
         "analyze.py: error: runs.csv is not a study's runs.csv: no column seed, lr, steps, collapsed, collapse_step")
     Path("runs.csv").write_text(f"{','.join(STUDY_COLUMNS)}\non-s0,on,--fix on,0,0.001,100,False,,True\n")
+    assert refused(["--table", "runs.csv"], capsys) == (   # the columns the tables read besides
+        "analyze.py: error: runs.csv is not a study's runs.csv: no column minutes, collapse_minute, max_logit\n")
+    Path("runs.csv").write_text(f"{','.join(analyze.TABLE_COLUMNS)}\n"
+                                "on-s0,on,--fix on,0,0.001,100,False,,True,1.5,,50\n")
     assert refused(["--table", "runs.csv"], capsys) == (
         f"analyze.py: error: runs.csv says these runs' logs are kept, but there is none in {Path('runs', 'on-s0')}\n")
     assert refused(["--table", "runs.csv", "./runs.csv"], capsys) == (
