@@ -289,16 +289,21 @@ def run_table(runs):
     return lines
 
 
+ALIKE = ("preset", "data", "lr", "pos", "qk_norm")   # the settings a run shares with the fp32 arm it is set against
+
+
 def arm_rates(runs):
     """One row per arm, in the order the arms first appear: how many of its runs collapsed among those that ended
     by themselves (a collapse, or their --steps or --minutes), how many did not end so (killed, or still running:
     they have not said), the median minutes to collapse over the collapsed, medians over all of its runs, and its
-    val loss against fp32 attention's (val_loss_vs)."""
+    val loss against that of fp32 attention trained alike (val_loss_vs; ALIKE: at the same lr, say)."""
     groups = by_arm(runs)
-    reference = next((g for g in groups.values() if all(family(run) == "fp32" for run in g)), None)
+    alike = lambda group: [run.setting(key) for run in group[:1] for key in ALIKE]
+    fp32 = [group for group in groups.values() if all(family(run) == "fp32" for run in group)]
     rows = []
     for name, group in groups.items():
         collapsed = [run for run in group if run.ended == "collapsed"]
+        reference = next((ref for ref in fp32 if alike(ref) == alike(group)), None)
         step, ratio = val_loss_vs(group, reference) if reference else (None, None)
         rows.append(dict(arm=name, collapsed=len(collapsed), runs=len(group),
                          ended=sum(run.ended in ("collapsed", "finished") for run in group),
@@ -344,7 +349,7 @@ def analyze_runs(runs, out):
     for the counts that the table makes (the headline's survival panel and legend)."""
     where = lambda run: run.path.resolve()   # a run or a table given in two spellings (relative, absolute) is one
     tables = {}
-    for table in sorted(run.path.parent.parent / "runs.csv" for run in runs):
+    for table in sorted(run.path.parent.parent / "runs.csv" for run in runs if run.path.parent.name == "runs"):
         if table.exists():
             tables.setdefault(table.resolve(), table)
     tables = list(tables.values())
@@ -444,11 +449,15 @@ def seed_list(seeds):
 def rows_by_arm(rows):
     """A study's runs.csv rows (nanolp.runs.study_rows) by arm, in the order the arms first appear, less the rows
     of patched kernels (no train.py command: results/README.md has those). Our kernel's runs from before an option
-    (BEFORE_OPTION) stand apart, under "ARM (before --OPTION)", as arm() labels them in the figures."""
+    (BEFORE_OPTION) stand apart, under "ARM (before --OPTION)", as arm() labels them in the figures; so do two
+    studies' arms of one name and other flags, the second under "ARM (FLAGS)"."""
     arms = {}
     for row in rows:
         if not row.get("variant"):
-            arms.setdefault(" ".join([row["arm"], *before_options(row, row.get("attn") in OURS)]), []).append(row)
+            name = " ".join([row["arm"], *before_options(row, row.get("attn") in OURS)])
+            if name in arms and arms[name][0]["flags"] != row["flags"]:
+                name += f" ({row['flags']})"
+            arms.setdefault(name, []).append(row)
     return arms
 
 

@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -409,6 +410,10 @@ def test_a_study_given_in_two_spellings_is_one_study(tmp_path, monkeypatch):
     analyze.main(["a/runs/off-s0", str(tmp_path / "a" / "runs" / "off-s1"), "--out", "figures"])
     report = (tmp_path / "figures" / "report.md").read_text()
     assert report.count("All runs of") == 1 and "| 2 (0, 1) |" in report
+    # a table two folders up is the study's only where the runs are its runs/ (STUDY/runs.csv, STUDY/runs/NAME)
+    shutil.copytree(tmp_path / "a" / "runs", tmp_path / "a" / "mine")
+    analyze.main(["a/mine", "--out", "mine"])
+    assert "All runs of" not in (tmp_path / "mine" / "report.md").read_text()
 
 
 def test_two_studies_report_their_tables_then_the_runs_with_logs(tmp_path, capsys):
@@ -459,6 +464,16 @@ def test_a_run_folder_with_a_damaged_file_is_left_out(tmp_path, capsys):
             for name in ("off-s0", "on-s0", "on-s1")]
     table = analyze.study_table(rows)
     assert not table[2].endswith("| - |") and table[3].endswith("| - |")
+
+
+def test_two_studies_arms_of_one_name_and_other_flags_stand_apart():
+    """An arm of one name in two studies with other flags (fp32 attention on TinyShakespeare and on the corpus) is
+    two commands: counted apart, the second named by its flags."""
+    row = lambda flags: dict(arm="attn-fp32", flags=flags, attn="fp32")
+    arms = analyze.rows_by_arm([row("--attn fp32"), row("--preset corpus --attn fp32"), row("--attn fp32")])
+    assert {name: len(group) for name, group in arms.items()} == {
+        "attn-fp32": 2, "attn-fp32 (--preset corpus --attn fp32)": 1}
+    assert analyze.quoted(list(arms)[1]) == "`attn-fp32` (--preset corpus --attn fp32)"
 
 
 def test_one_table_of_two_studies(tmp_path, monkeypatch):
@@ -760,6 +775,14 @@ def test_val_loss_against_fp32_at_the_same_step(tmp_path):
     rows = analyze.arm_rates(on + fp32)
     assert [(r["arm"], r["runs"], r["val_step"]) for r in rows] == [("--fix on", 2, 300), ("--attn fp32", 1, 500)]
     assert rows[0]["val_loss_vs_fp32"] == pytest.approx(2.1 / 2.0) and rows[1]["val_loss_vs_fp32"] == 1.0
+    # each arm against the fp32 arm trained alike (its lr), whichever comes first: none where none was
+    high = Run(tmp_path / "fp32-lr", dict(attn="fp32", fix="on", seed=0, lr=1e-2), {},
+               {"step": np.array([100.0, 200.0, 300.0]), "val_loss": np.array([4.0, 4.0, 4.0])})
+    fast = Run(tmp_path / "on-lr", dict(attn="kernel", fix="on", exponent="fma", seed=0, lr=3e-3), {},
+               {"step": np.array([100.0, 200.0, 300.0]), "val_loss": np.array([2.0, 2.0, 2.0])})
+    rows = {r["arm"]: r["val_loss_vs_fp32"] for r in analyze.arm_rates([high, *on, *fp32, fast])}
+    assert rows["--fix on"] == pytest.approx(2.1 / 2.0) and rows["--attn fp32 --lr 1e-2"] == 1.0
+    assert rows["--fix on --lr 3e-3"] is None
 
 
 # -----------------------------------------------------------------------------
