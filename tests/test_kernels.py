@@ -194,6 +194,26 @@ def test_gradients_bitwise_equal_emulation(shape, precision, causal, delta_from,
     assert not torch.equal(ours[0], other[0]), "two ways of computing delta must give different bits here"
 
 
+@requires_interpreter
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_tiles_gradients_read_ds_and_p_rounded_as_flash_attention_2_does(causal):
+    """Within one tile the backward's three products, written out: dS = P (dP - delta) and P rounded to the inputs'
+    dtype before the tensor cores read them, dQ = dS K and dK = dS^T Q summed in fp32 and scaled by head_dim^-1/2 at
+    the store, dV = P^T dO. The emulation is checked against the kernel elsewhere; this pins both to the formulas,
+    where a rounding dropped from both alike would still agree (head_dim 32: a scale that is no power of two)."""
+    q, k, v, do = rand((1, 1, 64, 32), scale=2.0), rand((1, 1, 64, 32)), rand((1, 1, 64, 32)), rand((1, 1, 64, 32))
+    o, lse, _ = kernels.forward(q, k, v, causal=causal, fix="off", numerics=Numerics())
+    P, dP = emulate._probs_and_dp(q, k, v, lse, do, causal, "fa2")
+    dS = (P * (dP - emulate.delta(q, k, v, o, lse, do, causal, "fa2").unsqueeze(-1))).to(q.dtype)   # ROUND: dS
+    matmul = lambda a, b: (a.double() @ b.double()).float()   # a tile's fp32 sum (in float64: the same bf16 bits)
+    scale = torch.tensor(32 ** -0.5, dtype=torch.float32)
+    want = ((matmul(dS, k) * scale).to(q.dtype), (matmul(dS.mT, q) * scale).to(q.dtype),
+            matmul(P.to(q.dtype).mT, do).to(q.dtype))                                                 # ROUND: P
+    for name, a, b in zip(("dQ", "dK", "dV"), grads(kernels.flash_attention, q, k, v, do, causal=causal, fix="off"),
+                          want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} is not the formula's"
+
+
 def test_vo_amplifier_rounds_v_for_both_passes_and_passes_its_gradient_through():
     """amplify="vo": attention reads V rounded to mantissa_bits in the forward and the backward alike (the
     result equals plain attention on the rounded V), and dV reaches the unrounded V unchanged."""
@@ -790,6 +810,13 @@ def test_bad_input():
             attention(q, q, q, torch.ones(16, 16, dtype=torch.bool).tril())
         with pytest.raises(TypeError, match="numerics must be a kernels.Numerics or None, got dict"):
             attention(q, q, q, numerics={"delta": "o"})
+    for attention in (kernels.flash_attention, lambda *a: emulate.emulate_attention(*a, fix="off")):
+        for empty in ((1, 2, 0, 16), (0, 2, 8, 16), (1, 0, 8, 16)):   # an empty O returned, or a crash in backward
+            with pytest.raises(ValueError, match=re.escape(f"batch, heads and seq must be at least 1, got {empty}")):
+                attention(*(torch.zeros(empty, dtype=torch.bfloat16, device=DEVICE),) * 3)
+        with pytest.raises(ValueError, match=re.escape(f"q, k, v must be on the same device, got {q.device}, meta, "
+                                                       f"{q.device}")):   # (a CPU tensor beside CUDA ones, say)
+            attention(q, q.to("meta"), q)
     for attention in (kernels.flash_attention, emulate.emulate_attention):
         with pytest.raises(TypeError, match=re.escape('fix="paper" shifts a tied row\'s max up by as much as 64 '
                                                       "nats, where P underflows torch.float16: give bfloat16")):
