@@ -557,7 +557,8 @@ def collect_study(study, out, results):
                 if refused:
                     raise DamagedFile(f"{src} {refused}: the collected copy is kept (move one of them aside to "
                                       f"collect the other)")
-                made = dst.with_name(dst.name + ".collecting")   # whole before the copy it replaces is removed
+                # made whole before the copy it replaces is removed, outside runs/ (no reader takes it for a run)
+                made = dst.parent.parent / f"{dst.name}.collecting"
                 shutil.rmtree(made, ignore_errors=True)
                 made.mkdir(parents=True)
                 for name in ("config.json", "summary.json"):

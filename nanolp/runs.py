@@ -754,8 +754,8 @@ def thin_log(src, dst, every=100):
     if not rows:
         raise DamagedFile(f"{src} has no row yet")
     at = {column: i for i, column in enumerate(header)}
-    cell = lambda cells, column: cells[at[column]] if column in at else ""
-    keep = [cells for i, cells in enumerate(rows) if cell(cells, "max_logit_L0") or cell(cells, "val_loss")
+    has = lambda cells, column: column in at and cells[at[column]] != ""
+    keep = [cells for i, cells in enumerate(rows) if has(cells, "max_logit_L0") or has(cells, "val_loss")
             or i % every == 0 or i >= len(rows) - 5]
     with gzip.GzipFile(dst, "wb", mtime=0) as raw, io.TextIOWrapper(raw, newline="") as f:   # same rows, same bytes
         writer = csv.writer(f, lineterminator="\r\n")

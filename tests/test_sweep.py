@@ -648,7 +648,7 @@ def test_a_collected_copy_is_replaced_only_by_as_much(tmp_path, capsys):
             len(said()) == 1
     (out / "x-s0" / "log.csv").write_text("")   # empty: no row, nothing to copy
     (row,) = sweep.collect_study(study, out, results)
-    assert row["steps"] == 80 and len(said()) == 1 and not (results / "runs" / "x-s0.collecting").exists()
+    assert row["steps"] == 80 and len(said()) == 1 and not (results / "x-s0.collecting").exists()
     # a collapse collected: another collapse of that name is another sample, not collected over it
     shutil.rmtree(out)
     shutil.rmtree(results)
