@@ -566,6 +566,7 @@ def collect_study(study, out, results):
                         shutil.copy2(src / name, made / name)
                 thin_log(src / "log.csv", made / "log.csv.gz")
                 shutil.rmtree(dst, ignore_errors=True)
+                dst.parent.mkdir(parents=True, exist_ok=True)
                 made.rename(dst)
         except DamagedFile as e:
             print(f"{run['name']}: not collected, {e}")
