@@ -42,7 +42,6 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 
 import torch
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -593,9 +592,12 @@ def check_device(q):
     has patched it: the stock interpreter computes bf16 wrongly, finite and silent."""
     if INTERPRET:
         from triton.runtime import interpreter
-        if getattr(interpreter, "nanolp_bf16_patch", False):
+        if q.device.type not in ("cpu", "cuda"):   # (it copies each tensor's data to the host)
+            problem = f"Triton's CPU interpreter reads the tensors' data, which {q.device} tensors do not hold"
+        elif getattr(interpreter, "nanolp_bf16_patch", False):
             return
-        problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
+        else:
+            problem = "Triton's CPU interpreter computes bf16 wrongly unless nanolp/interp_patch.py patches it"
     elif q.device.type == "cuda":
         return
     else:
@@ -823,8 +825,10 @@ class _FlashAttention(torch.autograd.Function):
         return o, lse, *o_delta
 
     @staticmethod
-    @once_differentiable   # a double backward through dO is refused (one that reaches q only elsewhere is not)
     def backward(ctx, do, *_):   # (lse and the O delta reads have no gradient)
+        if torch.is_grad_enabled():   # create_graph=True: dq, dk, dv would be constants, a second derivative wrong
+            raise RuntimeError("flash_attention is differentiable once: its backward cannot build a graph for a "
+                               "second derivative (create_graph=True); use torch's scaled_dot_product_attention")
         q, k, v, o, lse = ctx.saved_tensors
         return *direct(flash_bwd_op, flash_bwd)(do, q, k, v, o, lse, *ctx.args), *(None,) * 8
 

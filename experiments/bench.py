@@ -78,13 +78,20 @@ TABLE_SEQS = (4096, 16384)
 
 def bench_rows(path, columns):
     """The rows of a bench CSV (nanolp.runs.read_rows), each of these columns as its number (impl as its text);
-    ValueError, in one line naming the file, where it cannot be read, lacks one of these columns, or a cell of them
-    is no finite number (empty, or nan: an implementation not timed at that shape)."""
+    ValueError, in one line naming the file, where it cannot be read, lacks one of these columns, a cell of them is
+    no finite number (empty, or nan: an implementation not timed at that shape), or two rows time one implementation
+    at one shape in one round (two benchmarks' CSVs joined, whose tables would mix them)."""
     rows = read_rows(path)
     missing = [c for c in columns if c not in rows[0]] if rows else []
     if missing:
         raise ValueError(f"{path} is not a bench CSV: no column {', '.join(missing)}")
+    timed = set()
     for row in rows:
+        key = tuple(row.get(c) for c in ("impl", "head_dim", "seq", "repeat"))
+        if key in timed:
+            raise ValueError(f"{path} has two rows of {key[0]} at head_dim {key[1]}, seq {key[2]}"
+                             f"{f', round {key[3]}' if key[3] else ''}: one benchmark's CSV has one")
+        timed.add(key)
         for column in (c for c in columns if c != "impl"):
             try:
                 value = (int if column in ("head_dim", "seq") else float)(row[column])

@@ -63,6 +63,21 @@ def test_a_file_that_is_no_bench_csv_is_one_line(tmp_path, capsys):
         assert line in refused(argv, capsys)
 
 
+def test_two_benchmarks_joined_are_one_line_never_one_of_them_kept(tmp_path, capsys):
+    """A CSV with two timings of one implementation at one shape in one round (two benchmarks concatenated): the
+    cost table would keep the later silently and the speed table would span both; each refuses in one line."""
+    one = "".join(f"{impl},64,{n},0,{ms},0.8\n" for impl, ms in (("ours", 1.0), ("ours_fix", 1.1))
+                  for n in (4096, 8192, 16384)) + "".join(f"{impl},64,{n},0,1.0,0.8\n" for impl in bench.TABLE_IMPLS
+                                                         if impl not in ("ours", "ours_fix") for n in (4096, 8192, 16384))
+    path = tmp_path / "bench.csv"
+    path.write_text("impl,head_dim,seq,repeat,fwd_bwd_ms,fwd_bwd_vs_cudnn\n" + one)
+    assert bench.fix_cost_table(path)[2] == "| 64 | +10.0% | +10.0% | +10.0% |" and bench.speed_table(path)
+    path.write_text("impl,head_dim,seq,repeat,fwd_bwd_ms,fwd_bwd_vs_cudnn\n" + one + "ours_fix,64,8192,0,1.5,0.6\n")
+    for flag in ("--cost", "--table"):
+        assert refused([flag, str(path)], capsys).endswith(
+            f"{path} has two rows of ours_fix at head_dim 64, seq 8192, round 0: one benchmark's CSV has one")
+
+
 def test_a_cell_that_is_no_number_is_one_line_never_a_nan_in_the_table(tmp_path, capsys):
     """A ratio of nan (timed without cuDNN) or a blank shape: one line naming the file and the row, not a table of
     "nanx" (or, where the nan fell in the middle of a range, one that reads as whole); --table with --cost refused."""

@@ -1102,16 +1102,21 @@ def test_findings_memorisation_numbers_are_the_logs():
         not rope_row["collapsed"] and rope_row["steps"] == control_row["steps"] == on["steps"] and rope_peak < 100
     top = int(np.argmax(peaks(rope)))
     r_top, r_val = layer(rope, top), rope.series("val_loss")
-    shakespeare_rope = [load_run(root / "results/modern_block/runs" / f"rope-s{seed}") for seed in (0, 1, 2)]
-    flat = analyze.between([layer(run, 0)[1].max() for run in shakespeare_rope], ".1f")
-    assert all(layer(run, 0)[0][-1] == 200_000 for run in shakespeare_rope)
+    shakespeare_rope = [row for row in read_table(root / "results/modern_block/runs.csv") if row["arm"] == "rope"]
+    flat = analyze.between([row["max_logit"] for row in shakespeare_rope], ".1f")   # every layer's, every step
+    assert sorted(row["seed"] for row in shakespeare_rope) == [0, 1, 2] and \
+        all(row["steps"] == 200_000 and not row["collapsed"] for row in shakespeare_rope)
+    pooled = {(row["arm"], row["term"]): row["mean"] for row in read_table(root / "results/delta_probe/probe_phases.csv")
+              if row["probe_batches"] == "train" and row["phase"] == 1}   # section 8's ratio on TinyShakespeare
+    there = pooled["--fix off", "total"] / pooled["--fix off --pos rope", "total"]
     rope_probe = {row["term"]: row for row in probed(rope_row["name"])}
     assert {row["phase"] for row in probed(rope_row["name"])} == {1} and rope_probe["total"]["t"] > 2 and \
         rope_probe["total"]["last_step"] == rope_row["steps"]
     gpt2 = [probe["off-s0", "total"], fixed["total"], control_probe["total"]]   # GPT-2's block on seed 0
     curv_ratio = [row["mean"] / rope_probe["curv"]["mean"]
                   for row in (probe["off-s0", "curv"], fixed["curv"], control_probe["curv"])]
-    assert all(rope_probe["total"]["mean"] < row["mean"] for row in gpt2) and min(curv_ratio) > 1
+    assert all(rope_probe["total"]["mean"] < row["mean"] < there * rope_probe["total"]["mean"] for row in gpt2) \
+        and min(curv_ratio) > 1
     assert f"Rotary positions on seed 0 (`rope-s0`: `--pos rope`, the fix off; the batches of `off-s0`, other " \
            f"initial weights, its block having no position table) did not collapse in {rope_row['steps']:,} steps, " \
            f"and no layer's logits grew far: every layer's max logit stayed at most {rope_peak:.1f} (layer {top}, at " \
@@ -1119,13 +1124,14 @@ def test_findings_memorisation_numbers_are_the_logs():
            f"{at(layer(rope, 1), 10_000):.1f} at step 10,000 (GPT-2's block's {at(off_l1, 10_000):.1f}), at most " \
            f"{layer(rope, 1)[1].max():.1f}; layer 2, past 100 by step 3,000 in GPT-2's block's three arms, at most " \
            f"{layer(rope, 2)[1].max():.1f}; layer 0 at most {layer(rope, 0)[1].max():.1f}. On TinyShakespeare too " \
-           f"rotary positions kept layer 0 at most {flat} over 200,000 steps (section 8): their flat logits come " \
-           f"with the block, not with the memorised text. Its val loss was {at(r_val, lowest[0][0]):.3f} at step " \
-           f"{lowest[0][0]:,} (the fix off's lowest, {lowest[0][1]:.3f}), at its lowest {best(r_val)[1]:.3f} at " \
+           f"rotary positions kept every layer's max logit at most {flat} over 200,000 steps (section 8's runs, seeds 0-2): " \
+           f"on this seed of the larger text as there, their flat logits came with the block, not with a memorised " \
+           f"text. Its val loss was {at(r_val, lowest[0][0]):.3f} at step " \
+           f"{lowest[0][0]:,} (`off-s0`'s lowest, {lowest[0][1]:.3f}), at its lowest {best(r_val)[1]:.3f} at " \
            f"step {best(r_val)[0]:,}. The probe reads the error O's cast would put into delta positive over the " \
-           f"whole run (t {rope_probe['total']['t']:+.1f}) and smaller than GPT-2's block's on this seed, as on " \
-           f"TinyShakespeare: {rope_probe['total']['mean']:.1e} against the fix off's {gpt2[0]['mean']:.1e} up to " \
-           f"its collapse, the fix on's {gpt2[1]['mean']:.1e} and fp32 attention's {gpt2[2]['mean']:.1e} over " \
+           f"whole run (t {rope_probe['total']['t']:+.1f}) and smaller than GPT-2's block's on this seed, though by " \
+           f"less than on TinyShakespeare ({there:.0f}x, section 8): {rope_probe['total']['mean']:.1e} against {gpt2[0]['mean']:.1e} with the fix off up to " \
+           f"its collapse, {gpt2[1]['mean']:.1e} with the fix on and {gpt2[2]['mean']:.1e} in fp32 attention over " \
            f"{control_row['steps']:,} steps, its curvature term {analyze.between(curv_ratio, '.1f')}x smaller " \
            f"({rope_probe['curv']['mean']:.1e})." in text
     claims = " ".join((root / "results/README.md").read_text().split())   # the claims table's row says the same

@@ -670,7 +670,8 @@ def test_paper_rule_adversarial_ties(logit, precision, poisoned):
 @requires_interpreter
 def test_paper_rule_shift_stays_in_range_and_value_dependent():
     """The shift d = m' - r lies in [2^-6, 64) nats for every tied max, and depends on the max; a tile's max tied
-    with an earlier tile's (t) counts as a tie, one 1 nat apart does not, and a fully masked tile is left alone."""
+    with an earlier tile's (t) counts as a tie, one 1 nat apart (below or above) does not, and a fully masked tile is
+    left alone."""
     shift = lambda S, r, t: emulate.shifted_max(S, r, t, kernels.fix_constants("autocast"))  # noqa: E731
     r = torch.tensor([-1e4, -300.0, -87.0, -1.0, -1e-6, 0.0, 1e-6, 1e-3, 1.0, 63.0, 87.0, 300.0, 1e4])
     none = torch.full_like(r, -math.inf)                   # no earlier tile
@@ -683,6 +684,7 @@ def test_paper_rule_shift_stays_in_range_and_value_dependent():
     untied = torch.stack([r, r - 1, r - 5], -1)
     assert torch.equal(shift(untied, r, none)[0], r)
     assert torch.equal(shift(untied, r, r - 1)[0], r)
+    assert torch.equal(shift(untied, r, r + 1)[0], r) and torch.equal(shift(untied, r, r + 1)[1], r + 1)
     assert torch.equal(shift(untied, r, r)[0], m)          # tied with the earlier tile: the same shift
     masked = torch.full((1, 3), -math.inf)
     assert shift(masked, masked.amax(-1), torch.zeros(1))[0] == -math.inf
@@ -703,8 +705,8 @@ def _shifted_max_kernel(S, T, M, T_NEW, BLOCK: tl.constexpr, COLS: tl.constexpr,
 def test_shifted_max_equals_emulation_on_adversarial_rows(precision):
     """The kernel's _shifted_max, bit for bit against the emulation's, on rows of exact and near ties (within
     tol and just outside), maxima of 0, tiny, moderate, large (past 2^21 spans of the fold, ~10^8) and huge,
-    of both signs, fully masked rows (-inf) and rows tied with the earlier tiles' max t. (Interpreter only, as
-    the file's other bitwise tests.)"""
+    of both signs, fully masked rows (-inf), and an earlier tiles' max t within tol of r and just outside, on
+    either side, or far above it. (Interpreter only, as the file's other bitwise tests.)"""
     shift = kernels.fix_constants(precision)
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -720,13 +722,44 @@ def test_shifted_max_equals_emulation_on_adversarial_rows(precision):
                    torch.randn(1000, 64, generator=g) * 30])
     S = torch.cat([S, S.new_full((-len(S) % 64, 64), -1.0)])
     r = S.amax(-1)
-    T = torch.where(torch.rand(len(r), generator=g) < 0.3, r - shift.tol * torch.rand(len(r), generator=g),
-                    torch.full_like(r, -math.inf))
+    u, v = torch.rand(len(r), generator=g), torch.rand(len(r), generator=g)
+    T = torch.where(u < 0.5, r + shift.tol * (4 * v - 2), torch.where(u < 0.7, r + 1 + 5 * v, -math.inf))
+    above = T > r   # (rows where the earlier tiles' max is the larger: the new raw max is t, tied or not)
+    assert (above & (T <= r + shift.tol)).any() and (T > r + shift.tol).any() and (T < r - shift.tol).any()
     m, t_new = torch.empty(len(S)), torch.empty(len(S))
     _shifted_max_kernel[(len(S) // 64,)](S, T, m, t_new, BLOCK=64, COLS=64, SHIFT=shift)
     m_want, t_want = emulate.shifted_max(S, r, T, shift)
     assert torch.equal(m.view(torch.int32), m_want.view(torch.int32)) and torch.equal(t_new, t_want)
-    assert (m > r).sum() > len(S) // 10                                          # many rows were shifted
+    assert (m > r).sum() > len(S) // 10 and torch.equal(t_new[above], T[above])  # many rows were shifted
+
+
+@triton.jit
+def _round_bits_kernel(X, OUT, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + offs, kernels._round_bits(tl.load(X + offs), BITS))
+
+
+@requires_interpreter
+@pytest.mark.parametrize("bits", [1, 3, 7, 10])
+def test_round_bits_is_ties_to_even(bits):
+    """The amplifier's rounding in the kernel, on values exactly halfway between two neighbours (the last kept bit
+    even and odd, both signs, exponents from 2^-90 to 2^100) and on random values: the nearer neighbour, ties to
+    the even one, as float64 arithmetic rounds them, and bit for bit the host's round_mantissa (the emulation's)."""
+    g = torch.Generator().manual_seed(bits)
+    n = 512
+    e = torch.randint(-90, 100, (n,), generator=g).double()
+    kept = torch.randint(0, 2 ** bits, (n,), generator=g).double()      # the kept mantissa bits, below the tie
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    tie = sign * (1 + (kept + 0.5) / 2 ** bits) * 2.0 ** e            # bits + 1 fraction bits: exact in float32
+    x = torch.cat([tie, torch.randn(n, generator=g).double() * 2.0 ** e]).float()
+    assert torch.equal(x[:n].double(), tie) and (kept % 2 == 0).any() and (kept % 2 == 1).any()
+    out = torch.empty_like(x)
+    _round_bits_kernel[(len(x) // 256,)](x, out, BLOCK=256, BITS=bits)
+    _, exponent = torch.frexp(x.double())                             # |x| in [2^(exponent-1), 2^exponent)
+    unit = torch.ldexp(torch.ones_like(x, dtype=torch.float64), exponent - 1 - bits)   # the last kept bit's value
+    want = (torch.round(x.double() / unit) * unit).float()            # torch.round: halves to even
+    assert torch.equal(out, want) and torch.equal(out.view(torch.int32), round_mantissa(x, bits).view(torch.int32))
+    assert torch.equal(out[:n].double().abs(), (1 + (kept + kept % 2) / 2 ** bits) * 2.0 ** e)   # ties: even
 
 
 @triton.jit
@@ -869,6 +902,17 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
             fn(q, q, q, fix="on")
 
 
+def test_tensors_without_data_are_refused(monkeypatch):
+    """meta tensors (a shape, no data): one line, compiled or under the interpreter, which would otherwise fail deep
+    in Triton as it copies their data."""
+    q = torch.empty(1, 1, 8, 16, dtype=torch.bfloat16, device="meta")
+    for interpret, line in ((True, "Triton's CPU interpreter reads the tensors' data, which meta tensors do not hold"),
+                            (False, "the kernel needs CUDA tensors, got meta")):
+        monkeypatch.setattr(kernels, "INTERPRET", interpret)
+        with pytest.raises(ValueError, match=re.escape(line)):
+            kernels.flash_attention(q, q, q)
+
+
 def test_stock_interpreter_is_refused(monkeypatch):
     """Triton's interpreter without nanolp/interp_patch.py returns bf16 results wrong by orders of magnitude, finite
     and silent: the kernel refuses to run under it rather than return them."""
@@ -987,14 +1031,20 @@ def test_eager_calls_run_the_ops_functions(monkeypatch):
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")   # (its third case's)
 def test_a_double_backward_is_refused():
-    """The backward is not itself differentiable: create_graph=True's second backward is refused in one line (it
-    would otherwise run, without attention's second-order terms); torch.compile still traces the backward whole."""
+    """The backward is not itself differentiable: a gradient asked for with create_graph=True, a second derivative
+    to follow, is refused in one line, through q or around attention (a residual) alike, where its second
+    derivative would miss attention's terms silently; torch.compile still traces the backward whole."""
     q, k, v = (rand((1, 2, 40, 16), seed=s).requires_grad_() for s in range(3))
-    dq, = torch.autograd.grad(kernels.flash_attention(q, k, v).float().square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="^trying to differentiate twice a function that was marked with "
-                                           "@once_differentiable$"):
-        dq.float().square().sum().backward()
+    once = "^flash_attention is differentiable once: its backward cannot build a graph for a second derivative"
+    with pytest.raises(RuntimeError, match=once):
+        torch.autograd.grad(kernels.flash_attention(q, k, v).float().square().sum(), q, create_graph=True)
+    x = q.detach().clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=once):
+        torch.autograd.grad((kernels.flash_attention(x, k, v) + x).float().square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=once):
+        (kernels.flash_attention(x, k, v) + x).float().square().sum().backward(create_graph=True, inputs=[x])
     f = lambda q, k, v: kernels.flash_attention(q, k, v).float().square().sum()
     f(q, k, v).backward()
     eager = [t.grad for t in (q, k, v)]
