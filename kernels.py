@@ -846,12 +846,12 @@ def forward(q, k, v, *, fix, causal=True, numerics=None):
     fix "on" or delta "fp32-o" (THE FIX), a stochastic rounding of it with delta "stochastic-o", else o itself."""
     numerics = as_numerics(numerics)
     check_inputs(q, k, v, causal, fix, numerics)
-    check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (head_dim); "
                              "call .contiguous()")
-    check_launch(q, k, v)
+    check_launch(q, k, v)   # (shapes first: a meta tensor's shape is checked before its device refused)
+    check_device(q)
     o, lse, *o_delta = _FlashAttention.apply(q, k, v, causal, fix, numerics.delta, numerics.precision,
                                              numerics.p_bits, numerics.o_bits, numerics.stochastic_o == "forward",
                                              numerics.fma)
